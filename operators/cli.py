@@ -1,0 +1,105 @@
+"""``trainforge`` — the command line.
+
+    trainforge validate PATH...     check pipeline specs; exit 1 and list every error if any
+    trainforge render FILE          the DAG's tasks and the exact request the engine would get
+    trainforge schema               the JSON Schema of a pipeline spec
+    trainforge run FILE             run one pipeline on this machine through `airflow dags test`
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console()
+err_console = Console(stderr=True)
+
+
+@app.command()
+def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders.")) -> None:
+    """Validate pipeline specs. Exit 0 when all are valid, 1 otherwise."""
+    from operators.spec import SpecError, load_spec
+
+    files: list[Path] = []
+    for path in paths:
+        files += sorted([*path.glob("*.yaml"), *path.glob("*.yml")]) if path.is_dir() else [path]
+    bad = 0
+    for file in files:
+        try:
+            spec = load_spec(file)
+        except SpecError as err:
+            bad += 1
+            err_console.print(str(err), markup=False, highlight=False)
+        except OSError as err:
+            bad += 1
+            err_console.print(f"{file}: cannot read: {err}", markup=False)
+        else:
+            console.print(f"{file}: ok (dag_id {spec.dag_id})", markup=False)
+    raise typer.Exit(1 if bad or not files else 0)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of a pipeline spec."""
+    from operators.spec.model import PipelineSpec
+
+    print(json.dumps(PipelineSpec.model_json_schema(), indent=2))
+
+
+@app.command()
+def render(file: Path, engine: str = typer.Option(None, help="Engine to render for.")) -> None:
+    """Dry run: the DAG's tasks and the exact request the engine would receive."""
+    from operators.backends import get_backend
+    from operators.backends.base import JobIdentity
+    from operators.jobconfig import build_training_job
+    from operators.paths import checkpoint_root, resolve, trainforge_home
+    from operators.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(file)
+    except SpecError as err:
+        err_console.print(str(err), markup=False)
+        raise typer.Exit(1) from None
+    engine = engine or spec.training.engine
+    identity = JobIdentity(spec.dag_id, "<run_id>", "train", 1)
+    job = build_training_job(
+        spec,
+        dataset_dir=str(Path(resolve(spec.data.output_uri)) / "<dataset digest>"),
+        checkpoint_dir=checkpoint_root(spec.training.checkpoint.uri, spec.dag_id, "<run_id>"),
+        identity=identity,
+        env={"MLFLOW_TRACKING_URI": "<tracking uri>", "MLFLOW_RUN_ID": "<mlflow run id>"},
+    )
+    backend = get_backend(engine, runs_root=str(trainforge_home() / "runs"))
+    out = {
+        "dag_id": spec.dag_id,
+        "tasks": ["prepare_data", "train", "validate_checkpoint", "register_model"],
+        "train_request": backend.render(job),
+    }
+    print(json.dumps(out, indent=2))
+
+
+@app.command()
+def run(
+    file: Path,
+    summary_json: Path = typer.Option(None, help="Also write the summary as JSON here."),
+) -> None:
+    """Run one pipeline on this machine through `airflow dags test` and print a summary."""
+    from operators.spec import SpecError, load_spec
+    from operators.runner import run_pipeline
+
+    try:
+        spec = load_spec(file)
+    except SpecError as err:
+        err_console.print(str(err), markup=False)
+        raise typer.Exit(1) from None
+    ok = run_pipeline(spec, file.absolute(), console=console, summary_json=summary_json)
+    raise typer.Exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(app())

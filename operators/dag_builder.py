@@ -1,0 +1,141 @@
+"""Compile pipeline specs into Airflow DAGs.
+
+One spec gives one DAG with four tasks::
+
+    prepare_data >> train >> validate_checkpoint >> register_model
+
+Cheap at parse time: reads YAML and builds operators; imports no torch, no MLflow, no engine
+client. The tunable training fields become typed DAG ``params`` so the Airflow trigger form can
+override them; the operators validate overrides with the spec model when the run starts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from pathlib import Path
+from typing import Any
+
+from operators.base import TUNABLE_PARAMS
+from operators.spec.loader import SpecError, load_spec
+from operators.spec.model import PipelineSpec
+
+log = logging.getLogger(__name__)
+
+
+def _field_info(path: str):
+    """The pydantic field of a dotted spec path, and its model class."""
+    model: Any = PipelineSpec
+    parts = path.split(".")
+    for part in parts[:-1]:
+        annotation = model.model_fields[part].annotation
+        model = annotation
+    return model.model_fields[parts[-1]]
+
+
+def build_params(spec: PipelineSpec) -> dict[str, Any]:
+    """Typed Airflow ``Param`` objects for :data:`TUNABLE_PARAMS`, defaults from the spec."""
+    from airflow.sdk import Param
+
+    data = spec.model_dump(mode="json")
+    params = {}
+    for name, path in TUNABLE_PARAMS.items():
+        value: Any = data
+        for part in path.split("."):
+            value = value[part]
+        info = _field_info(path)
+        schema: dict[str, Any] = {"type": "integer" if isinstance(value, int) else "number"}
+        for meta in info.metadata:
+            for attr, key in (("ge", "minimum"), ("le", "maximum"), ("gt", "exclusiveMinimum"),
+                              ("lt", "exclusiveMaximum")):
+                bound = getattr(meta, attr, None)
+                if bound is not None:
+                    schema[key] = bound
+        params[name] = Param(
+            value, description=f"{info.description or ''} (spec field {path})".strip(),
+            title=name.replace("_", " "), **schema,
+        )
+    return params
+
+
+def build_dag(spec: PipelineSpec, spec_file: str = ""):
+    """The Airflow DAG of one pipeline spec."""
+    from airflow.sdk import DAG
+
+    from operators.prepare import PrepareDataOperator
+    from operators.registration import RegisterModelOperator
+    from operators.training import TrainingLaunchOperator
+    from operators.validation import ValidateCheckpointOperator
+
+    p = spec.pipeline
+    spec_json = spec.model_dump(mode="json")
+    common = {"spec": spec_json, "spec_file": spec_file}
+    start = dt.datetime.combine(p.start_date, dt.time(0, 0), tzinfo=dt.timezone.utc)
+    dag = DAG(
+        dag_id=spec.dag_id,
+        description=(p.description.strip().splitlines() or [""])[0][:200] or None,
+        doc_md=p.description or None,
+        schedule=p.schedule,
+        start_date=start,
+        catchup=p.catchup,
+        max_active_runs=p.max_active_runs,
+        tags=sorted({"trainforge", *p.tags}),
+        default_args={
+            "owner": p.owner,
+            "retries": p.retries,
+            "retry_delay": dt.timedelta(seconds=p.retry_delay),
+        },
+        params=build_params(spec),
+    )
+    with dag:
+        prepare = PrepareDataOperator(task_id="prepare_data", **common)
+        train = TrainingLaunchOperator(
+            task_id="train",
+            execution_timeout=dt.timedelta(seconds=spec.training.fault.run_timeout + 600),
+            **common,
+        )
+        validate = ValidateCheckpointOperator(task_id="validate_checkpoint", **common)
+        register = RegisterModelOperator(task_id="register_model", **common)
+        prepare >> train >> validate >> register
+    return dag
+
+
+def spec_files(paths: str | Path | list) -> list[Path]:
+    """Spec files named by ``paths``: files as given, folders by their ``*.yaml``/``*.yml``."""
+    out: list[Path] = []
+    for item in paths if isinstance(paths, list) else [paths]:
+        item = Path(item)
+        if item.is_dir():
+            out += sorted([*item.glob("*.yaml"), *item.glob("*.yml")])
+        else:
+            out.append(item)
+    return out
+
+
+def build_dags(paths: str | Path | list) -> tuple[dict[str, Any], dict[str, str]]:
+    """Compile every spec named by ``paths`` (files, or folders of ``*.yaml`` / ``*.yml``).
+
+    Returns ``(dags by dag_id, errors by file)``: one broken spec never stops the others.
+    """
+    dags: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    files = spec_files(paths)
+    seen: dict[str, str] = {}
+    for path in files:
+        try:
+            spec = load_spec(path)
+        except SpecError as err:
+            errors[str(path)] = str(err)
+            continue
+        except OSError as err:
+            errors[str(path)] = f"{path}: cannot read: {err}"
+            continue
+        if spec.dag_id in seen:
+            errors[str(path)] = (
+                f"{path}:1:1: pipeline.name: dag_id {spec.dag_id!r} is already used by "
+                f"{seen[spec.dag_id]}"
+            )
+            continue
+        seen[spec.dag_id] = str(path)
+        dags[spec.dag_id] = build_dag(spec, spec_file=str(path))
+    return dags, errors

@@ -1,0 +1,82 @@
+"""Render the trainer's job config (docs/contracts.md "Job config") from a pipeline spec.
+
+Pure: the same spec, dataset and identity always give the same JSON, which is what
+``trainforge render`` prints and what the ``train`` task writes to ``job.json``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from operators.backends.base import JobIdentity, TrainingJob
+from operators.spec.model import PipelineSpec
+
+JOB_FORMAT = "trainforge.job/v1"
+
+
+def render_job_config(
+    spec: PipelineSpec, dataset_dir: str, checkpoint_dir: str, identity: JobIdentity
+) -> dict[str, Any]:
+    """The JSON job config the trainer reads. Batch sizes count sequences."""
+    model = spec.model
+    opt = spec.training.optimization
+    return {
+        "format": JOB_FORMAT,
+        "identity": identity.to_dict(),
+        "data": {"dataset_dir": dataset_dir, "sequence_length": spec.data.sequence_length},
+        "model": {
+            "family": model.family,
+            "hidden_size": model.hidden_size,
+            "num_layers": model.num_layers,
+            "num_heads": model.num_heads,
+            "num_kv_heads": model.num_kv_heads or model.num_heads,
+            "intermediate_size": model.resolved_intermediate_size,
+            "rope_theta": model.rope_theta,
+            "dropout": model.dropout,
+            "tie_word_embeddings": model.tie_word_embeddings,
+        },
+        "optim": {
+            "max_steps": opt.max_steps,
+            "global_batch_size": opt.global_batch_size,
+            "micro_batch_size": opt.micro_batch_size,
+            "learning_rate": opt.learning_rate,
+            "min_learning_rate": opt.resolved_min_learning_rate,
+            "warmup_steps": opt.warmup_steps,
+            "weight_decay": opt.weight_decay,
+            "beta1": opt.beta1,
+            "beta2": opt.beta2,
+            "grad_clip": opt.grad_clip,
+            "seed": opt.seed,
+        },
+        "precision": spec.training.precision,
+        "checkpoint": {
+            "dir": checkpoint_dir,
+            "interval_steps": spec.training.checkpoint.interval_steps,
+            "keep_last": spec.training.checkpoint.keep_last,
+        },
+        "logging": {"log_every_steps": spec.training.log_every_steps},
+        "distributed": {
+            "backend": spec.training.local.distributed_backend,
+            "collective_timeout_s": spec.training.fault.collective_timeout,
+        },
+    }
+
+
+def build_training_job(
+    spec: PipelineSpec,
+    dataset_dir: str,
+    checkpoint_dir: str,
+    identity: JobIdentity,
+    env: dict[str, str],
+) -> TrainingJob:
+    """The engine-neutral job for the spec's training section."""
+    local = spec.training.local
+    return TrainingJob(
+        identity=identity,
+        config=render_job_config(spec, dataset_dir, checkpoint_dir, identity),
+        nodes=1,
+        processes_per_node=local.processes_per_node,
+        env=dict(env),
+        max_restarts=spec.training.fault.max_restarts,
+        threads_per_process=local.threads_per_process,
+    )

@@ -1,0 +1,40 @@
+"""Where trainforge keeps runtime state, and how spec paths resolve.
+
+``TRAINFORGE_HOME`` (environment) is the root of everything a pipeline writes locally: corpus
+cache, prepared datasets, job folders, checkpoints. The Makefile sets it to ``.trainforge/``
+inside the checkout; without it, ``~/.trainforge`` is used. Relative paths in a pipeline spec
+(``data.sources``, ``data.output_uri``, ``training.checkpoint.uri``) resolve against it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+
+def trainforge_home() -> Path:
+    """The runtime root (absolute)."""
+    home = os.environ.get("TRAINFORGE_HOME")
+    return Path(home).expanduser().absolute() if home else Path.home() / ".trainforge"
+
+
+def resolve(path_or_uri: str) -> str:
+    """A spec path made absolute against ``TRAINFORGE_HOME``; URIs with a scheme pass through."""
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://", path_or_uri):
+        return path_or_uri
+    path = Path(path_or_uri).expanduser()
+    return str(path if path.is_absolute() else trainforge_home() / path)
+
+
+def safe_segment(text: str) -> str:
+    """A string made safe as one path segment (Airflow run ids contain ':' and '+')."""
+    return re.sub(r"[^A-Za-z0-9_.\-]+", "_", text).strip("._") or "_"
+
+
+def checkpoint_root(spec_uri: str, dag_id: str, run_id: str) -> str:
+    """Checkpoint folder of one DAG run: ``<checkpoint.uri>/<dag_id>/<run_id>``.
+
+    Shared by every try of the ``train`` task, so a retry resumes from the newest valid one.
+    """
+    return str(Path(resolve(spec_uri)) / safe_segment(dag_id) / safe_segment(run_id))

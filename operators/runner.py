@@ -1,0 +1,216 @@
+"""Run one pipeline on this machine through Airflow, the way ``make demo`` does.
+
+Steps: prepare ``AIRFLOW_HOME`` (inside ``TRAINFORGE_HOME``, SQLite metadata DB), start an MLflow
+tracking server on loopback unless ``MLFLOW_TRACKING_URI`` is already set (stopped at the end,
+also on failure), run ``airflow dags test <dag_id>``, then read back what the run recorded —
+Airflow's task states and the MLflow run — and print a summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from operators.paths import trainforge_home
+from operators.spec.model import PipelineSpec
+
+DAGS_FOLDER = Path(__file__).resolve().parent.parent / "dags"
+PLUGINS_FOLDER = Path(__file__).resolve().parent.parent / "plugins"
+_SHOW = ("[DAG TEST] running task", "[DAG TEST] end task", "operators.", "trainforge",
+         "ERROR", "Error", "Traceback", "DagRun Finished", "step ")
+
+
+def airflow_env(home: Path, pipelines: list[Path] | None = None) -> dict[str, str]:
+    """Environment for Airflow commands run by trainforge on this machine."""
+    airflow_home = home / "airflow"
+    airflow_home.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update({
+        "TRAINFORGE_HOME": str(home),
+        "AIRFLOW_HOME": str(airflow_home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(PLUGINS_FOLDER),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
+        "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "120",
+        "AIRFLOW__LOGGING__COLORED_CONSOLE_LOG": "False",
+        "NO_COLOR": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if pipelines:
+        env["TRAINFORGE_PIPELINES"] = os.pathsep.join(str(p) for p in pipelines)
+    return env
+
+
+def _airflow(args: list[str], env: dict[str, str], **kwargs) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).with_name("airflow")
+    return subprocess.run([str(exe), *args], env=env, text=True, **kwargs)
+
+
+def _latest_run(dag_id: str, env: dict[str, str]) -> dict[str, Any] | None:
+    out = _airflow(["dags", "list-runs", dag_id, "-o", "json"], env, capture_output=True)
+    try:
+        runs = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        return None
+    runs.sort(key=lambda r: r.get("start_date") or r.get("logical_date") or "")
+    return runs[-1] if runs else None
+
+
+def _task_times(dag_id: str, run_id: str, env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    out = _airflow(["tasks", "states-for-dag-run", dag_id, run_id, "-o", "json"], env,
+                   capture_output=True)
+    try:
+        rows = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        return {}
+    times = {}
+    for row in rows:
+        start, end = row.get("start_date"), row.get("end_date")
+        seconds = None
+        if start and end:
+            seconds = (dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(start)).total_seconds()
+        times[row["task_id"]] = {"state": row.get("state"), "seconds": seconds}
+    return times
+
+
+def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str, Any],
+                    task_times: dict[str, Any]) -> dict[str, Any]:
+    """What the run recorded in MLflow, gathered for the summary."""
+    from operators.hooks.mlflow import MlflowHook
+
+    hook = MlflowHook(tracking_uri=tracking_uri)
+    run_id = hook.find_run(spec.experiment_name, spec.dag_id, airflow_run["run_id"])
+    summary: dict[str, Any] = {
+        "dag_id": spec.dag_id,
+        "airflow_run_id": airflow_run["run_id"],
+        "state": airflow_run.get("state"),
+        "stages": task_times,
+        "mlflow_run_id": run_id,
+    }
+    if run_id is None:
+        return summary
+    run = hook.client.get_run(run_id)
+    metrics, tags, params = run.data.metrics, run.data.tags, run.data.params
+    summary.update({
+        "mlflow_run_url": f"{tracking_uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}",
+        "mlflow_run_status": run.info.status,
+        "dataset_digest": tags.get("trainforge.dataset.digest"),
+        "dataset_reused": tags.get("trainforge.dataset.reused"),
+        "train_tokens": metrics.get("data/train_tokens"),
+        "validation_tokens": metrics.get("data/validation_tokens"),
+        "train_documents": metrics.get("data/train_documents"),
+        "validation_documents": metrics.get("data/validation_documents"),
+        "steps_trained": metrics.get("train/final_step"),
+        "tokens_trained": metrics.get("train/tokens_seen"),
+        "final_train_loss": metrics.get("train/final_loss"),
+        "val_loss": metrics.get("val/val_loss"),
+        "val_perplexity": metrics.get("val/val_perplexity"),
+        "unigram_perplexity": metrics.get("val/unigram_perplexity"),
+        "val_bits_per_byte": metrics.get("val/val_bits_per_byte"),
+        "checkpoint": tags.get("trainforge.validation.checkpoint"),
+        "registered_model": tags.get("trainforge.registered_model"),
+        "model_version": tags.get("trainforge.model_version"),
+        "aliases": list(spec.registry.aliases),
+        "params_logged": len(params),
+    })
+    return summary
+
+
+def print_summary(summary: dict[str, Any], console: Console) -> None:
+    def fmt(value, spec=""):
+        if value is None:
+            return "-"
+        return format(value, spec) if spec else str(value)
+
+    table = Table(title=f"trainforge run: {summary['dag_id']}", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    rows = [
+        ("Airflow DAG run", f"{summary['airflow_run_id']} ({summary.get('state')})"),
+        ("dataset digest", fmt(summary.get("dataset_digest"))
+         + (" (reused)" if summary.get("dataset_reused") == "true" else "")),
+        ("tokens train / validation",
+         f"{fmt(summary.get('train_tokens'), ',.0f')} / {fmt(summary.get('validation_tokens'), ',.0f')}"),
+        ("documents train / validation",
+         f"{fmt(summary.get('train_documents'), '.0f')} / {fmt(summary.get('validation_documents'), '.0f')}"),
+        ("steps / tokens trained",
+         f"{fmt(summary.get('steps_trained'), '.0f')} / {fmt(summary.get('tokens_trained'), ',.0f')}"),
+        ("final train loss", fmt(summary.get("final_train_loss"), ".4f")),
+        ("validation loss", fmt(summary.get("val_loss"), ".4f")),
+        ("validation perplexity", fmt(summary.get("val_perplexity"), ".2f")),
+        ("unigram-baseline perplexity", fmt(summary.get("unigram_perplexity"), ".2f")),
+        ("validation bits per byte", fmt(summary.get("val_bits_per_byte"), ".3f")),
+        ("checkpoint chosen", fmt(summary.get("checkpoint"))),
+        ("registered model", f"{fmt(summary.get('registered_model'))} "
+                             f"v{fmt(summary.get('model_version'))} "
+                             f"@{', @'.join(summary.get('aliases') or [])}"),
+        ("MLflow run", fmt(summary.get("mlflow_run_url"))),
+    ]
+    for task, info in (summary.get("stages") or {}).items():
+        rows.append((f"stage {task}", f"{info.get('state')} in {fmt(info.get('seconds'), '.1f')} s"))
+    for what, value in rows:
+        table.add_row(what, value)
+    console.print(table)
+
+
+def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
+                 summary_json: Path | None = None) -> bool:
+    """Run ``spec`` through ``airflow dags test``; print and return whether the run succeeded."""
+    home = trainforge_home()
+    env = airflow_env(home, [spec_file])
+    log_dir = home / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    console.print(f"[bold]trainforge[/]: home {home}")
+    migrate = _airflow(["db", "migrate"], env, capture_output=True)
+    if migrate.returncode != 0:
+        console.print(migrate.stdout[-4000:], migrate.stderr[-4000:], markup=False)
+        return False
+    with contextlib.ExitStack() as stack:
+        tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not tracking_uri:
+            from mlflow_setup import start_server
+
+            server = stack.enter_context(start_server(home / "mlflow", host="127.0.0.1", port=0))
+            tracking_uri = server.url
+            console.print(f"MLflow tracking server: {tracking_uri}")
+        env["MLFLOW_TRACKING_URI"] = tracking_uri
+        log_path = log_dir / f"{spec.dag_id}-{dt.datetime.now():%Y%m%d-%H%M%S}.log"
+        console.print(f"Running DAG {spec.dag_id} through `airflow dags test` "
+                      f"(full log: {log_path})")
+        with open(log_path, "w", encoding="utf-8") as full_log:
+            proc = subprocess.Popen(
+                [str(Path(sys.executable).with_name("airflow")), "dags", "test", spec.dag_id],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                full_log.write(line)
+                if any(marker in line for marker in _SHOW):
+                    console.print(line.rstrip(), markup=False, highlight=False)
+            rc = proc.wait()
+        airflow_run = _latest_run(spec.dag_id, env)
+        if airflow_run is None:
+            console.print(f"[red]no DAG run recorded for {spec.dag_id} (airflow exit code {rc})[/]")
+            return False
+        times = _task_times(spec.dag_id, airflow_run["run_id"], env)
+        summary = collect_summary(spec, tracking_uri, airflow_run, times)
+        summary["wall_seconds"] = round(time.monotonic() - started, 1)
+        print_summary(summary, console)
+        if summary_json:
+            Path(summary_json).write_text(json.dumps(summary, indent=2, default=str))
+    ok = airflow_run.get("state") == "success"
+    console.print(("[green]Pipeline succeeded[/]" if ok else "[red]Pipeline failed[/]")
+                  + f" in {time.monotonic() - started:.0f} s")
+    return ok

@@ -1,0 +1,203 @@
+"""Read a pipeline YAML file into a :class:`~operators.spec.model.PipelineSpec`.
+
+Every problem is reported at once, one line each, in the form
+``file:line:col: field.path: what is wrong (got X; expected Y)``.
+
+YAML pitfalls handled here:
+
+* ``1e-4`` (scientific notation without a dot) is a float, not the string YAML 1.1 makes of it;
+* duplicate keys are an error, not last-one-wins;
+* tabs and other syntax errors are reported with YAML's own position.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from operators.spec.model import PipelineSpec
+
+_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+@dataclass(frozen=True)
+class SpecIssue:
+    """One problem in one spec file."""
+
+    file: str
+    line: int
+    column: int
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}:{self.line}:{self.column}"
+        return f"{where}: {self.path}: {self.message}" if self.path else f"{where}: {self.message}"
+
+
+class SpecError(ValueError):
+    """A pipeline spec is invalid. ``issues`` holds every problem found; ``str()`` lists them."""
+
+    def __init__(self, issues: Iterable[SpecIssue]):
+        self.issues = list(issues)
+        super().__init__("\n".join(str(i) for i in self.issues))
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads ``1e-4`` as a float."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    key: [r for r in resolvers if r[0] != "tag:yaml.org,2002:float"]
+    for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
+
+
+def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: list, file: str):
+    """Turn a composed YAML node into plain data, recording the position of every path."""
+    marks[path] = node.start_mark
+    if isinstance(node, yaml.MappingNode):
+        out: dict[Any, Any] = {}
+        for key_node, value_node in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            if key in out:
+                first = marks[path + (key,)]
+                issues.append(
+                    SpecIssue(
+                        file,
+                        key_node.start_mark.line + 1,
+                        key_node.start_mark.column + 1,
+                        ".".join(str(p) for p in path + (key,)),
+                        f"duplicate key (first given on line {first.line + 1}; each key may "
+                        f"appear once)",
+                    )
+                )
+                continue
+            out[key] = _walk(value_node, loader, path + (key,), marks, issues, file)
+            if isinstance(value_node, (yaml.MappingNode, yaml.SequenceNode)):
+                # Errors about a whole section point at its key, not its first child.
+                marks[path + (key,)] = key_node.start_mark
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [
+            _walk(item, loader, path + (i,), marks, issues, file) for i, item in enumerate(node.value)
+        ]
+    return loader.construct_object(node, deep=True)
+
+
+def _position(marks: dict, loc: tuple) -> tuple[int, int]:
+    """Line and column (1-based) of the deepest recorded prefix of a pydantic error location."""
+    for cut in range(len(loc), -1, -1):
+        mark = marks.get(tuple(loc[:cut]))
+        if mark is not None:
+            return mark.line + 1, mark.column + 1
+    return 1, 1
+
+
+def _describe(error: dict) -> str:
+    message = error["msg"]
+    message = re.sub(r"^(Value error|Assertion failed), ", "", message)
+    kind = error["type"]
+    given = error.get("input")
+    if kind == "extra_forbidden":
+        return "unknown field (remove it or check its spelling)"
+    if kind == "missing":
+        return "required field is missing"
+    if "(got " in message:
+        return message
+    if isinstance(given, dict):
+        return message
+    return f"{message} (got {given!r})"
+
+
+def parse_spec_text(text: str, file: str = "<string>") -> PipelineSpec:
+    """Parse and validate YAML text. Raises :class:`SpecError` listing every problem."""
+    loader = _Loader(text)
+    try:
+        try:
+            root = loader.get_single_node()
+        except yaml.MarkedYAMLError as err:
+            mark = err.problem_mark or err.context_mark
+            line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+            hint = ""
+            if "\\t" in str(err.problem) or "tab" in str(err.problem):
+                hint = " (YAML indentation must use spaces, not tabs)"
+            raise SpecError(
+                [SpecIssue(file, line, col, "", f"YAML syntax error: {err.problem}{hint}")]
+            ) from None
+        if root is None:
+            raise SpecError([SpecIssue(file, 1, 1, "", "the file is empty (expected a mapping)")])
+        marks: dict[tuple, yaml.Mark] = {}
+        issues: list[SpecIssue] = []
+        data = _walk(root, loader, (), marks, issues, file)
+    finally:
+        loader.dispose()
+    if not isinstance(data, dict):
+        raise SpecError(
+            [SpecIssue(file, 1, 1, "", f"top level must be a mapping (got {type(data).__name__})")]
+        )
+    try:
+        spec = PipelineSpec.model_validate(data)
+    except ValidationError as err:
+        for e in err.errors():
+            line, col = _position(marks, e["loc"])
+            path = ".".join(str(p) for p in e["loc"])
+            issues.append(SpecIssue(file, line, col, path, _describe(e)))
+        spec = None
+    if issues:
+        issues.sort(key=lambda i: (i.line, i.column))
+        raise SpecError(issues)
+    return spec
+
+
+def load_spec(path: str | Path) -> PipelineSpec:
+    """Read and validate one pipeline file.
+
+    Raises:
+        SpecError: the file is not valid; every problem is listed with file, line and column.
+        OSError: the file cannot be read.
+    """
+    path = Path(path)
+    return parse_spec_text(path.read_text(encoding="utf-8"), file=str(path))
+
+
+def validate_overrides(spec: PipelineSpec, overrides: dict[str, Any]) -> PipelineSpec:
+    """Apply dotted-path overrides (e.g. from DAG params) and validate them with the same model.
+
+    Raises:
+        SpecError: an override names an unknown field or gives a value the model rejects.
+    """
+    data = spec.model_dump(mode="json")
+    for dotted, value in overrides.items():
+        node = data
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                raise SpecError([SpecIssue("<params>", 1, 1, dotted, "unknown field")])
+            node = node[part]
+        if parts[-1] not in node:
+            raise SpecError([SpecIssue("<params>", 1, 1, dotted, "unknown field")])
+        node[parts[-1]] = value
+    try:
+        return PipelineSpec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(
+            [
+                SpecIssue("<params>", 1, 1, ".".join(str(p) for p in e["loc"]), _describe(e))
+                for e in err.errors()
+            ]
+        ) from err
