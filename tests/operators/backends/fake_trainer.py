@@ -22,7 +22,14 @@ time.sleep(fake.get("sleep_s", 0.0))
 if rank == 0 and fake.get("result_status"):
     path = os.environ["TRAINFORGE_RESULT_FILE"]
     with open(path + ".tmp", "w") as fh:
-        json.dump({"status": fake["result_status"], "exit_code": fake.get("exit_code", 0),
-                   "message": fake.get("message", ""), "final_step": 7}, fh)
+        json.dump(
+            {
+                "status": fake["result_status"],
+                "exit_code": fake.get("exit_code", 0),
+                "message": fake.get("message", ""),
+                "final_step": 7,
+            },
+            fh,
+        )
     os.replace(path + ".tmp", path)
 sys.exit(fake.get("exit_code", 0))

@@ -19,8 +19,13 @@ GOLDEN = HERE / "golden" / "local_render.json"
 
 
 def _job(identity: JobIdentity, fake: dict, nproc: int = 2) -> TrainingJob:
-    return TrainingJob(identity=identity, config={"fake": fake}, module="fake_trainer",
-                       processes_per_node=nproc, env={"MLFLOW_RUN_ID": "abc"})
+    return TrainingJob(
+        identity=identity,
+        config={"fake": fake},
+        module="fake_trainer",
+        processes_per_node=nproc,
+        env={"MLFLOW_RUN_ID": "abc"},
+    )
 
 
 def _wait(backend, handle, timeout_s=60.0):
@@ -45,8 +50,13 @@ def test_identity_key_is_deterministic_dns_safe_and_unique():
 def test_render_is_pure_and_matches_golden():
     backend = LocalBackend(runs_root="/srv/trainforge/runs", python="/opt/venv/bin/python")
     identity = JobIdentity("shakespeare_llm", "manual__2026-01-01T00:00:00+00:00", "train", 1)
-    job = TrainingJob(identity=identity, config={"format": "trainforge.job/v1"},
-                      processes_per_node=2, env={"MLFLOW_RUN_ID": "r1"}, max_restarts=1)
+    job = TrainingJob(
+        identity=identity,
+        config={"format": "trainforge.job/v1"},
+        processes_per_node=2,
+        env={"MLFLOW_RUN_ID": "r1"},
+        max_restarts=1,
+    )
     rendered = backend.render(job)
     assert rendered == backend.render(job)
     assert not Path("/srv/trainforge").exists()
@@ -59,8 +69,9 @@ def test_render_is_pure_and_matches_golden():
 def test_success_streams_logs_incrementally_and_reports_result(tmp_path):
     backend = LocalBackend(tmp_path / "runs", cwd=str(HERE))
     identity = JobIdentity("d", "r", "train", 1)
-    handle = backend.submit(_job(identity, {"lines": 20, "line_sleep_s": 0.1,
-                                            "result_status": "success"}))
+    handle = backend.submit(
+        _job(identity, {"lines": 20, "line_sleep_s": 0.1, "result_status": "success"})
+    )
     seen, offset, polls_with_lines = [], 0, 0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -81,17 +92,24 @@ def test_success_streams_logs_incrementally_and_reports_result(tmp_path):
     assert (Path(handle["job_dir"]) / "ranks").is_dir()
 
 
-@pytest.mark.parametrize("result_status,kind", [
-    ("bad_config", FailureKind.PERMANENT),
-    ("diverged", FailureKind.PERMANENT),
-    ("error", FailureKind.TRANSIENT),
-    (None, FailureKind.TRANSIENT),
-])
+@pytest.mark.parametrize(
+    "result_status,kind",
+    [
+        ("bad_config", FailureKind.PERMANENT),
+        ("diverged", FailureKind.PERMANENT),
+        ("error", FailureKind.TRANSIENT),
+        (None, FailureKind.TRANSIENT),
+    ],
+)
 def test_failures_are_classified(tmp_path, result_status, kind):
     backend = LocalBackend(tmp_path / "runs", cwd=str(HERE))
-    handle = backend.submit(_job(JobIdentity("d", "r", "train", 1),
-                                 {"lines": 1, "exit_code": 3, "result_status": result_status,
-                                  "message": "boom"}, nproc=1))
+    handle = backend.submit(
+        _job(
+            JobIdentity("d", "r", "train", 1),
+            {"lines": 1, "exit_code": 3, "result_status": result_status, "message": "boom"},
+            nproc=1,
+        )
+    )
     status = _wait(backend, handle)
     assert status.state is JobState.FAILED
     assert status.failure is kind
@@ -100,7 +118,9 @@ def test_failures_are_classified(tmp_path, result_status, kind):
 def test_submit_twice_and_find_reattach_without_a_second_job(tmp_path):
     backend = LocalBackend(tmp_path / "runs", cwd=str(HERE))
     identity = JobIdentity("d", "r", "train", 1)
-    first = backend.submit(_job(identity, {"lines": 1, "sleep_s": 2, "result_status": "success"}, 1))
+    first = backend.submit(
+        _job(identity, {"lines": 1, "sleep_s": 2, "result_status": "success"}, 1)
+    )
     supervisor = json.loads((Path(first["job_dir"]) / "supervisor.json").read_text())
     again = backend.submit(_job(identity, {"lines": 1, "result_status": "success"}, 1))
     assert again == first == backend.find(identity)
@@ -114,7 +134,8 @@ def test_cancel_stops_every_process_of_the_job(tmp_path):
     handle = backend.submit(_job(JobIdentity("d", "r", "train", 1), {"lines": 1, "sleep_s": 120}))
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and "rank0 line 0" not in (
-            Path(handle["job_dir"]) / "job.log").read_text(errors="replace"):
+        Path(handle["job_dir"]) / "job.log"
+    ).read_text(errors="replace"):
         time.sleep(0.2)
     pgid = json.loads((Path(handle["job_dir"]) / "supervisor.json").read_text())["pid"]
     root = psutil.Process(pgid)
@@ -130,7 +151,9 @@ def test_cancel_stops_every_process_of_the_job(tmp_path):
 
 def test_a_vanished_supervisor_is_a_transient_failure(tmp_path):
     backend = LocalBackend(tmp_path / "runs", cwd=str(HERE))
-    handle = backend.submit(_job(JobIdentity("d", "r", "train", 1), {"lines": 1, "sleep_s": 120}, 1))
+    handle = backend.submit(
+        _job(JobIdentity("d", "r", "train", 1), {"lines": 1, "sleep_s": 120}, 1)
+    )
     pid = json.loads((Path(handle["job_dir"]) / "supervisor.json").read_text())["pid"]
     time.sleep(1.0)
     os.killpg(pid, signal.SIGKILL)
@@ -140,4 +163,3 @@ def test_a_vanished_supervisor_is_a_transient_failure(tmp_path):
     status = backend.status(handle)
     assert status.state is JobState.FAILED and status.failure is FailureKind.TRANSIENT
     assert "gone without an exit record" in status.message
-

@@ -10,9 +10,11 @@ import pytest
 
 from operators.data import PrepareSettings
 
-_WORDS = ("thou art the king of verona and thy love is fair as summer night but "
-          "what light through yonder window breaks it is the east and juliet the sun "
-          "romeo wherefore sword crown ghost witch storm island duke fool lady lord").split()
+_WORDS = (
+    "thou art the king of verona and thy love is fair as summer night but "
+    "what light through yonder window breaks it is the east and juliet the sun "
+    "romeo wherefore sword crown ghost witch storm island duke fool lady lord"
+).split()
 
 
 def make_text(seed: int, lines: int = 60) -> str:
@@ -39,9 +41,14 @@ def write_corpus(folder: Path, count: int = 12, lines: int = 60) -> list[Path]:
 
 def settings_for(pattern: str | Path, **overrides: Any) -> PrepareSettings:
     values: dict[str, Any] = dict(
-        sources=[str(pattern)], strip_gutenberg_boilerplate=True, normalize_whitespace=True,
-        unicode_normalization="NFC", min_document_chars=10, vocab_size=300,
-        validation_fraction=0.25, shard_tokens=100_000,
+        sources=[str(pattern)],
+        strip_gutenberg_boilerplate=True,
+        normalize_whitespace=True,
+        unicode_normalization="NFC",
+        min_document_chars=10,
+        vocab_size=300,
+        validation_fraction=0.25,
+        shard_tokens=100_000,
     )
     values.update(overrides)
     return PrepareSettings(**values)

@@ -21,19 +21,26 @@ COMMERCIALLY.  PROHIBITED COMMERCIAL DISTRIBUTION INCLUDES BY ANY
 SERVICE THAT CHARGES FOR DOWNLOAD TIME OR FOR MEMBERSHIP.>>"""
 
 
-def clean(tmp_path: Path, content: str | bytes, *, gutenberg=True, whitespace=True,
-          unicode_form="NFC"):
+def clean(
+    tmp_path: Path, content: str | bytes, *, gutenberg=True, whitespace=True, unicode_form="NFC"
+):
     path = tmp_path / "doc.txt"
     path.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
-    return clean_file(path, strip_gutenberg_boilerplate=gutenberg,
-                      normalize_whitespace=whitespace, unicode_normalization=unicode_form)
+    return clean_file(
+        path,
+        strip_gutenberg_boilerplate=gutenberg,
+        normalize_whitespace=whitespace,
+        unicode_normalization=unicode_form,
+    )
 
 
 def test_modern_start_and_end_markers(tmp_path):
-    text = ("The Project Gutenberg eBook of Hamlet\n\nThis eBook is for the use of anyone\n"
-            "*** START OF THE PROJECT GUTENBERG EBOOK HAMLET ***\n\nHAMLET\n\nTo be.\n\n"
-            "*** END OF THE PROJECT GUTENBERG EBOOK HAMLET ***\nSection 1. General Terms\n"
-            "Project Gutenberg is a registered trademark\n")
+    text = (
+        "The Project Gutenberg eBook of Hamlet\n\nThis eBook is for the use of anyone\n"
+        "*** START OF THE PROJECT GUTENBERG EBOOK HAMLET ***\n\nHAMLET\n\nTo be.\n\n"
+        "*** END OF THE PROJECT GUTENBERG EBOOK HAMLET ***\nSection 1. General Terms\n"
+        "Project Gutenberg is a registered trademark\n"
+    )
     out = clean(tmp_path, text)
     assert out.text == "HAMLET\n\nTo be."
     assert out.counts.gutenberg_header_lines == 4
@@ -41,10 +48,12 @@ def test_modern_start_and_end_markers(tmp_path):
 
 
 def test_old_small_print_header_and_end_of_footer(tmp_path):
-    text = ("The Project Gutenberg Etext of As You Like It\n**Welcome To The World of Free Plain "
-            "Vanilla Electronic Texts**\n*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93"
-            "*END*\nAs you Like it\n\nActus Primus.\nEnd of Project Gutenberg Etext of As You Like "
-            "It by Shakespeare\n")
+    text = (
+        "The Project Gutenberg Etext of As You Like It\n**Welcome To The World of Free Plain "
+        "Vanilla Electronic Texts**\n*END*THE SMALL PRINT! FOR PUBLIC DOMAIN ETEXTS*Ver.04.29.93"
+        "*END*\nAs you Like it\n\nActus Primus.\nEnd of Project Gutenberg Etext of As You Like "
+        "It by Shakespeare\n"
+    )
     out = clean(tmp_path, text)
     assert out.text == "As you Like it\n\nActus Primus."
     assert out.counts.gutenberg_header_lines == 3
@@ -92,9 +101,14 @@ def test_crlf_and_bom_are_not_text(tmp_path):
     assert out.text == "line one\nline two"
 
 
-@pytest.mark.parametrize(("form", "expected", "changed"), [
-    ("NFC", "caf\u00e9 \ufb01", 1), ("NFKC", "caf\u00e9 fi", 1), ("none", "cafe\u0301 \ufb01", 0),
-])
+@pytest.mark.parametrize(
+    ("form", "expected", "changed"),
+    [
+        ("NFC", "caf\u00e9 \ufb01", 1),
+        ("NFKC", "caf\u00e9 fi", 1),
+        ("none", "cafe\u0301 \ufb01", 0),
+    ],
+)
 def test_unicode_normalisation(tmp_path, form, expected, changed):
     out = clean(tmp_path, "cafe\u0301 \ufb01\n", unicode_form=form)
     assert out.text == expected
@@ -109,11 +123,14 @@ def test_hashes_and_sizes(tmp_path):
     assert out.text_sha256 == hashlib.sha256(b" hello world").hexdigest()
 
 
-@pytest.mark.parametrize(("raw", "offset"), [
-    (b"hello\nwor\xffld\n", 9),
-    (b"\xef\xbb\xbfok\n\xe2\x82\n", 6),  # truncated 3-byte sequence on line 2
-    (b"caf\xe9\n", 3),  # latin-1
-])
+@pytest.mark.parametrize(
+    ("raw", "offset"),
+    [
+        (b"hello\nwor\xffld\n", 9),
+        (b"\xef\xbb\xbfok\n\xe2\x82\n", 6),  # truncated 3-byte sequence on line 2
+        (b"caf\xe9\n", 3),  # latin-1
+    ],
+)
 def test_not_utf8_names_file_and_byte_offset(tmp_path, raw, offset):
     with pytest.raises(SourceDecodeError) as info:
         clean(tmp_path, raw)

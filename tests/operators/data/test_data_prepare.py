@@ -11,18 +11,35 @@ import pytest
 from tokenizers import Tokenizer
 
 from operators.data import (
-    DatasetInvalidError, EmptyCorpusError, SourceDecodeError, SourceNotFoundError,
-    load_manifest, prepare_dataset, verify_dataset,
+    DatasetInvalidError,
+    EmptyCorpusError,
+    SourceDecodeError,
+    SourceNotFoundError,
+    load_manifest,
+    prepare_dataset,
+    verify_dataset,
 )
 
-CONTRACT_KEYS = {"format", "digest", "dtype", "vocab_size", "eos_token", "eos_id", "tokenizer",
-                 "splits", "sources", "settings", "stats"}
+CONTRACT_KEYS = {
+    "format",
+    "digest",
+    "dtype",
+    "vocab_size",
+    "eos_token",
+    "eos_id",
+    "tokenizer",
+    "splits",
+    "sources",
+    "settings",
+    "stats",
+}
 
 
 def read_split(dataset: Path, manifest: dict, split: str) -> np.ndarray:
     dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
-    return np.concatenate([np.fromfile(dataset / s["file"], dtype=dtype)
-                           for s in manifest["splits"][split]["shards"]])
+    return np.concatenate(
+        [np.fromfile(dataset / s["file"], dtype=dtype) for s in manifest["splits"][split]["shards"]]
+    )
 
 
 def documents_of(ids: np.ndarray, eos_id: int = 0) -> list[np.ndarray]:
@@ -32,8 +49,11 @@ def documents_of(ids: np.ndarray, eos_id: int = 0) -> list[np.ndarray]:
 
 
 def file_bytes(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.suffix in (".bin", ".json")
-            and p.name != "manifest.json"}
+    return {
+        p.name: p.read_bytes()
+        for p in sorted(folder.iterdir())
+        if p.suffix in (".bin", ".json") and p.name != "manifest.json"
+    }
 
 
 def test_dataset_matches_the_contract(corpus, tmp_path, make_settings):
@@ -42,7 +62,11 @@ def test_dataset_matches_the_contract(corpus, tmp_path, make_settings):
     assert CONTRACT_KEYS <= manifest.keys()
     assert result.path == tmp_path / "datasets" / manifest["digest"]
     assert (manifest["format"], manifest["dtype"], manifest["eos_token"], manifest["eos_id"]) == (
-        "trainforge.dataset/v1", "uint16", "<|endoftext|>", 0)
+        "trainforge.dataset/v1",
+        "uint16",
+        "<|endoftext|>",
+        0,
+    )
     assert manifest["vocab_size"] == 300
     assert not result.reused
     assert verify_dataset(result.path) == []
@@ -82,8 +106,9 @@ def test_shards_hold_at_most_shard_tokens(corpus, tmp_path, make_settings):
         assert len(shards) > 1
         assert all(s["tokens"] == 500 for s in shards[:-1]) and 0 < shards[-1]["tokens"] <= 500
         assert [s["file"] for s in shards] == [f"{split}-{i:05d}.bin" for i in range(len(shards))]
-        assert np.array_equal(read_split(small.path, small.manifest, split),
-                              read_split(big.path, big.manifest, split))
+        assert np.array_equal(
+            read_split(small.path, small.manifest, split), read_split(big.path, big.manifest, split)
+        )
     assert small.digest != big.digest
 
 
@@ -108,8 +133,9 @@ def test_same_inputs_elsewhere_give_identical_bytes(corpus, tmp_path, make_setti
 
 def test_changing_a_setting_or_a_source_changes_the_digest(corpus, tmp_path, make_settings):
     base = prepare_dataset(make_settings(corpus / "*.txt"), tmp_path / "o").digest
-    other = prepare_dataset(make_settings(corpus / "*.txt", min_document_chars=11),
-                            tmp_path / "o").digest
+    other = prepare_dataset(
+        make_settings(corpus / "*.txt", min_document_chars=11), tmp_path / "o"
+    ).digest
     (corpus / "doc-00.txt").write_text("changed text of the first document\n")
     changed = prepare_dataset(make_settings(corpus / "*.txt"), tmp_path / "o").digest
     assert len({base, other, changed}) == 3
@@ -136,14 +162,20 @@ def test_a_dataset_that_no_longer_verifies_is_rebuilt(corpus, tmp_path, make_set
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [first.digest]
 
 
-@pytest.mark.parametrize(("damage", "fragment"), [
-    (lambda d: (d / "manifest.json").unlink(), "no manifest.json"),
-    (lambda d: (d / "validation-00000.bin").unlink(), "validation-00000.bin: cannot read"),
-    (lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json"),
-    (lambda d: (d / "train-00000.bin").open("ab").write(b"\0\0"), "bytes, manifest says"),
-    (lambda d: (d / "manifest.json").write_text('{"format": "other/v9"}'), "format is 'other/v9'"),
-    (lambda d: (d / "manifest.json").write_text("{not json"), "unreadable manifest.json"),
-])
+@pytest.mark.parametrize(
+    ("damage", "fragment"),
+    [
+        (lambda d: (d / "manifest.json").unlink(), "no manifest.json"),
+        (lambda d: (d / "validation-00000.bin").unlink(), "validation-00000.bin: cannot read"),
+        (lambda d: (d / "tokenizer.json").write_text("{}"), "tokenizer.json"),
+        (lambda d: (d / "train-00000.bin").open("ab").write(b"\0\0"), "bytes, manifest says"),
+        (
+            lambda d: (d / "manifest.json").write_text('{"format": "other/v9"}'),
+            "format is 'other/v9'",
+        ),
+        (lambda d: (d / "manifest.json").write_text("{not json"), "unreadable manifest.json"),
+    ],
+)
 def test_verify_names_the_problem(corpus, tmp_path, make_settings, damage, fragment):
     result = prepare_dataset(make_settings(corpus / "*.txt"), tmp_path / "o")
     damage(result.path)
@@ -170,8 +202,10 @@ def test_cleaning_dedup_and_short_documents_are_counted(tmp_path, make_settings,
     (folder / "blank.txt").write_text("   \n\t\n")
     (folder / "short.txt").write_text("tiny\n")
     (folder / "gut.txt").write_text(
-        "Header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\n" + (folder / "doc-02.txt")
-        .read_text() + "extra line\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\nLicence\n")
+        "Header\n*** START OF THE PROJECT GUTENBERG EBOOK X ***\n"
+        + (folder / "doc-02.txt").read_text()
+        + "extra line\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\nLicence\n"
+    )
     result = prepare_dataset(make_settings(folder / "*.txt"), tmp_path / "o")
     stats = result.manifest["stats"]
     assert stats["documents_in"] == 8
@@ -184,22 +218,40 @@ def test_cleaning_dedup_and_short_documents_are_counted(tmp_path, make_settings,
 def test_sources_from_several_patterns_and_folders(tmp_path, make_settings, corpus_writer):
     corpus_writer(tmp_path / "src" / "a", count=3)
     corpus_writer(tmp_path / "src" / "b" / "deep", count=3)
-    settings = make_settings(tmp_path / "src" / "a" / "*.txt",
-                             sources=[str(tmp_path / "src/a/*.txt"), str(tmp_path / "src/b/**/*.txt"),
-                                      str(tmp_path / "src/a/doc-00.txt")])
+    settings = make_settings(
+        tmp_path / "src" / "a" / "*.txt",
+        sources=[
+            str(tmp_path / "src/a/*.txt"),
+            str(tmp_path / "src/b/**/*.txt"),
+            str(tmp_path / "src/a/doc-00.txt"),
+        ],
+    )
     result = prepare_dataset(settings, tmp_path / "o")
     names = [s["name"] for s in result.manifest["sources"]]
-    assert names == ["a/doc-00.txt", "a/doc-01.txt", "a/doc-02.txt", "b/deep/doc-00.txt",
-                     "b/deep/doc-01.txt", "b/deep/doc-02.txt"]
+    assert names == [
+        "a/doc-00.txt",
+        "a/doc-01.txt",
+        "a/doc-02.txt",
+        "b/deep/doc-00.txt",
+        "b/deep/doc-01.txt",
+        "b/deep/doc-02.txt",
+    ]
     # b/deep/doc-0N has the same text as a/doc-0N: dedup keeps the a/ copies
     assert result.manifest["stats"]["removed"]["duplicate"] == 3
 
 
 def test_errors_name_the_pattern_or_file(tmp_path, make_settings, corpus_writer):
     corpus_writer(tmp_path / "c", count=3)
-    with pytest.raises(SourceNotFoundError, match=r"no files match source pattern '.*nothing-\*\.txt'"):
-        prepare_dataset(make_settings(tmp_path / "c" / "*.txt", sources=[
-            str(tmp_path / "c" / "*.txt"), str(tmp_path / "nothing-*.txt")]), tmp_path / "o")
+    with pytest.raises(
+        SourceNotFoundError, match=r"no files match source pattern '.*nothing-\*\.txt'"
+    ):
+        prepare_dataset(
+            make_settings(
+                tmp_path / "c" / "*.txt",
+                sources=[str(tmp_path / "c" / "*.txt"), str(tmp_path / "nothing-*.txt")],
+            ),
+            tmp_path / "o",
+        )
     (tmp_path / "c" / "latin1.txt").write_bytes(b"ok line\nna\xefve\n")
     with pytest.raises(SourceDecodeError, match=r"latin1\.txt' is not UTF-8: .* byte offset 10"):
         prepare_dataset(make_settings(tmp_path / "c" / "*.txt"), tmp_path / "o")
@@ -212,14 +264,18 @@ def test_corpus_empty_after_cleaning(tmp_path, make_settings):
     (folder / "a.txt").write_text("\n\n   \n")
     (folder / "b.txt").write_text("short\n")
     (folder / "c.txt").write_text("this one is long enough to keep\n")
-    with pytest.raises(EmptyCorpusError, match=r"1 document\(s\) left of 3 read \(removed: "
-                                               r"duplicate=0, empty=1, too_short=1\)"):
+    with pytest.raises(
+        EmptyCorpusError,
+        match=r"1 document\(s\) left of 3 read \(removed: "
+        r"duplicate=0, empty=1, too_short=1\)",
+    ):
         prepare_dataset(make_settings(folder / "*.txt"), tmp_path / "o")
     assert list((tmp_path / "o").iterdir()) == []
 
 
-def test_adding_a_document_keeps_old_documents_in_their_split(tmp_path, make_settings,
-                                                              corpus_writer):
+def test_adding_a_document_keeps_old_documents_in_their_split(
+    tmp_path, make_settings, corpus_writer
+):
     folder = tmp_path / "c"
     corpus_writer(folder, count=12)
     before = prepare_dataset(make_settings(folder / "*.txt"), tmp_path / "o").manifest["splits"]

@@ -16,29 +16,33 @@ def test_valid_settings_normalise_types(make_settings):
     assert settings.output_settings()["vocab_size"] == 300
 
 
-@pytest.mark.parametrize(("vocab_size", "dtype"), [(257, "uint16"), (65536, "uint16"),
-                                                   (65537, "uint32")])
+@pytest.mark.parametrize(
+    ("vocab_size", "dtype"), [(257, "uint16"), (65536, "uint16"), (65537, "uint32")]
+)
 def test_dtype_follows_vocab_size(make_settings, vocab_size, dtype):
     assert make_settings("x", vocab_size=vocab_size).dtype == dtype
 
 
-@pytest.mark.parametrize(("field", "value", "fragment"), [
-    ("vocab_size", 256, "vocab_size=256: expected an integer >= 257"),
-    ("vocab_size", 4096.0, "vocab_size=4096.0"),
-    ("vocab_size", 2**32 + 1, "<= 4294967296"),
-    ("validation_fraction", 0.0, "strictly between 0 and 1"),
-    ("validation_fraction", 1.0, "strictly between 0 and 1"),
-    ("validation_fraction", float("nan"), "strictly between 0 and 1"),
-    ("validation_fraction", True, "strictly between 0 and 1"),
-    ("min_document_chars", 0, "min_document_chars=0: expected an integer >= 1"),
-    ("shard_tokens", 0, "shard_tokens=0"),
-    ("sources", [], "at least one non-empty pattern"),
-    ("sources", "/data/*.txt", "a list of glob pattern strings"),
-    ("sources", [""], "at least one non-empty pattern"),
-    ("unicode_normalization", "NFD", "'NFC', 'NFKC' or 'none'"),
-    ("normalize_whitespace", "yes", "true or false"),
-    ("eos_token", "", "non-empty string"),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("vocab_size", 256, "vocab_size=256: expected an integer >= 257"),
+        ("vocab_size", 4096.0, "vocab_size=4096.0"),
+        ("vocab_size", 2**32 + 1, "<= 4294967296"),
+        ("validation_fraction", 0.0, "strictly between 0 and 1"),
+        ("validation_fraction", 1.0, "strictly between 0 and 1"),
+        ("validation_fraction", float("nan"), "strictly between 0 and 1"),
+        ("validation_fraction", True, "strictly between 0 and 1"),
+        ("min_document_chars", 0, "min_document_chars=0: expected an integer >= 1"),
+        ("shard_tokens", 0, "shard_tokens=0"),
+        ("sources", [], "at least one non-empty pattern"),
+        ("sources", "/data/*.txt", "a list of glob pattern strings"),
+        ("sources", [""], "at least one non-empty pattern"),
+        ("unicode_normalization", "NFD", "'NFC', 'NFKC' or 'none'"),
+        ("normalize_whitespace", "yes", "true or false"),
+        ("eos_token", "", "non-empty string"),
+    ],
+)
 def test_invalid_settings(make_settings, field, value, fragment):
     with pytest.raises(InvalidSettingsError, match=None) as info:
         make_settings("x", **{field: value})

@@ -17,10 +17,17 @@ FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
 
 ALL_TRIGGERS = [
     TrainingJobTrigger(
-        engine="local", backend_kwargs={"runs_root": "/x/runs"},
-        handle={"engine": "local", "key": "k", "job_dir": "/x/runs/k",
-                "identity": {"dag_id": "d", "run_id": "r", "task_id": "train", "try_number": 1}},
-        poll_interval_s=2.0, deadline_epoch_s=1_900_000_000.0, log_offset=17,
+        engine="local",
+        backend_kwargs={"runs_root": "/x/runs"},
+        handle={
+            "engine": "local",
+            "key": "k",
+            "job_dir": "/x/runs/k",
+            "identity": {"dag_id": "d", "run_id": "r", "task_id": "train", "try_number": 1},
+        },
+        poll_interval_s=2.0,
+        deadline_epoch_s=1_900_000_000.0,
+        log_offset=17,
     ),
 ]
 
@@ -48,14 +55,25 @@ def _collect(trigger):
 def _submit(tmp_path, fake, nproc=1, try_number=1):
     backend = LocalBackend(tmp_path / "runs", cwd=str(FAKE_DIR))
     identity = JobIdentity("d", "r", "train", try_number)
-    handle = backend.submit(TrainingJob(identity=identity, config={"fake": fake},
-                                        module="fake_trainer", processes_per_node=nproc))
+    handle = backend.submit(
+        TrainingJob(
+            identity=identity,
+            config={"fake": fake},
+            module="fake_trainer",
+            processes_per_node=nproc,
+        )
+    )
     return backend, handle
 
 
 def _trigger(tmp_path, handle, deadline=None):
-    return TrainingJobTrigger(engine="local", backend_kwargs={"runs_root": str(tmp_path / "runs")},
-                              handle=handle, poll_interval_s=0.5, deadline_epoch_s=deadline)
+    return TrainingJobTrigger(
+        engine="local",
+        backend_kwargs={"runs_root": str(tmp_path / "runs")},
+        handle=handle,
+        poll_interval_s=0.5,
+        deadline_epoch_s=deadline,
+    )
 
 
 def test_success_event_carries_identity_and_result_and_logs_reach_the_task_log(tmp_path):
@@ -73,8 +91,10 @@ def test_success_event_carries_identity_and_result_and_logs_reach_the_task_log(t
 
 
 def test_permanent_failure_event(tmp_path):
-    _, handle = _submit(tmp_path, {"exit_code": 78, "result_status": "bad_config",
-                                   "message": "optim.max_steps must be >= 1"})
+    _, handle = _submit(
+        tmp_path,
+        {"exit_code": 78, "result_status": "bad_config", "message": "optim.max_steps must be >= 1"},
+    )
     event = _collect(_trigger(tmp_path, handle))
     assert event["status"] == "error" and event["failure"] == "permanent"
     assert "max_steps" in event["message"]
