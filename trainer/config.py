@@ -1,0 +1,327 @@
+"""The job config the trainer is handed (docs/contracts.md, "Job config"), as frozen dataclasses.
+
+`load_job_config(path)` reads the JSON, checks every field once (type, range, cross-field rules)
+and returns a `JobConfig`; anything wrong raises `ConfigError` (exit code 78) whose message names
+the field path, the value given and what was expected. Unknown keys are rejected, so a renamed
+field in the operator cannot be silently ignored here.
+
+The one rule that needs the world size, ``global_batch_size % (micro_batch_size * world) == 0``,
+is checked by `JobConfig.grad_accum_steps(world_size)` once the process group is up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import ConfigError
+
+JOB_FORMAT = "trainforge.job/v1"
+PRECISIONS = ("fp32", "bf16")
+BACKENDS = ("auto", "gloo", "nccl")
+FAMILIES = ("llama",)
+
+
+@dataclass(frozen=True)
+class Identity:
+    dag_id: str
+    run_id: str
+    task_id: str
+    try_number: int
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset_dir: str  # absolute path of a prepared dataset folder
+    sequence_length: int  # tokens per training sequence
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    rope_theta: float
+    dropout: float  # attention dropout probability, [0, 1)
+    tie_word_embeddings: bool
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    max_steps: int  # optimizer steps
+    global_batch_size: int  # sequences per optimizer step, all ranks together
+    micro_batch_size: int  # sequences per forward pass on one rank
+    learning_rate: float  # peak learning rate, reached at the end of warm-up
+    min_learning_rate: float  # floor of the cosine decay
+    warmup_steps: int
+    weight_decay: float  # AdamW decoupled weight decay, applied to 2-D+ parameters only
+    beta1: float
+    beta2: float
+    grad_clip: float  # max global L2 norm of the gradients; 0 disables clipping
+    seed: int
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str  # absolute path; step-XXXXXXXX/ folders are written below it
+    interval_steps: int
+    keep_last: int
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    log_every_steps: int
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    backend: str  # "auto" | "gloo" | "nccl"
+    collective_timeout_s: float
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    identity: Identity
+    data: DataConfig
+    model: ModelConfig
+    optim: OptimConfig
+    precision: str
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    distributed: DistributedConfig
+    raw: dict[str, Any]  # the JSON object as read, saved verbatim into each checkpoint's meta.json
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-steps per optimizer step on each rank: global / (micro * world).
+
+        Raises:
+            ConfigError: when ``global_batch_size`` is not a multiple of
+                ``micro_batch_size * world_size``.
+        """
+        per_pass = self.optim.micro_batch_size * world_size
+        if world_size < 1 or self.optim.global_batch_size % per_pass != 0:
+            raise ConfigError(
+                f"optim.global_batch_size={self.optim.global_batch_size} must be a multiple of "
+                f"optim.micro_batch_size ({self.optim.micro_batch_size}) x world size "
+                f"({world_size}) = {per_pass}; change the batch sizes or the number of processes"
+            )
+        return self.optim.global_batch_size // per_pass
+
+    def digest(self) -> str:
+        """SHA-256 hex of the canonical JSON of the config without ``identity``.
+
+        ``identity`` (and so ``try_number``) is left out so every retry of one training run
+        has the same digest.
+        """
+        body = {k: v for k, v in self.raw.items() if k != "identity"}
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+class _Section:
+    """Typed reads from one JSON object, remembering which keys were used."""
+
+    def __init__(self, obj: Any, path: str) -> None:
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{path or 'job config'}: expected a JSON object, got {_show(obj)}")
+        self.obj, self.path, self.used = obj, path, set()
+
+    def _get(self, key: str) -> Any:
+        if key not in self.obj:
+            raise ConfigError(f"{self._name(key)}: required field is missing")
+        self.used.add(key)
+        return self.obj[key]
+
+    def _name(self, key: str) -> str:
+        return f"{self.path}.{key}" if self.path else key
+
+    def section(self, key: str) -> _Section:
+        return _Section(self._get(key), self._name(key))
+
+    def str(self, key: str, choices: tuple[str, ...] | None = None) -> str:
+        value = self._get(key)
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{self._name(key)}={_show(value)}: expected a non-empty string")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{self._name(key)}={value!r}: expected one of {list(choices)}")
+        return value
+
+    def abs_path(self, key: str) -> str:
+        value = self.str(key)
+        if not os.path.isabs(value):
+            raise ConfigError(
+                f"{self._name(key)}={value!r}: expected an absolute path (the trainer may run "
+                "in another working directory)"
+            )
+        return value
+
+    def int(self, key: str, lo: int | None = None, hi: int | None = None) -> int:
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{self._name(key)}={_show(value)}: expected an integer")
+        self._range(key, value, lo, hi)
+        return value
+
+    def float(
+        self, key: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+        hi_open: bool = False,
+    ) -> float:
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{self._name(key)}={_show(value)}: expected a number")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{self._name(key)}={value}: expected a finite number")
+        self._range(key, value, lo, hi, lo_open, hi_open)
+        return value
+
+    def bool(self, key: str) -> bool:
+        value = self._get(key)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self._name(key)}={_show(value)}: expected true or false")
+        return value
+
+    def _range(self, key, value, lo, hi, lo_open=False, hi_open=False) -> None:
+        below = lo is not None and (value <= lo if lo_open else value < lo)
+        above = hi is not None and (value >= hi if hi_open else value > hi)
+        if below or above:
+            raise ConfigError(f"{self._name(key)}={value}: expected {_interval(lo, hi, lo_open, hi_open)}")
+
+    def done(self) -> None:
+        unknown = sorted(set(self.obj) - self.used)
+        if unknown:
+            names = ", ".join(self._name(k) for k in unknown)
+            raise ConfigError(f"unknown field(s) {names}: not part of {JOB_FORMAT}")
+
+
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _interval(lo, hi, lo_open, hi_open) -> str:
+    if hi is None:
+        return f"a value {'>' if lo_open else '>='} {lo}"
+    if lo is None:
+        return f"a value {'<' if hi_open else '<='} {hi}"
+    return f"a value in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+
+def parse_job_config(obj: Any) -> JobConfig:
+    """Check a decoded job config object and build a `JobConfig`.
+
+    Raises:
+        ConfigError: on the first field that is missing, unknown, of the wrong type or out of
+            range, or a cross-field rule that does not hold.
+    """
+    top = _Section(obj, "")
+    fmt = top._get("format")
+    if fmt != JOB_FORMAT:
+        raise ConfigError(f"format={fmt!r}: expected {JOB_FORMAT!r}")
+
+    s = top.section("identity")
+    identity = Identity(s.str("dag_id"), s.str("run_id"), s.str("task_id"), s.int("try_number", lo=1))
+    s.done()
+
+    s = top.section("data")
+    data = DataConfig(s.abs_path("dataset_dir"), s.int("sequence_length", lo=2, hi=1 << 20))
+    s.done()
+
+    s = top.section("model")
+    model = ModelConfig(
+        family=s.str("family", FAMILIES),
+        hidden_size=s.int("hidden_size", lo=1),
+        num_layers=s.int("num_layers", lo=1),
+        num_heads=s.int("num_heads", lo=1),
+        num_kv_heads=s.int("num_kv_heads", lo=1),
+        intermediate_size=s.int("intermediate_size", lo=1),
+        rope_theta=s.float("rope_theta", lo=0.0, lo_open=True),
+        dropout=s.float("dropout", lo=0.0, hi=1.0, hi_open=True),
+        tie_word_embeddings=s.bool("tie_word_embeddings"),
+    )
+    s.done()
+    if model.hidden_size % model.num_heads != 0 or (model.hidden_size // model.num_heads) % 2:
+        raise ConfigError(
+            f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads="
+            f"{model.num_heads} into an even head size (rotary embeddings rotate pairs)"
+        )
+    if model.num_heads % model.num_kv_heads != 0:
+        raise ConfigError(
+            f"model.num_heads={model.num_heads} must be a multiple of model.num_kv_heads="
+            f"{model.num_kv_heads} (grouped-query attention)"
+        )
+
+    s = top.section("optim")
+    optim = OptimConfig(
+        max_steps=s.int("max_steps", lo=1),
+        global_batch_size=s.int("global_batch_size", lo=1),
+        micro_batch_size=s.int("micro_batch_size", lo=1),
+        learning_rate=s.float("learning_rate", lo=0.0, lo_open=True),
+        min_learning_rate=s.float("min_learning_rate", lo=0.0),
+        warmup_steps=s.int("warmup_steps", lo=0),
+        weight_decay=s.float("weight_decay", lo=0.0),
+        beta1=s.float("beta1", lo=0.0, hi=1.0, hi_open=True),
+        beta2=s.float("beta2", lo=0.0, hi=1.0, hi_open=True),
+        grad_clip=s.float("grad_clip", lo=0.0),
+        seed=s.int("seed", lo=0, hi=2**63 - 1),
+    )
+    s.done()
+    if optim.min_learning_rate > optim.learning_rate:
+        raise ConfigError(
+            f"optim.min_learning_rate={optim.min_learning_rate} must be <= "
+            f"optim.learning_rate={optim.learning_rate}"
+        )
+    if optim.warmup_steps > optim.max_steps:
+        raise ConfigError(
+            f"optim.warmup_steps={optim.warmup_steps} must be <= optim.max_steps={optim.max_steps}"
+        )
+    if optim.global_batch_size % optim.micro_batch_size != 0:
+        raise ConfigError(
+            f"optim.global_batch_size={optim.global_batch_size} must be a multiple of "
+            f"optim.micro_batch_size={optim.micro_batch_size}"
+        )
+
+    precision = top.str("precision", PRECISIONS)
+
+    s = top.section("checkpoint")
+    checkpoint = CheckpointConfig(s.abs_path("dir"), s.int("interval_steps", lo=1), s.int("keep_last", lo=1))
+    s.done()
+
+    s = top.section("logging")
+    logging_cfg = LoggingConfig(s.int("log_every_steps", lo=1))
+    s.done()
+
+    s = top.section("distributed")
+    distributed = DistributedConfig(
+        s.str("backend", BACKENDS), s.float("collective_timeout_s", lo=0.0, lo_open=True)
+    )
+    s.done()
+    top.done()
+    return JobConfig(identity, data, model, optim, precision, checkpoint, logging_cfg, distributed, obj)
+
+
+def load_job_config(path: str | Path) -> JobConfig:
+    """Read and check the job config JSON file at ``path``.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, not JSON, or any field is invalid.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"job config {path}: cannot read ({err.strerror or err})") from err
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"job config {path}: not valid JSON ({err})") from err
+    try:
+        return parse_job_config(obj)
+    except ConfigError as err:
+        raise ConfigError(f"job config {path}: {err}") from None

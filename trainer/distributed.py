@@ -1,0 +1,88 @@
+"""Process-group lifecycle of the trainer: start it, pick the device, leave it without hanging.
+
+Launched by torchrun, a worker sees RANK, LOCAL_RANK, WORLD_SIZE (and MASTER_ADDR/PORT) in its
+environment; without them the trainer runs as a single process with no process group.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import JobConfig
+from trainer.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Dist:
+    enabled: bool  # launched by torchrun (RANK/WORLD_SIZE set) and a process group is up
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def setup_distributed(cfg: JobConfig) -> Dist:
+    """Start the process group when run under torchrun; pick the device.
+
+    Raises:
+        ConfigError: ``distributed.backend`` is "nccl" but CUDA is not available.
+    """
+    cuda = torch.cuda.is_available()
+    backend = cfg.distributed.backend
+    if backend == "auto":
+        backend = "nccl" if cuda else "gloo"
+    if backend == "nccl" and not cuda:
+        raise ConfigError("distributed.backend='nccl' needs CUDA, which this machine does not have; "
+                          "use 'gloo' or 'auto'")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return Dist(False, 0, 0, 1, torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.distributed.collective_timeout_s),
+                            device_id=device if backend == "nccl" else None)
+    log.info("process group up: backend=%s world_size=%d device=%s", backend, world, device)
+    return Dist(True, rank, local_rank, world, device)
+
+
+def shut_down(consistent: bool, code: int) -> None:
+    """Leave the process group without hanging and without outrunning rank 0's result file.
+
+    torchrun stops every worker as soon as one exits non-zero, so after an error every rank
+    first meets the others at a barrier (rank 0 has written the result file by then); when the
+    error came before the process group was up, a gloo group is started just for that barrier.
+    Errors that may be one rank's alone skip the barrier (peers may be stuck in a collective)
+    and leave at once with os._exit: torchrun then stops the others.
+
+    Args:
+        consistent: every rank ended the same way (success, a config error, divergence), so all
+            of them reach the barrier. The caller must hold no DDP model or optimizer anymore.
+        code: the exit code, used by the os._exit path.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return  # not launched by torchrun: no peers
+    if not consistent:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+        gc.collect()  # known trap: a DDP model alive after destroy_process_group() can hang gloo at exit
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - shutting down; the exit code already says what happened
+        log.warning("process group shutdown failed: %s", err)

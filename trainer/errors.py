@@ -1,0 +1,67 @@
+"""Exceptions of the trainer, each carrying the exit code and result status it maps to.
+
+The codes are the ones in docs/contracts.md ("Trainer exit codes and result file"):
+
+| exception        | exit code | result status | orchestrator                          |
+|------------------|-----------|---------------|---------------------------------------|
+| ConfigError      | 78        | bad_config    | permanent: fail, no retry             |
+| DatasetError     | 78        | bad_config    | permanent (a dataset that does not verify) |
+| DivergedError    | 79        | diverged      | permanent                             |
+| CheckpointError  | 1         | error         | transient: retry, resume              |
+| TerminatedError  | 143       | error         | transient (SIGTERM; a BaseException)  |
+| any other        | 1         | error         | transient                             |
+
+78 is ``EX_CONFIG`` from sysexits.h; 79 is trainforge's own.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 78
+EXIT_DIVERGED = 79
+
+
+class TrainerError(Exception):
+    """Base class: something the trainer detected and can describe. Exit code 1."""
+
+    exit_code: int = EXIT_ERROR
+    status: str = "error"
+
+
+class ConfigError(TrainerError):
+    """The job config (or the world size it is run with) is invalid. Exit code 78.
+
+    Messages name the field path (``optim.micro_batch_size``), the value given and what was
+    expected.
+    """
+
+    exit_code = EXIT_CONFIG
+    status = "bad_config"
+
+
+class DatasetError(ConfigError):
+    """The dataset folder named by ``data.dataset_dir`` is missing or does not verify. Exit 78."""
+
+
+class DivergedError(TrainerError):
+    """Training produced a non-finite loss, gradient norm or weight. Exit code 79."""
+
+    exit_code = EXIT_DIVERGED
+    status = "diverged"
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint could not be written or read back. Exit code 1 (transient: retried)."""
+
+
+class TerminatedError(BaseException):
+    """The process received SIGTERM (torchrun stopping the worker group). Exit code 143.
+
+    A BaseException, like KeyboardInterrupt, because it is raised from a signal handler at any
+    point: library code that catches ``Exception`` (logging's ``Handler.emit`` does) must not
+    swallow it.
+    """
+
+    exit_code = 143
+    status = "error"

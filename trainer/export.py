@@ -1,0 +1,116 @@
+"""Export a checkpoint as a Hugging Face model folder (docs/contracts.md, "Model export").
+
+    python -m trainer.export --checkpoint STEP_DIR --dataset DIR --out HF_DIR
+
+HF_DIR gets ``config.json``, ``model.safetensors``, ``generation_config.json``, the tokenizer
+files (a `PreTrainedTokenizerFast` over the dataset's tokenizer.json, EOS = BOS = PAD = the
+dataset's end-of-text token) and ``trainforge_export.json`` (where it came from). It loads with
+``AutoModelForCausalLM`` / ``AutoTokenizer`` / ``pipeline("text-generation")`` and is what
+``mlflow.transformers.log_model(transformers_model=HF_DIR, task="text-generation")`` takes.
+
+The folder is written next to HF_DIR under a temporary name and renamed into place, so HF_DIR
+is either absent or complete. Exit 0 on success, 1 when the checkpoint does not verify or
+load, 78 for bad arguments (HF_DIR exists and is not empty, dataset does not verify).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from trainer import checkpoint as ckpt
+from trainer.config import parse_job_config
+from trainer.data import open_dataset
+from trainer.errors import EXIT_CONFIG, EXIT_ERROR, CheckpointError, ConfigError
+from trainer.fsutil import chmod_like_umask
+from trainer.model import build_model, llama_config, load_weights
+
+EXPORT_INFO = "trainforge_export.json"
+
+
+def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write the HF folder for ``step_dir`` at ``out_dir``; returns ``out_dir``.
+
+    Raises:
+        ConfigError: ``out_dir`` exists and is not empty.
+        DatasetError: the dataset does not verify.
+        CheckpointError: the checkpoint does not verify, cannot be loaded, or was trained with
+            another tokenizer than the dataset's.
+    """
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    step_dir, out_dir = Path(step_dir), Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError(f"--out {out_dir}: exists and is not an empty directory")
+    problems = ckpt.verify(step_dir)
+    if problems:
+        raise CheckpointError(f"{step_dir} does not verify: {'; '.join(problems)}")
+    dataset = open_dataset(dataset_dir)
+    c = ckpt.load_checkpoint(step_dir)
+    if c.meta.get("dataset", {}).get("tokenizer_sha256") != dataset.tokenizer_sha256:
+        raise CheckpointError(f"{step_dir} was trained with tokenizer sha256 "
+                              f"{c.meta.get('dataset', {}).get('tokenizer_sha256')}, {dataset.tokenizer_path} has "
+                              f"{dataset.tokenizer_sha256}: export with the dataset it was trained on")
+    try:
+        cfg = parse_job_config(c.meta["job_config"])
+    except (KeyError, ConfigError) as err:
+        raise CheckpointError(f"{step_dir / ckpt.META}: no valid job_config ({err})") from err
+
+    model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, cfg.data.sequence_length))
+    try:
+        load_weights(model, c.weights)
+    except ValueError as err:
+        raise CheckpointError(f"{step_dir}: {err}") from err
+    model.config.use_cache = True  # inference default; training ran without the KV cache
+    model.generation_config = GenerationConfig(bos_token_id=dataset.eos_id, eos_token_id=dataset.eos_id,
+                                               pad_token_id=dataset.eos_id)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(dataset.tokenizer_path), eos_token=dataset.eos_token,
+                                        bos_token=dataset.eos_token, pad_token=dataset.eos_token,
+                                        model_max_length=cfg.data.sequence_length,
+                                        clean_up_tokenization_spaces=False)  # it would eat spaces in BPE text
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        for path in tmp.iterdir():
+            chmod_like_umask(path)
+        info = {"checkpoint": str(step_dir.resolve()), "step": c.step,
+                "checkpoint_digest": hashlib.sha256((step_dir / ckpt.MANIFEST).read_bytes()).hexdigest(),
+                "dataset_digest": dataset.digest, "config_digest": c.meta.get("config_digest")}
+        (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.export",
+                                description="Export a checkpoint as a Hugging Face model folder.")
+    p.add_argument("--checkpoint", required=True, help="a step-XXXXXXXX/ folder")
+    p.add_argument("--dataset", required=True, help="the dataset folder it was trained on (for the tokenizer)")
+    p.add_argument("--out", required=True, help="HF model folder to create (must not exist, or be empty)")
+    args = p.parse_args(argv)
+    try:
+        out = export_checkpoint(args.checkpoint, args.dataset, args.out)
+    except ConfigError as err:
+        print(f"trainer.export: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    except CheckpointError as err:
+        print(f"trainer.export: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Rank 0's MLflow logging into the DAG run's existing run (never creates, ends or re-statuses it).
+
+Reads ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID``; without a tracking URI nothing is logged.
+Metrics are worth less than the training they describe, so MLflow failures are logged as
+warnings and never stop training; after `MAX_CONSECUTIVE_FAILURES` failed calls in a row the
+tracker gives up for the rest of the attempt.
+
+HTTP limits: unless the environment already sets them, ``MLFLOW_HTTP_REQUEST_TIMEOUT`` is 10 s
+and ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` 2, so an unreachable server stalls a step for at most
+about half a minute instead of MLflow's default of several minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_FAILURES = 3
+
+
+class MlflowTracker:
+    """Logs params and step metrics into one existing MLflow run via `mlflow.MlflowClient`."""
+
+    def __init__(self, tracking_uri: str, run_id: str) -> None:
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        import mlflow  # heavy: imported only when tracking is on, and only on rank 0
+
+        self._mlflow = mlflow
+        self.client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        self.run_id = run_id
+        self.failures = 0
+
+    @classmethod
+    def from_env(cls) -> MlflowTracker | None:
+        """A tracker for ``$MLFLOW_RUN_ID`` at ``$MLFLOW_TRACKING_URI``, or None when unset."""
+        uri, run_id = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("MLFLOW_RUN_ID")
+        if not uri:
+            log.info("MLFLOW_TRACKING_URI is not set: not logging to MLflow")
+            return None
+        if not run_id:
+            log.warning("MLFLOW_TRACKING_URI is set but MLFLOW_RUN_ID is not: not logging to MLflow")
+            return None
+        return cls(uri, run_id)
+
+    @property
+    def enabled(self) -> bool:
+        return self.failures < MAX_CONSECUTIVE_FAILURES
+
+    def _call(self, what: str, fn, *args, **kwargs) -> Any:
+        if not self.enabled:
+            return None
+        try:
+            out = fn(*args, **kwargs)
+        except Exception as err:  # MlflowException, requests errors, sqlite errors...
+            self.failures += 1
+            log.warning("MLflow %s for run %s failed (%d in a row): %s", what, self.run_id, self.failures, err)
+            if not self.enabled:
+                log.warning("MLflow logging disabled for the rest of this attempt")
+            return None
+        self.failures = 0
+        return out
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Log each param the run does not have yet; an existing key keeps its value.
+
+        MLflow rejects re-logging a param with a different value, and a resumed attempt logs
+        the same names again, so existing keys are skipped (with a warning if the value differs).
+        """
+        run = self._call("get_run", self.client.get_run, self.run_id)
+        if run is None:
+            return
+        existing = run.data.params
+        new = []
+        for key, value in params.items():
+            value = str(value)
+            if key not in existing:
+                new.append(self._mlflow.entities.Param(key, value))
+            elif existing[key] != value:
+                log.warning("MLflow param %s is already %r in run %s; keeping it (this attempt: %r)",
+                            key, existing[key], self.run_id, value)
+        for lo in range(0, len(new), 100):  # log_batch takes at most 100 params per call
+            self._call("log_batch(params)", self.client.log_batch, self.run_id, params=new[lo:lo + 100])
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Log ``metrics`` at optimizer step ``step`` in one log_batch call."""
+        now_ms = int(time.time() * 1000)
+        batch = [self._mlflow.entities.Metric(k, float(v), now_ms, step) for k, v in metrics.items()]
+        self._call("log_batch(metrics)", self.client.log_batch, self.run_id, metrics=batch)

@@ -1,0 +1,318 @@
+"""Train a small Llama-style LM on a prepared dataset: the program torchrun launches.
+
+    # 2 processes on one machine (gloo on CPU, nccl when CUDA is available):
+    torchrun --standalone --nproc-per-node=2 -m trainer.train --config job.json
+    # one process, no torchrun (debugging):
+    python -m trainer.train --config job.json
+
+Environment: MLFLOW_TRACKING_URI + MLFLOW_RUN_ID (rank 0 logs params and step metrics into that
+existing run; unset URI = no MLflow), TRAINFORGE_RESULT_FILE (rank 0 writes result.json there on
+every exit it survives to see), OMP_NUM_THREADS (torch threads per process; 1 when unset).
+
+Exit codes (docs/contracts.md): 0 finished at max_steps, 78 bad config or dataset, 79 diverged
+(non-finite loss or gradient norm, or non-finite weights at a checkpoint), anything else is a
+crash the orchestrator retries; every attempt first resumes from the newest valid checkpoint.
+
+One optimizer step: global_batch sequences = micro_batch x world x accum; each rank runs
+``accum`` forward/backward passes (gradients all-reduced only on the last, via DDP.no_sync),
+clips the global gradient norm, checks the loss is finite, then steps AdamW.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer import checkpoint as ckpt
+from trainer.config import ConfigError, JobConfig, OptimConfig, load_job_config
+from trainer.data import BatchSampler, Dataset, TokenStream, open_dataset
+from trainer.distributed import Dist, setup_distributed, shut_down
+from trainer.errors import EXIT_OK, DivergedError, TerminatedError, TrainerError
+from trainer.fsutil import atomic_write_json
+from trainer.model import build_model, llama_config, lm_loss, load_weights, weights_state_dict
+from trainer.tracking import MlflowTracker
+
+log = logging.getLogger("trainer.train")
+
+
+def lr_at(step: int, optim: OptimConfig) -> float:
+    """Learning rate of the optimizer step with 0-based index ``step``.
+
+    Linear warm-up, then cosine decay to the floor (W = warmup_steps, S = max_steps):
+
+        step < W:   lr = lr_max * (step + 1) / W
+        step >= W:  p = (step - W) / max(1, S - W)                       # in [0, 1)
+                    lr = lr_min + 0.5 * (1 + cos(pi * p)) * (lr_max - lr_min)
+    """
+    o = optim
+    if step < o.warmup_steps:
+        return o.learning_rate * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, o.max_steps - o.warmup_steps))
+    return o.min_learning_rate + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.learning_rate - o.min_learning_rate)
+
+
+@dataclass
+class Outcome:
+    """What rank 0 reports in the result file; filled in as training goes."""
+
+    final_step: int = 0
+    tokens_seen: int = 0
+    final_train_loss: float | None = None
+    last_checkpoint: str | None = None
+
+
+def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on 2-D+ parameters (matmuls, embeddings) only, not on norms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=1e-8)
+
+
+def resume(cfg: JobConfig, d: Dist, dataset: Dataset, model, optimizer) -> tuple[int, int, dict]:
+    """Load the newest valid checkpoint, if any, into ``model`` and ``optimizer``.
+
+    Rank 0 picks the folder (`checkpoint.newest_valid`) and broadcasts it, so every rank loads
+    the same step. Returns ``(step, tokens_seen, metrics at that step)``; ``(0, 0, {})`` on a
+    fresh start.
+
+    Raises:
+        ConfigError: the checkpoint was trained on another dataset or model shape.
+        CheckpointError: the chosen checkpoint cannot be loaded.
+    """
+    chosen = [None]
+    if d.rank == 0:
+        newest = ckpt.newest_valid(cfg.checkpoint.dir)
+        chosen = [str(newest) if newest else None]
+    if d.enabled:
+        dist.broadcast_object_list(chosen, src=0)
+    if chosen[0] is None:
+        log.info("no valid checkpoint under %s: starting from step 0", cfg.checkpoint.dir)
+        return 0, 0, {}
+    c = ckpt.load_checkpoint(chosen[0])
+    saved = c.meta.get("job_config", {})
+    if c.meta.get("dataset_digest") != dataset.digest:
+        raise ConfigError(f"checkpoint {c.path} was trained on dataset {c.meta.get('dataset_digest')}, "
+                          f"data.dataset_dir has {dataset.digest}; use a new checkpoint.dir")
+    saved_seq_len = saved.get("data", {}).get("sequence_length")
+    if saved.get("model") != cfg.raw["model"] or saved_seq_len != cfg.data.sequence_length:
+        raise ConfigError(f"checkpoint {c.path} has model {saved.get('model')} and sequence_length "
+                          f"{saved_seq_len}; the job config asks for "
+                          f"{cfg.raw['model']} / {cfg.data.sequence_length}; use a new checkpoint.dir")
+    try:
+        load_weights(model, c.weights)
+    except ValueError as err:
+        raise ckpt.CheckpointError(f"{c.path}: {err}") from err
+    optimizer.load_state_dict(c.optimizer)
+    rngs = c.trainer_state.get("rng", [])
+    if c.trainer_state.get("world_size") == d.world_size and len(rngs) == d.world_size:
+        ckpt.restore_rng_state(rngs[d.rank])
+    else:
+        log.warning("checkpoint world size %s != %d: RNG states not restored (data order is unaffected)",
+                    c.trainer_state.get("world_size"), d.world_size)
+    log.info("resuming from %s (step %d)", c.path, c.step)
+    return c.step, int(c.trainer_state["tokens_seen"]), c.meta.get("metrics", {})
+
+
+def save(cfg: JobConfig, d: Dist, dataset: Dataset, model, optimizer, step: int, tokens_seen: int,
+         accum: int, metrics: dict) -> Path | None:
+    """Write step ``step`` (rank 0) after every rank handed over its RNG state; returns the folder.
+
+    Raises:
+        DivergedError: a weight is not finite (a diverged run never writes a checkpoint).
+    """
+    bad = torch.tensor([sum(int(not torch.isfinite(p).all()) for p in model.parameters())], device=d.device)
+    if d.enabled:
+        dist.all_reduce(bad)
+    if bad.item():
+        raise DivergedError(f"step {step}: {bad.item()} parameter tensors hold non-finite values "
+                            f"(lr {metrics.get('learning_rate')}); no checkpoint written")
+    rngs = [None] * d.world_size
+    if d.enabled:
+        dist.gather_object(ckpt.capture_rng_state(), rngs if d.rank == 0 else None, dst=0)
+    else:
+        rngs = [ckpt.capture_rng_state()]
+    path = None
+    if d.rank == 0:
+        state = {"step": step, "tokens_seen": tokens_seen, "world_size": d.world_size, "scheduler": {"step": step},
+                 "rng": rngs}
+        meta = {"step": step, "tokens_seen": tokens_seen, "world_size": d.world_size, "grad_accum_steps": accum,
+                "config_digest": cfg.digest(), "dataset_digest": dataset.digest,
+                "dataset": {"vocab_size": dataset.vocab_size, "eos_id": dataset.eos_id, "eos_token": dataset.eos_token,
+                            "tokenizer_sha256": dataset.tokenizer_sha256},
+                "job_config": cfg.raw, "versions": _versions(), "metrics": metrics,
+                "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        t0 = time.perf_counter()
+        path = ckpt.write_checkpoint(cfg.checkpoint.dir, step, weights_state_dict(model), optimizer.state_dict(),
+                                     state, meta)
+        deleted = ckpt.apply_retention(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
+        log.info("checkpoint %s written in %.2fs (retention deleted %d)", path, time.perf_counter() - t0, len(deleted))
+    if d.enabled:
+        dist.barrier()
+    return path
+
+
+def _versions() -> dict[str, str]:
+    import safetensors
+    import transformers
+    return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__, "numpy": np.__version__}
+
+
+def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
+    """Run (or finish) the training described by ``cfg``; ``out`` tracks progress for the result file."""
+    o, T = cfg.optim, cfg.data.sequence_length
+    accum = cfg.grad_accum_steps(d.world_size)  # ConfigError when the batch does not divide
+    random.seed(o.seed)
+    np.random.seed(o.seed % 2**32)
+    torch.manual_seed(o.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+
+    dataset = open_dataset(cfg.data.dataset_dir)
+    sampler = BatchSampler(TokenStream(dataset, "train"), T, o.micro_batch_size, accum, d.world_size, o.seed)
+    model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, T)).to(d.device)
+    optimizer = make_optimizer(model, o)
+    step, tokens_seen, metrics = resume(cfg, d, dataset, model, optimizer)
+    out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, metrics.get("train_loss")
+    if step and d.rank == 0:
+        out.last_checkpoint = str(Path(cfg.checkpoint.dir) / ckpt.step_dir_name(step))
+    ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None) if d.enabled else model
+    model.train()
+    autocast = (torch.autocast(d.device.type, dtype=torch.bfloat16) if cfg.precision == "bf16" else nullcontext())
+    tokens_per_step = o.global_batch_size * T
+
+    tracker = MlflowTracker.from_env() if d.rank == 0 else None
+    n_params = sum(p.numel() for p in model.parameters())
+    if tracker:
+        flat = {f"{s}.{k}": v for s in ("data", "model", "optim", "checkpoint", "logging", "distributed")
+                for k, v in cfg.raw[s].items()}
+        tracker.log_params(flat | {"precision": cfg.precision, "world_size": d.world_size, "grad_accum_steps": accum,
+                                   "num_parameters": n_params, "dataset_digest": dataset.digest,
+                                   "config_digest": cfg.digest()})
+    log.info("model: %d parameters; %d steps of %d sequences x %d tokens (micro %d x world %d x accum %d)",
+             n_params, o.max_steps, o.global_batch_size, T, o.micro_batch_size, d.world_size, accum)
+
+    t_window, steps_in_window = time.perf_counter(), 0
+    while step < o.max_steps:
+        lr = lr_at(step, o)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=d.device)  # mean loss of this rank's micro-batches
+        for a, (x, y) in enumerate(sampler.micro_batches(step, d.rank)):  # x, y: (micro_batch, T) int64
+            x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+            sync = ddp.no_sync() if d.enabled and a < accum - 1 else nullcontext()  # all-reduce on the last only
+            with sync:
+                with autocast:
+                    loss = lm_loss(ddp, x, y) / accum  # scalar, nats/token
+                loss.backward()
+            loss_sum += loss.detach()
+        max_norm = o.grad_clip if o.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()  # before clipping
+        if d.enabled:
+            dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
+            loss_sum /= d.world_size
+        loss_value = loss_sum.item()
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            raise DivergedError(f"step {step + 1}: train loss {loss_value}, grad norm {grad_norm} at lr {lr:.3g}; "
+                                f"stopping before the optimizer step, no checkpoint written after step {step}")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += tokens_per_step
+        steps_in_window += 1
+        out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, loss_value
+        metrics = {"train_loss": loss_value, "learning_rate": lr, "grad_norm": grad_norm}
+
+        if d.rank == 0 and (step % cfg.logging.log_every_steps == 0 or step == o.max_steps):
+            elapsed = time.perf_counter() - t_window
+            metrics["tokens_per_s"] = steps_in_window * tokens_per_step / max(elapsed, 1e-9)
+            log.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | tok/s %.0f", step, o.max_steps,
+                     loss_value, lr, grad_norm, metrics["tokens_per_s"])
+            if tracker:
+                tracker.log_metrics(step, metrics)
+            t_window, steps_in_window = time.perf_counter(), 0
+        if step % cfg.checkpoint.interval_steps == 0 or step == o.max_steps:
+            with sigterm_deferred():  # a checkpoint and its mention in the result file go together
+                path = save(cfg, d, dataset, model, optimizer, step, tokens_seen, accum, metrics)
+                if path is not None:
+                    out.last_checkpoint = str(path)
+            t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
+    if step > o.max_steps:
+        log.warning("resumed at step %d, past optim.max_steps=%d: nothing to train", step, o.max_steps)
+    # Known trap: gloo can hang at exit when a DDP model outlives the process group.
+    del ddp, model, optimizer
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise TerminatedError("received SIGTERM (torchrun stopping the worker group, or the task being killed)")
+
+
+@contextmanager
+def sigterm_deferred() -> Iterator[None]:
+    """Hold SIGTERM back (blocked, not lost) for the duration of the block; it lands right after."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="path of the job config JSON (trainforge.job/v1)")
+    args = parser.parse_args(argv)
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO if rank == 0 else logging.WARNING, force=True,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "mlflow", "alembic", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    result_file = os.environ.get("TRAINFORGE_RESULT_FILE")
+    if rank == 0 and result_file:
+        Path(result_file).unlink(missing_ok=True)  # a stale result must not speak for this attempt
+
+    out = Outcome()
+    try:
+        cfg = load_job_config(args.config)
+        d = setup_distributed(cfg)
+        train(cfg, d, out)
+        code, status, message = EXIT_OK, "success", f"finished at step {out.final_step}"
+        consistent = True
+    except (TrainerError, TerminatedError) as err:
+        code, status, message = err.exit_code, err.status, str(err)
+        # Config and divergence errors are raised identically on every rank: a clean shutdown is safe.
+        consistent = isinstance(err, (ConfigError, DivergedError))
+        log.error("%s (exit %d): %s", type(err).__name__, code, message)
+    except BaseException as err:  # noqa: BLE001 - every exit path writes the result file
+        code = 130 if isinstance(err, KeyboardInterrupt) else 1
+        status, message, consistent = "error", f"{type(err).__name__}: {err}", False
+        log.exception("training failed")
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish reporting; torchrun SIGKILLs after its grace period
+    if rank == 0 and result_file:
+        atomic_write_json(result_file, {"status": status, "exit_code": code, "message": message,
+                                        "final_step": out.final_step, "tokens_seen": out.tokens_seen,
+                                        "final_train_loss": out.final_train_loss,
+                                        "last_checkpoint": out.last_checkpoint})
+    shut_down(consistent, code)
+    return code  # SIGTERM stays ignored: exiting now is what torchrun asks for anyway
+
+
+if __name__ == "__main__":
+    sys.exit(main())
