@@ -15,6 +15,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from operators.links import XCOM_MLFLOW_RUN_URL, MlflowRunLink
 from operators.spec.loader import SpecError, validate_overrides
 from operators.spec.model import PipelineSpec
 
@@ -48,6 +49,7 @@ class TrainforgeStageOperator(BaseOperator):
     """
 
     ui_color = "#e8f1fb"
+    operator_extra_links = (MlflowRunLink(),)
 
     def __init__(
         self,
@@ -87,12 +89,19 @@ class TrainforgeStageOperator(BaseOperator):
     def mlflow_run_id(self, context: Any, spec: PipelineSpec) -> str:
         """The DAG run's MLflow run (created by the first task that asks, found by the rest)."""
         ti = context["ti"]
-        return self.mlflow_hook.get_or_create_run(
+        run_id = self.mlflow_hook.get_or_create_run(
             experiment_name=spec.experiment_name,
             dag_id=ti.dag_id,
             run_id=ti.run_id,
             tags={"trainforge.pipeline": spec.dag_id, "trainforge.spec_file": self.spec_file},
         )
+        try:
+            experiment_id = self.mlflow_hook.client.get_run(run_id).info.experiment_id
+            url = f"{self.mlflow_hook.tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+            ti.xcom_push(key=XCOM_MLFLOW_RUN_URL, value=url)
+        except Exception:  # noqa: BLE001 - the link is a convenience, never a failure
+            self.log.debug("could not record the MLflow run link", exc_info=True)
+        return run_id
 
     # -- helpers ----------------------------------------------------------------------------
     def run_streaming(self, argv: list[str], timeout_s: float, env: dict | None = None) -> int:

@@ -71,9 +71,8 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
                 "--checkpoints", trained["checkpoint_dir"],
                 "--dataset", prepared["dataset_dir"],
                 "--report", str(report_path),
-                "--eval-tokens", str(spec.validation.eval_tokens),
-                "--sample-prompt", spec.validation.sample_prompt,
-                "--sample-tokens", str(spec.validation.sample_tokens),
+                "--max-eval-tokens", str(spec.validation.eval_tokens),
+                "--prompt", spec.validation.sample_prompt,
             ]
             if trained.get("final_step"):
                 argv += ["--step", str(trained["final_step"])]
