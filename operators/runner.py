@@ -57,11 +57,21 @@ def _airflow(args: list[str], env: dict[str, str], **kwargs) -> subprocess.Compl
     return subprocess.run([str(exe), *args], env=env, text=True, **kwargs)
 
 
+def _json_output(stdout: str) -> Any:
+    """The JSON document in an Airflow CLI's output (warnings may precede it on stdout)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(("[", "{")):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
 def _latest_run(dag_id: str, env: dict[str, str]) -> dict[str, Any] | None:
     out = _airflow(["dags", "list-runs", dag_id, "-o", "json"], env, capture_output=True)
-    try:
-        runs = json.loads(out.stdout)
-    except json.JSONDecodeError:
+    runs = _json_output(out.stdout)
+    if not isinstance(runs, list):
         return None
     runs.sort(key=lambda r: r.get("start_date") or r.get("logical_date") or "")
     return runs[-1] if runs else None
@@ -70,9 +80,8 @@ def _latest_run(dag_id: str, env: dict[str, str]) -> dict[str, Any] | None:
 def _task_times(dag_id: str, run_id: str, env: dict[str, str]) -> dict[str, dict[str, Any]]:
     out = _airflow(["tasks", "states-for-dag-run", dag_id, run_id, "-o", "json"], env,
                    capture_output=True)
-    try:
-        rows = json.loads(out.stdout)
-    except json.JSONDecodeError:
+    rows = _json_output(out.stdout)
+    if not isinstance(rows, list):
         return {}
     times = {}
     for row in rows:

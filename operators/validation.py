@@ -73,6 +73,7 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
                 "--report", str(report_path),
                 "--max-eval-tokens", str(spec.validation.eval_tokens),
                 "--prompt", spec.validation.sample_prompt,
+                "--sample-tokens", str(spec.validation.sample_tokens),
             ]
             if trained.get("final_step"):
                 argv += ["--step", str(trained["final_step"])]

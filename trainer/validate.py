@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", required=True, help="where to write the JSON report")
     p.add_argument("--max-eval-tokens", type=int, default=65536, help="cap on evaluated target tokens")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the greedy sample")
+    p.add_argument("--sample-tokens", type=int, default=32, help="new tokens of the greedy sample (0: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     try:
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "detail": f"no step-* folder with a manifest.json under {args.checkpoints}"}]}
         else:
             report = validate_checkpoint(step_dir, args.dataset, max_eval_tokens=args.max_eval_tokens,
-                                         prompt=args.prompt, device=args.device)
+                                         prompt=args.prompt, max_new_tokens=args.sample_tokens,
+                                         device=args.device)
     except ConfigError as err:  # includes DatasetError
         print(f"trainer.validate: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -14,20 +14,15 @@ import datetime as dt
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from operators.spec.base import SpecModel
+from operators.spec.data import DataSection
 from operators.spec.durations import DurationS
+from operators.spec.registry import RegistrySection, ValidationSection
 
 _DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,255}$")
-_ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,254}$")
 _PRESETS = ("@once", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
-
-
-class SpecModel(BaseModel):
-    """Base of every spec section: unknown keys are errors, values are immutable."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class PipelineSection(SpecModel):
@@ -78,47 +73,6 @@ class PipelineSection(SpecModel):
                 f"'0 3 * * 1', a preset such as '@weekly', or null)"
             )
         return value
-
-
-class CleaningSection(SpecModel):
-    strip_gutenberg_boilerplate: bool = Field(
-        False, description="Drop Project Gutenberg licence headers and footers."
-    )
-    normalize_whitespace: bool = Field(True, description="Collapse runs of blanks and blank lines.")
-    unicode_normalization: Literal["NFC", "NFKC", "none"] = Field(
-        "NFC", description="Unicode normal form applied to every line."
-    )
-    min_document_chars: int = Field(
-        1, ge=1, description="Drop documents shorter than this many characters after cleaning."
-    )
-
-
-class TokenizerSection(SpecModel):
-    vocab_size: int = Field(
-        4096, ge=300, le=1_048_576, description="Byte-level BPE vocabulary size, trained on the "
-        "train split. <= 65536 stores tokens as uint16, else uint32."
-    )
-
-
-class DataSection(SpecModel):
-    sources: list[str] = Field(
-        min_length=1,
-        description="Local glob patterns of input files; relative paths resolve against "
-        "TRAINFORGE_HOME.",
-    )
-    format: Literal["text"] = Field("text", description="Input format: one document per file.")
-    cleaning: CleaningSection = CleaningSection()
-    tokenizer: TokenizerSection = TokenizerSection()
-    sequence_length: int = Field(256, ge=8, le=131_072, description="Tokens per training sequence.")
-    validation_fraction: float = Field(
-        0.1, gt=0.0, lt=0.5, description="Share of documents held out for validation."
-    )
-    shard_tokens: int = Field(
-        16_777_216, ge=1024, description="Maximum tokens per shard file."
-    )
-    output_uri: str = Field(
-        "datasets", description="Where prepared datasets go (one folder per dataset digest)."
-    )
 
 
 class ModelSection(SpecModel):
@@ -257,48 +211,6 @@ class TrainingSection(SpecModel):
                 f"{self.checkpoint.interval_steps} > {opt.max_steps})"
             )
         return self
-
-
-class ValidationSection(SpecModel):
-    max_val_loss: float | None = Field(None, gt=0, description="Fail when validation loss is above.")
-    max_val_perplexity: float | None = Field(
-        None, gt=1, description="Fail when validation perplexity is above."
-    )
-    require_beats_unigram: bool = Field(
-        True, description="Fail unless validation perplexity is below the unigram baseline."
-    )
-    eval_tokens: int = Field(65_536, ge=64, description="Validation tokens evaluated (at most).")
-    sample_prompt: str = Field("ROMEO:", description="Prompt of the greedy sample in the report.")
-    sample_tokens: int = Field(40, ge=0, le=1024, description="Tokens generated for the sample.")
-
-
-class RegistrySection(SpecModel):
-    model_name: str = Field(description="MLflow registered model name.")
-    aliases: list[str] = Field(
-        default_factory=lambda: ["challenger"], description="Aliases set on the new version."
-    )
-    tags: dict[str, str] = Field(default_factory=dict, description="Tags on the model version.")
-
-    @field_validator("model_name")
-    @classmethod
-    def _model_name(cls, value: str) -> str:
-        if not _MODEL_NAME.match(value):
-            raise ValueError(
-                f"not a valid registered model name (got {value!r}; expected letters, digits, "
-                f"'_', '.', '-')"
-            )
-        return value
-
-    @field_validator("aliases")
-    @classmethod
-    def _aliases(cls, value: list[str]) -> list[str]:
-        for alias in value:
-            if not _ALIAS.match(alias) or re.fullmatch(r"[vV]\d+|latest", alias):
-                raise ValueError(
-                    f"not a valid MLflow alias (got {alias!r}; expected a name that starts with a "
-                    f"letter and is not 'latest' or 'v<number>')"
-                )
-        return value
 
 
 class PipelineSpec(SpecModel):
