@@ -34,7 +34,7 @@ TUNABLE_PARAMS: dict[str, str] = {
 
 def fail_permanently(message: str) -> None:
     """Fail the task without retries (a retry cannot fix it)."""
-    from airflow.exceptions import AirflowFailException
+    from airflow.sdk.exceptions import AirflowFailException
 
     raise AirflowFailException(message)
 

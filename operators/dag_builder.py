@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from operators.base import TUNABLE_PARAMS
-from operators.spec.loader import SpecError, load_spec
+from operators.spec.loader import SpecError, SpecIssue, load_spec
 from operators.spec.model import PipelineSpec
 
 log = logging.getLogger(__name__)
@@ -112,29 +112,27 @@ def spec_files(paths: str | Path | list) -> list[Path]:
     return out
 
 
-def build_dags(paths: str | Path | list) -> tuple[dict[str, Any], dict[str, str]]:
+def build_dags(paths: str | Path | list) -> tuple[dict[str, Any], dict[str, Exception]]:
     """Compile every spec named by ``paths`` (files, or folders of ``*.yaml`` / ``*.yml``).
 
-    Returns ``(dags by dag_id, errors by file)``: one broken spec never stops the others.
+    Returns ``(dags by dag_id, errors by file)``: one broken spec never stops the others. An
+    error is a :class:`SpecError` (its ``issues`` carry lines) or an ``OSError``.
     """
     dags: dict[str, Any] = {}
-    errors: dict[str, str] = {}
+    errors: dict[str, Exception] = {}
     files = spec_files(paths)
     seen: dict[str, str] = {}
     for path in files:
         try:
             spec = load_spec(path)
-        except SpecError as err:
-            errors[str(path)] = str(err)
-            continue
-        except OSError as err:
-            errors[str(path)] = f"{path}: cannot read: {err}"
+        except (SpecError, OSError) as err:
+            errors[str(path)] = err
             continue
         if spec.dag_id in seen:
-            errors[str(path)] = (
-                f"{path}:1:1: pipeline.name: dag_id {spec.dag_id!r} is already used by "
-                f"{seen[spec.dag_id]}"
-            )
+            errors[str(path)] = SpecError([SpecIssue(
+                str(path), 1, 1, "pipeline.name",
+                f"dag_id {spec.dag_id!r} is already used by {seen[spec.dag_id]}",
+            )])
             continue
         seen[spec.dag_id] = str(path)
         dags[spec.dag_id] = build_dag(spec, spec_file=str(path))

@@ -12,6 +12,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,8 +27,33 @@ from operators.spec.model import PipelineSpec
 
 DAGS_FOLDER = Path(__file__).resolve().parent.parent / "dags"
 PLUGINS_FOLDER = Path(__file__).resolve().parent.parent / "plugins"
-_SHOW = ("[DAG TEST] running task", "[DAG TEST] end task", "operators.", "trainforge",
-         "ERROR", "Error", "Traceback", "DagRun Finished", "step ")
+_STRUCTLOG = re.compile(r"^\S+Z \[(?P<level>\w+)\s*\] (?P<event>.*?) \[(?P<logger>[\w.]+)\](?: loc=\S+)?")
+_TASK_START = re.compile(r"\[DAG TEST\] starting task_id=(\S+)")
+_TASK_END = re.compile(r"\[DAG TEST\] end task task_id=(\S+)")
+
+
+def console_line(line: str) -> str | None:
+    """The part of one `airflow dags test` output line worth showing on the console, or None.
+
+    Shown: task starts and ends, trainforge's own log lines (operators, trigger, trainer rank
+    0) and every warning or error; Airflow's internal chatter stays in the full log file.
+    """
+    match = _STRUCTLOG.match(line)
+    if not match:
+        return line.rstrip() if line.startswith(("Traceback", "  File", "ERROR")) else None
+    level, event, logger = match["level"], match["event"], match["logger"]
+    if started := _TASK_START.search(event):
+        return f"==> task {started[1]}"
+    if ended := _TASK_END.search(event):
+        return f"<== task {ended[1]} done"
+    if "TrainingJobTrigger" in logger:
+        # "[job-key] [default0]:<time> rank0 INFO trainer.train: step 10/300 | ..."
+        return "    " + re.sub(r"^\[[^\]]+\] (\[default\d+\]:)?(\S+ \S+ )?", "", event)
+    if logger.startswith(("airflow.task.operators.operators.", "operators.", "trainforge")):
+        return f"    {event}"
+    if level in ("warning", "error", "critical") and "py.warnings" not in logger:
+        return f"    {level.upper()}: {event} [{logger}]"
+    return None
 
 
 def airflow_env(home: Path, pipelines: list[Path] | None = None) -> dict[str, str]:
@@ -206,8 +232,9 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
             assert proc.stdout is not None
             for line in proc.stdout:
                 full_log.write(line)
-                if any(marker in line for marker in _SHOW):
-                    console.print(line.rstrip(), markup=False, highlight=False)
+                shown = console_line(line)
+                if shown is not None:
+                    console.print(shown, markup=False, highlight=False, soft_wrap=True)
             rc = proc.wait()
         airflow_run = _latest_run(spec.dag_id, env)
         if airflow_run is None:

@@ -68,8 +68,14 @@ _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456
 
 
 def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: list, file: str):
-    """Turn a composed YAML node into plain data, recording the position of every path."""
+    """Turn a composed YAML node into plain data, recording the position of every path.
+
+    The raw text of each plain (unquoted) scalar is kept in ``marks[("raw",) + path]`` so that
+    errors can explain what YAML made of it.
+    """
     marks[path] = node.start_mark
+    if isinstance(node, yaml.ScalarNode) and node.style is None:
+        marks[("raw",) + path] = node.value
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
@@ -108,20 +114,84 @@ def _position(marks: dict, loc: tuple) -> tuple[int, int]:
     return 1, 1
 
 
-def _describe(error: dict) -> str:
+_YAML_BOOL_WORDS = {"yes", "no", "on", "off", "y", "n", "true", "false"}
+
+
+def _model_at(loc: tuple):
+    """The pydantic model class that holds the field at ``loc`` (a pydantic error location)."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    model: Any = PipelineSpec
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        candidates = [annotation]
+        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+            candidates = list(typing.get_args(annotation))
+        candidates += [a for c in list(candidates) for a in typing.get_args(c)]
+        model = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+        if model is None:
+            return None
+    return model
+
+
+def _did_you_mean(word: str, choices) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _yaml_hint(raw: str | None, given: Any) -> str:
+    """Why YAML may have produced ``given`` from the unquoted text ``raw``."""
+    if raw is None:
+        return ""
+    if isinstance(given, bool) and raw.lower() in _YAML_BOOL_WORDS:
+        return f"; YAML reads unquoted {raw!r} as the boolean {given}: quote it ('{raw}') to keep text"
+    if not isinstance(given, str) and not isinstance(given, (dict, list)):
+        return (
+            f"; YAML read the unquoted {raw!r} as {type(given).__name__} {given!r}: quote it to "
+            f"keep it as text"
+        )
+    return ""
+
+
+def _describe(error: dict, marks: dict | None = None) -> str:
+    marks = marks or {}
+    loc = tuple(error["loc"])
+    raw = marks.get(("raw",) + loc)
     message = error["msg"]
     message = re.sub(r"^(Value error|Assertion failed), ", "", message)
     kind = error["type"]
     given = error.get("input")
     if kind == "extra_forbidden":
-        return "unknown field (remove it or check its spelling)"
+        model = _model_at(loc)
+        allowed = sorted(model.model_fields) if model is not None else []
+        hint = _did_you_mean(loc[-1], allowed)
+        if not hint and allowed:
+            hint = f"; expected one of: {', '.join(allowed)}"
+        return f"unknown field (got {loc[-1]!r}{hint})"
     if kind == "missing":
         return "required field is missing"
+    if kind == "literal_error":
+        expected = (error.get("ctx") or {}).get("expected", "")
+        choices = [c.strip().strip("'") for c in expected.replace(" or ", ", ").split(",")]
+        hint = _did_you_mean(given, choices) if len(choices) > 1 else ""
+        return f"unknown value (got {given!r}; expected {expected}{hint})"
     if "(got " in message:
-        return message
+        return message + _yaml_hint(raw, given)
     if isinstance(given, dict):
         return message
-    return f"{message} (got {given!r})"
+    return f"{message} (got {given!r}{_yaml_hint(raw, given)})"
 
 
 def parse_spec_text(text: str, file: str = "<string>") -> PipelineSpec:
@@ -156,7 +226,7 @@ def parse_spec_text(text: str, file: str = "<string>") -> PipelineSpec:
         for e in err.errors():
             line, col = _position(marks, e["loc"])
             path = ".".join(str(p) for p in e["loc"])
-            issues.append(SpecIssue(file, line, col, path, _describe(e)))
+            issues.append(SpecIssue(file, line, col, path, _describe(e, marks)))
         spec = None
     if issues:
         issues.sort(key=lambda i: (i.line, i.column))
