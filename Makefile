@@ -11,12 +11,13 @@ PYTEST_ARGS ?=
 export TRAINFORGE_HOME ?= $(CURDIR)/.trainforge
 export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
 
-.PHONY: help venv corpus demo test airflow clean
+.PHONY: help venv corpus demo test airflow mlflow clean
 
 help:
 	@echo "make demo     run the demo pipeline end to end through Airflow (about 10 minutes)"
 	@echo "make test     run the test suite"
 	@echo "make airflow  Airflow UI (airflow standalone) and MLflow UI on loopback"
+	@echo "make mlflow   MLflow UI alone on http://127.0.0.1:5000 (the demo's store)"
 	@echo "make clean    remove runtime state ($(TRAINFORGE_HOME)); keeps the venv"
 
 # The environment: a venv inside the checkout, pinned by pyproject.toml and requirements.lock.
@@ -41,6 +42,9 @@ test: venv
 
 airflow: venv
 	$(PY) -m operators.standalone
+
+mlflow: venv
+	$(PY) -m mlflow_setup serve --home "$(TRAINFORGE_HOME)/mlflow" --host 127.0.0.1 --port 5000
 
 clean:
 	rm -rf "$(TRAINFORGE_HOME)"

@@ -169,8 +169,8 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         return format(value, spec) if spec else str(value)
 
     table = Table(title=f"trainforge run: {summary['dag_id']}", show_header=False)
-    table.add_column("what", style="bold")
-    table.add_column("value")
+    table.add_column("what", style="bold", no_wrap=True)
+    table.add_column("value", overflow="fold")
     rows = [
         ("Airflow DAG run", f"{summary['airflow_run_id']} ({summary.get('state')})"),
         ("dataset digest", fmt(summary.get("dataset_digest"))
@@ -216,8 +216,16 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not tracking_uri:
             from mlflow_setup import start_server
+            from mlflow_setup.errors import ServerStartError
 
-            server = stack.enter_context(start_server(home / "mlflow", host="127.0.0.1", port=0))
+            # Port 5000 when free, so the run URLs printed below stay valid later under
+            # `make mlflow` (same store, same port); any free port otherwise.
+            try:
+                server = stack.enter_context(
+                    start_server(home / "mlflow", host="127.0.0.1", port=5000))
+            except ServerStartError:
+                server = stack.enter_context(
+                    start_server(home / "mlflow", host="127.0.0.1", port=0))
             tracking_uri = server.url
             console.print(f"MLflow tracking server: {tracking_uri}")
         env["MLFLOW_TRACKING_URI"] = tracking_uri
@@ -247,6 +255,9 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         if summary_json:
             Path(summary_json).write_text(json.dumps(summary, indent=2, default=str))
     ok = airflow_run.get("state") == "success"
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        console.print("The MLflow server of this run has stopped; `make mlflow` serves the same "
+                      "store again on http://127.0.0.1:5000 (or `make airflow` for both UIs).")
     console.print(("[green]Pipeline succeeded[/]" if ok else "[red]Pipeline failed[/]")
                   + f" in {time.monotonic() - started:.0f} s")
     return ok
