@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 export TRAINFORGE_HOME ?= $(CURDIR)/.trainforge
 export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
 
-.PHONY: help venv corpus demo test airflow mlflow clean
+.PHONY: help venv corpus demo test airflow mlflow schema clean
 
 help:
 	@echo "make demo     run the demo pipeline end to end through Airflow (about 10 minutes)"
@@ -42,6 +42,10 @@ test: venv
 
 airflow: venv
 	$(PY) -m operators.standalone
+
+# Regenerate the committed JSON Schema and spec reference after changing the spec model.
+schema: venv
+	$(VENV)/bin/trainforge schema --write
 
 mlflow: venv
 	$(PY) -m mlflow_setup serve --home "$(TRAINFORGE_HOME)/mlflow" --host 127.0.0.1 --port 5000

@@ -17,7 +17,6 @@ from rich.console import Console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
-err_console = Console(stderr=True)
 
 
 @app.command()
@@ -34,21 +33,28 @@ def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders
             spec = load_spec(file)
         except SpecError as err:
             bad += 1
-            err_console.print(str(err), markup=False, highlight=False)
+            typer.echo(str(err), err=True)
         except OSError as err:
             bad += 1
-            err_console.print(f"{file}: cannot read: {err}", markup=False)
+            typer.echo(f"{file}: cannot read: {err}", err=True)
         else:
-            console.print(f"{file}: ok (dag_id {spec.dag_id})", markup=False)
+            typer.echo(f"{file}: ok (dag_id {spec.dag_id})")
     raise typer.Exit(1 if bad or not files else 0)
 
 
 @app.command()
-def schema() -> None:
-    """Print the JSON Schema of a pipeline spec."""
-    from operators.spec.model import PipelineSpec
+def schema(
+    markdown: bool = typer.Option(False, help="Print the field reference table instead."),
+    write: bool = typer.Option(False, help="Regenerate the committed schema and reference."),
+) -> None:
+    """Print the JSON Schema of a pipeline spec (or its Markdown reference)."""
+    from operators.spec import schema as published
 
-    print(json.dumps(PipelineSpec.model_json_schema(), indent=2))
+    if write:
+        for path in published.write_published():
+            typer.echo(f"wrote {path}")
+        return
+    print(published.reference_markdown() if markdown else published.schema_text(), end="")
 
 
 @app.command()
@@ -63,7 +69,7 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
     try:
         spec = load_spec(file)
     except SpecError as err:
-        err_console.print(str(err), markup=False)
+        typer.echo(str(err), err=True)
         raise typer.Exit(1) from None
     engine = engine or spec.training.engine
     identity = JobIdentity(spec.dag_id, "<run_id>", "train", 1)
@@ -95,7 +101,7 @@ def run(
     try:
         spec = load_spec(file)
     except SpecError as err:
-        err_console.print(str(err), markup=False)
+        typer.echo(str(err), err=True)
         raise typer.Exit(1) from None
     ok = run_pipeline(spec, file.absolute(), console=console, summary_json=summary_json)
     raise typer.Exit(0 if ok else 1)

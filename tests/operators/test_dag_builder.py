@@ -60,7 +60,8 @@ def test_dag_file_warns_per_yaml_file_and_line_and_imports_nothing_heavy(tmp_pat
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "TRAINFORGE_PIPELINES": str(tmp_path)}, timeout=120)
     assert "DAGS ['shakespeare_llm']" in out.stdout, out.stderr[-3000:]
-    assert "WARN [('bad.yaml', 26)]" in out.stdout
+    model_line = DEMO.read_text().splitlines().index("model:") + 1
+    assert f"WARN [('bad.yaml', {model_line})]" in out.stdout
     assert "HEAVY []" in out.stdout
 
 

@@ -1,0 +1,62 @@
+"""The trainforge command line: validate exit codes, render goldens, schema output."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from operators.cli import app
+
+ROOT = Path(__file__).resolve().parents[3]
+PIPELINES = sorted((ROOT / "dags" / "pipelines").glob("*.yaml"))
+GOLDEN = Path(__file__).resolve().parent / "golden"
+ENGINES = ["local"]
+
+runner = CliRunner()
+
+
+def test_validate_exit_codes(tmp_path):
+    ok = runner.invoke(app, ["validate", str(ROOT / "dags" / "pipelines")])
+    assert ok.exit_code == 0, ok.output
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(PIPELINES[0].read_text().replace("max_steps: 300", "max_steps: many"))
+    result = runner.invoke(app, ["validate", str(bad), str(PIPELINES[0])])
+    assert result.exit_code == 1
+    assert f"{bad}:" in result.output and "training.optimization.max_steps" in result.output
+    assert "ok (dag_id" in result.output
+
+
+def test_validate_reports_a_missing_file_without_a_traceback(tmp_path):
+    result = runner.invoke(app, ["validate", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 1
+    assert "cannot read" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.stem)
+def test_render_matches_golden(path, engine, monkeypatch):
+    monkeypatch.setenv("TRAINFORGE_HOME", "/trainforge-home")
+    result = runner.invoke(app, ["render", str(path), "--engine", engine])
+    assert result.exit_code == 0, result.output
+    rendered = json.loads(result.output.replace(sys.executable, "{python}"))
+    golden = GOLDEN / f"{path.stem}.{engine}.json"
+    if os.environ.get("TRAINFORGE_UPDATE_GOLDEN"):
+        GOLDEN.mkdir(exist_ok=True)
+        golden.write_text(json.dumps(rendered, indent=2, sort_keys=True) + "\n")
+    assert rendered == json.loads(golden.read_text())
+    request = rendered["train_request"]
+    assert request["argv"][-4:] == ["-m", "trainer.train", "--config",
+                                    request["job_dir"] + "/job.json"]
+
+
+def test_schema_prints_the_committed_schema():
+    from operators.spec.schema import SCHEMA_PATH
+
+    result = runner.invoke(app, ["schema"])
+    assert result.exit_code == 0
+    assert json.loads(result.output) == json.loads(SCHEMA_PATH.read_text())
