@@ -5,6 +5,11 @@ and returns a `JobConfig`; anything wrong raises `ConfigError` (exit code 78) wh
 the field path, the value given and what was expected. Unknown keys are rejected, so a renamed
 field in the operator cannot be silently ignored here.
 
+Two keys are optional so that job configs written before them still load: ``optim.lr_schedule``
+(default "cosine") and the ``framework`` section (every field optional, defaults in
+`FrameworkConfig`). Whether a value can run on this machine (a CUDA-only feature on a CPU, say)
+is not checked here: the validator and exporter parse the same config on other machines.
+
 The one rule that needs the world size, ``global_batch_size % (micro_batch_size * world) == 0``,
 is checked by `JobConfig.grad_accum_steps(world_size)` once the process group is up.
 """
@@ -22,7 +27,10 @@ from typing import Any
 from trainer.errors import ConfigError
 
 JOB_FORMAT = "trainforge.job/v1"
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+PARALLELISMS = ("ddp", "fsdp")
+GRADIENT_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 BACKENDS = ("auto", "gloo", "nccl")
 FAMILIES = ("llama",)
 
@@ -60,13 +68,24 @@ class OptimConfig:
     global_batch_size: int  # sequences per optimizer step, all ranks together
     micro_batch_size: int  # sequences per forward pass on one rank
     learning_rate: float  # peak learning rate, reached at the end of warm-up
-    min_learning_rate: float  # floor of the cosine decay
+    min_learning_rate: float  # where the cosine or linear decay ends (unused by "constant")
     warmup_steps: int
     weight_decay: float  # AdamW decoupled weight decay, applied to 2-D+ parameters only
     beta1: float
     beta2: float
     grad_clip: float  # max global L2 norm of the gradients; 0 disables clipping
     seed: int
+    lr_schedule: str = "cosine"  # decay after warm-up: "cosine" | "linear" | "constant"
+
+
+@dataclass(frozen=True)
+class FrameworkConfig:
+    """How the model is spread over the ranks; defaults are what a job config without it means."""
+
+    parallelism: str = "ddp"  # "ddp" (replicated) | "fsdp" (FSDP2 fully_shard per decoder layer + root)
+    gradient_compression: str = "none"  # DDP communication hook: "none" | "fp16" | "bf16" | "powersgd"
+    powersgd_rank: int = 1  # PowerSGD matrix_approximation_rank
+    activation_checkpointing: bool = False  # recompute each decoder layer in the backward pass
 
 
 @dataclass(frozen=True)
@@ -97,6 +116,7 @@ class JobConfig:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     distributed: DistributedConfig
+    framework: FrameworkConfig
     raw: dict[str, Any]  # the JSON object as read, saved verbatim into each checkpoint's meta.json
 
     def grad_accum_steps(self, world_size: int) -> int:
@@ -134,20 +154,24 @@ class _Section:
             raise ConfigError(f"{path or 'job config'}: expected a JSON object, got {_show(obj)}")
         self.obj, self.path, self.used = obj, path, set()
 
-    def _get(self, key: str) -> Any:
+    def _get(self, key: str, default: Any = None) -> Any:
+        """The value of ``key``; ``default`` when it is absent, or ConfigError when that is None."""
         if key not in self.obj:
-            raise ConfigError(f"{self._name(key)}: required field is missing")
+            if default is None:
+                raise ConfigError(f"{self._name(key)}: required field is missing")
+            return default
         self.used.add(key)
         return self.obj[key]
 
     def _name(self, key: str) -> str:
         return f"{self.path}.{key}" if self.path else key
 
-    def section(self, key: str) -> _Section:
-        return _Section(self._get(key), self._name(key))
+    def section(self, key: str, optional: bool = False) -> _Section:
+        """The sub-object ``key``; an empty one when ``optional`` and absent (fields take defaults)."""
+        return _Section(self._get(key, {} if optional else None), self._name(key))
 
-    def str(self, key: str, choices: tuple[str, ...] | None = None) -> str:
-        value = self._get(key)
+    def str(self, key: str, choices: tuple[str, ...] | None = None, default: str | None = None) -> str:
+        value = self._get(key, default)
         if not isinstance(value, str) or not value:
             raise ConfigError(f"{self._name(key)}={_show(value)}: expected a non-empty string")
         if choices is not None and value not in choices:
@@ -163,8 +187,8 @@ class _Section:
             )
         return value
 
-    def int(self, key: str, lo: int | None = None, hi: int | None = None) -> int:
-        value = self._get(key)
+    def int(self, key: str, lo: int | None = None, hi: int | None = None, default: int | None = None) -> int:
+        value = self._get(key, default)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{self._name(key)}={_show(value)}: expected an integer")
         self._range(key, value, lo, hi)
@@ -183,8 +207,8 @@ class _Section:
         self._range(key, value, lo, hi, lo_open, hi_open)
         return value
 
-    def bool(self, key: str) -> bool:
-        value = self._get(key)
+    def bool(self, key: str, default: bool | None = None) -> bool:
+        value = self._get(key, default)
         if not isinstance(value, bool):
             raise ConfigError(f"{self._name(key)}={_show(value)}: expected true or false")
         return value
@@ -271,6 +295,7 @@ def parse_job_config(obj: Any) -> JobConfig:
         beta2=s.float("beta2", lo=0.0, hi=1.0, hi_open=True),
         grad_clip=s.float("grad_clip", lo=0.0),
         seed=s.int("seed", lo=0, hi=2**63 - 1),
+        lr_schedule=s.str("lr_schedule", LR_SCHEDULES, default=OptimConfig.lr_schedule),
     )
     s.done()
     if optim.min_learning_rate > optim.learning_rate:
@@ -290,6 +315,22 @@ def parse_job_config(obj: Any) -> JobConfig:
 
     precision = top.str("precision", PRECISIONS)
 
+    s = top.section("framework", optional=True)
+    framework = FrameworkConfig(
+        parallelism=s.str("parallelism", PARALLELISMS, default=FrameworkConfig.parallelism),
+        gradient_compression=s.str("gradient_compression", GRADIENT_COMPRESSIONS,
+                                   default=FrameworkConfig.gradient_compression),
+        powersgd_rank=s.int("powersgd_rank", lo=1, default=FrameworkConfig.powersgd_rank),
+        activation_checkpointing=s.bool("activation_checkpointing", default=FrameworkConfig.activation_checkpointing),
+    )
+    s.done()
+    if framework.parallelism != "ddp" and framework.gradient_compression != "none":
+        raise ConfigError(
+            f"framework.gradient_compression={framework.gradient_compression!r} is a DDP communication "
+            f"hook and does not apply to framework.parallelism={framework.parallelism!r}: expected 'none' "
+            f"with {framework.parallelism!r}, or parallelism 'ddp'"
+        )
+
     s = top.section("checkpoint")
     checkpoint = CheckpointConfig(s.abs_path("dir"), s.int("interval_steps", lo=1), s.int("keep_last", lo=1))
     s.done()
@@ -304,7 +345,7 @@ def parse_job_config(obj: Any) -> JobConfig:
     )
     s.done()
     top.done()
-    return JobConfig(identity, data, model, optim, precision, checkpoint, logging_cfg, distributed, obj)
+    return JobConfig(identity, data, model, optim, precision, checkpoint, logging_cfg, distributed, framework, obj)
 
 
 def load_job_config(path: str | Path) -> JobConfig:

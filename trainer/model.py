@@ -61,21 +61,41 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
+def enable_activation_checkpointing(model: LlamaForCausalLM) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of storing them.
+
+    Uses transformers' own wrapping of the decoder layers with non-reentrant
+    `torch.utils.checkpoint` (``use_reentrant=False``: works with DDP and FSDP2, with inputs
+    that do not require grad, and recomputes with the same RNG state, so dropout matches).
+    Active only in ``model.train()`` mode. Call before wrapping the model in DDP or FSDP.
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: name}`` for state-dict names whose tensor is an earlier name's (tied weights).
+
+    E.g. ``{"lm_head.weight": "model.embed_tokens.weight"}`` with ``tie_word_embeddings``.
+    Call on an unsharded model (it compares storage pointers).
+    """
+    seen: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        ptr = tensor.data_ptr()
+        if ptr in seen:
+            aliases[name] = seen[ptr]
+        else:
+            seen[ptr] = name
+    return aliases
+
+
 def tied_parameter_names(model: torch.nn.Module) -> set[str]:
     """State-dict names that alias an earlier tensor (e.g. ``lm_head.weight`` when tied).
 
     safetensors refuses aliased tensors, so checkpoints store each storage once; loading
     tolerates exactly these names being absent.
     """
-    seen: dict[int, str] = {}
-    aliases = set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        ptr = tensor.data_ptr()
-        if ptr in seen:
-            aliases.add(name)
-        else:
-            seen[ptr] = name
-    return aliases
+    return set(tied_aliases(model))
 
 
 def weights_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -90,13 +110,20 @@ def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> No
     Raises:
         ValueError: a name is unknown or missing (other than a tied alias), or a shape differs.
     """
-    expected = model.state_dict()
-    tied = tied_parameter_names(model)
+    check_weights({n: t.shape for n, t in model.state_dict().items()}, tied_parameter_names(model), tensors)
+    model.load_state_dict(tensors, strict=False)
+
+
+def check_weights(expected: dict[str, torch.Size], tied: set[str], tensors: dict[str, torch.Tensor]) -> None:
+    """Check ``tensors`` has every name of ``expected`` (but the ``tied`` aliases) with its shape.
+
+    Raises:
+        ValueError: a name is unknown or missing (other than a tied alias), or a shape differs.
+    """
     missing = sorted(set(expected) - set(tensors) - tied)
     unknown = sorted(set(tensors) - set(expected))
-    wrong = sorted(n for n in set(tensors) & set(expected) if tensors[n].shape != expected[n].shape)
+    wrong = sorted(n for n in set(tensors) & set(expected) if tensors[n].shape != expected[n])
     if missing or unknown or wrong:
-        shapes = ", ".join(f"{n}: {tuple(tensors[n].shape)} vs model {tuple(expected[n].shape)}" for n in wrong[:5])
+        shapes = ", ".join(f"{n}: {tuple(tensors[n].shape)} vs model {tuple(expected[n])}" for n in wrong[:5])
         raise ValueError(f"weights do not match the model: missing {missing[:5]}, unknown {unknown[:5]}, "
                          f"shape mismatch [{shapes}]")
-    model.load_state_dict(tensors, strict=False)

@@ -14,13 +14,17 @@ Exit codes (docs/contracts.md): 0 finished at max_steps, 78 bad config or datase
 crash the orchestrator retries; every attempt first resumes from the newest valid checkpoint.
 
 One optimizer step: global_batch sequences = micro_batch x world x accum; each rank runs
-``accum`` forward/backward passes (gradients all-reduced only on the last, via DDP.no_sync),
-clips the global gradient norm, checks the loss is finite, then steps AdamW.
+``accum`` forward/backward passes (gradients reduced only on the last: DDP.no_sync, FSDP2
+set_requires_gradient_sync), clips the global gradient norm, checks the loss is finite, then
+steps AdamW. The pieces the job config's ``precision`` and ``framework`` choose live in
+trainer/amp.py (autocast, fp16 loss scaling) and trainer/parallel.py (DDP or FSDP2, gradient
+compression, activation checkpointing, checkpoint state under either).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -29,7 +33,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,34 +41,22 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer import checkpoint as ckpt
+from trainer.amp import MIN_LOSS_SCALE, Precision
 from trainer.config import ConfigError, JobConfig, OptimConfig, load_job_config
 from trainer.data import BatchSampler, Dataset, TokenStream, open_dataset
 from trainer.distributed import Dist, setup_distributed, shut_down
 from trainer.errors import EXIT_OK, DivergedError, TerminatedError, TrainerError
 from trainer.fsutil import atomic_write_json
-from trainer.model import build_model, llama_config, lm_loss, load_weights, weights_state_dict
+from trainer.model import build_model, llama_config, lm_loss
+from trainer.parallel import Parallel, parallelize
+from trainer.schedule import lr_at
 from trainer.tracking import MlflowTracker
 
 log = logging.getLogger("trainer.train")
 
-
-def lr_at(step: int, optim: OptimConfig) -> float:
-    """Learning rate of the optimizer step with 0-based index ``step``.
-
-    Linear warm-up, then cosine decay to the floor (W = warmup_steps, S = max_steps):
-
-        step < W:   lr = lr_max * (step + 1) / W
-        step >= W:  p = (step - W) / max(1, S - W)                       # in [0, 1)
-                    lr = lr_min + 0.5 * (1 + cos(pi * p)) * (lr_max - lr_min)
-    """
-    o = optim
-    if step < o.warmup_steps:
-        return o.learning_rate * (step + 1) / o.warmup_steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, o.max_steps - o.warmup_steps))
-    return o.min_learning_rate + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.learning_rate - o.min_learning_rate)
+__all__ = ["lr_at", "main", "make_optimizer", "should_step", "train"]
 
 
 @dataclass
@@ -85,8 +77,29 @@ def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=1e-8)
 
 
-def resume(cfg: JobConfig, d: Dist, dataset: Dataset, model, optimizer) -> tuple[int, int, dict]:
-    """Load the newest valid checkpoint, if any, into ``model`` and ``optimizer``.
+def should_step(step: int, loss: float, grad_norm: float, lr: float, loss_scale: float | None) -> bool:
+    """Whether optimizer step ``step`` (1-based) may be taken; False: an fp16 overflow, skip it.
+
+    Args:
+        loss: mean train loss of the step over all ranks, nats/token.
+        grad_norm: global L2 norm of the (unscaled) gradients.
+        loss_scale: the fp16 loss scale before this step's update, None for fp32/bf16.
+    Raises:
+        DivergedError: the loss is not finite; or the gradient norm is not finite without
+            loss scaling, or with a loss scale already below `MIN_LOSS_SCALE`.
+    """
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return True
+    if math.isfinite(loss) and loss_scale is not None and loss_scale >= MIN_LOSS_SCALE:
+        return False  # fp16 overflow: GradScaler skips the step and halves the scale
+    scale = f", loss scale {loss_scale:g} (below {MIN_LOSS_SCALE:g})" if loss_scale is not None else ""
+    raise DivergedError(f"step {step}: train loss {loss}, grad norm {grad_norm} at lr {lr:.3g}{scale}; "
+                        f"stopping before the optimizer step, no checkpoint written after step {step - 1}")
+
+
+def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, amp: Precision
+           ) -> tuple[int, int, dict]:
+    """Load the newest valid checkpoint, if any, into the model, ``optimizer`` and the fp16 scaler.
 
     Rank 0 picks the folder (`checkpoint.newest_valid`) and broadcasts it, so every rank loads
     the same step. Returns ``(step, tokens_seen, metrics at that step)``; ``(0, 0, {})`` on a
@@ -116,10 +129,14 @@ def resume(cfg: JobConfig, d: Dist, dataset: Dataset, model, optimizer) -> tuple
                           f"{saved_seq_len}; the job config asks for "
                           f"{cfg.raw['model']} / {cfg.data.sequence_length}; use a new checkpoint.dir")
     try:
-        load_weights(model, c.weights)
+        par.load_full_state(c.weights, c.optimizer, optimizer)
     except ValueError as err:
         raise ckpt.CheckpointError(f"{c.path}: {err}") from err
-    optimizer.load_state_dict(c.optimizer)
+    if amp.scaler is not None and not amp.load_state_dict(c.trainer_state.get("grad_scaler")):
+        log.warning("checkpoint %s has no fp16 loss-scaler state: starting from scale %g", c.path, amp.loss_scale())
+    if cfg.framework.gradient_compression == "powersgd":
+        log.warning("PowerSGD state (error feedback, warm-start factors, iteration count) is not checkpointed: "
+                    "restarting it, so this run is not bit-identical with an uninterrupted one")
     rngs = c.trainer_state.get("rng", [])
     if c.trainer_state.get("world_size") == d.world_size and len(rngs) == d.world_size:
         ckpt.restore_rng_state(rngs[d.rank])
@@ -130,14 +147,16 @@ def resume(cfg: JobConfig, d: Dist, dataset: Dataset, model, optimizer) -> tuple
     return c.step, int(c.trainer_state["tokens_seen"]), c.meta.get("metrics", {})
 
 
-def save(cfg: JobConfig, d: Dist, dataset: Dataset, model, optimizer, step: int, tokens_seen: int,
-         accum: int, metrics: dict) -> Path | None:
+def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, amp: Precision, step: int,
+         tokens_seen: int, accum: int, metrics: dict) -> Path | None:
     """Write step ``step`` (rank 0) after every rank handed over its RNG state; returns the folder.
+
+    Every rank must call it (finiteness check, RNG gather, FSDP's full-state gather).
 
     Raises:
         DivergedError: a weight is not finite (a diverged run never writes a checkpoint).
     """
-    bad = torch.tensor([sum(int(not torch.isfinite(p).all()) for p in model.parameters())], device=d.device)
+    bad = torch.tensor([par.nonfinite_parameters()], device=d.device)
     if d.enabled:
         dist.all_reduce(bad)
     if bad.item():
@@ -148,10 +167,13 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, model, optimizer, step: int,
         dist.gather_object(ckpt.capture_rng_state(), rngs if d.rank == 0 else None, dst=0)
     else:
         rngs = [ckpt.capture_rng_state()]
+    weights, optimizer_state = par.full_state(optimizer)  # a collective under FSDP; None on ranks > 0
     path = None
     if d.rank == 0:
         state = {"step": step, "tokens_seen": tokens_seen, "world_size": d.world_size, "scheduler": {"step": step},
                  "rng": rngs}
+        if amp.scaler is not None:
+            state["grad_scaler"] = amp.state_dict()
         meta = {"step": step, "tokens_seen": tokens_seen, "world_size": d.world_size, "grad_accum_steps": accum,
                 "config_digest": cfg.digest(), "dataset_digest": dataset.digest,
                 "dataset": {"vocab_size": dataset.vocab_size, "eos_id": dataset.eos_id, "eos_token": dataset.eos_token,
@@ -159,8 +181,7 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, model, optimizer, step: int,
                 "job_config": cfg.raw, "versions": _versions(), "metrics": metrics,
                 "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         t0 = time.perf_counter()
-        path = ckpt.write_checkpoint(cfg.checkpoint.dir, step, weights_state_dict(model), optimizer.state_dict(),
-                                     state, meta)
+        path = ckpt.write_checkpoint(cfg.checkpoint.dir, step, weights, optimizer_state, state, meta)
         deleted = ckpt.apply_retention(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         log.info("checkpoint %s written in %.2fs (retention deleted %d)", path, time.perf_counter() - t0, len(deleted))
     if d.enabled:
@@ -181,31 +202,34 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     accum = cfg.grad_accum_steps(d.world_size)  # ConfigError when the batch does not divide
     random.seed(o.seed)
     np.random.seed(o.seed % 2**32)
-    torch.manual_seed(o.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(o.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's; FSDP2 relies on it)
 
     dataset = open_dataset(cfg.data.dataset_dir)
     sampler = BatchSampler(TokenStream(dataset, "train"), T, o.micro_batch_size, accum, d.world_size, o.seed)
     model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, T)).to(d.device)
-    optimizer = make_optimizer(model, o)
-    step, tokens_seen, metrics = resume(cfg, d, dataset, model, optimizer)
+    n_params = sum(p.numel() for p in model.parameters())  # before sharding; tied weights counted once
+    par = parallelize(model, cfg, d)  # DDP or FSDP2 (+ compression hook, activation checkpointing)
+    optimizer = make_optimizer(par.model, o)  # after sharding: FSDP2 replaces the parameters
+    amp = Precision(cfg.precision, d.device, sharded=par.kind == "fsdp")
+    step, tokens_seen, metrics = resume(cfg, d, dataset, par, optimizer, amp)
     out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, metrics.get("train_loss")
     if step and d.rank == 0:
         out.last_checkpoint = str(Path(cfg.checkpoint.dir) / ckpt.step_dir_name(step))
-    ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None) if d.enabled else model
-    model.train()
-    autocast = (torch.autocast(d.device.type, dtype=torch.bfloat16) if cfg.precision == "bf16" else nullcontext())
+    par.model.train()
     tokens_per_step = o.global_batch_size * T
 
     tracker = MlflowTracker.from_env() if d.rank == 0 else None
-    n_params = sum(p.numel() for p in model.parameters())
     if tracker:
         flat = {f"{s}.{k}": v for s in ("data", "model", "optim", "checkpoint", "logging", "distributed")
                 for k, v in cfg.raw[s].items()}
-        tracker.log_params(flat | {"precision": cfg.precision, "world_size": d.world_size, "grad_accum_steps": accum,
+        flat |= {f"framework.{k}": v for k, v in dataclasses.asdict(cfg.framework).items()}  # resolved defaults
+        tracker.log_params(flat | {"optim.lr_schedule": o.lr_schedule, "precision": cfg.precision,
+                                   "world_size": d.world_size, "grad_accum_steps": accum,
                                    "num_parameters": n_params, "dataset_digest": dataset.digest,
                                    "config_digest": cfg.digest()})
-    log.info("model: %d parameters; %d steps of %d sequences x %d tokens (micro %d x world %d x accum %d)",
-             n_params, o.max_steps, o.global_batch_size, T, o.micro_batch_size, d.world_size, accum)
+    log.info("model: %d parameters; %d steps of %d sequences x %d tokens (micro %d x world %d x accum %d); "
+             "%s, %s, %s schedule", n_params, o.max_steps, o.global_batch_size, T, o.micro_batch_size,
+             d.world_size, accum, par.kind, cfg.precision, o.lr_schedule)
 
     t_window, steps_in_window = time.perf_counter(), 0
     while step < o.max_steps:
@@ -215,28 +239,31 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
         loss_sum = torch.zeros((), device=d.device)  # mean loss of this rank's micro-batches
         for a, (x, y) in enumerate(sampler.micro_batches(step, d.rank)):  # x, y: (micro_batch, T) int64
             x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-            sync = ddp.no_sync() if d.enabled and a < accum - 1 else nullcontext()  # all-reduce on the last only
-            with sync:
-                with autocast:
-                    loss = lm_loss(ddp, x, y) / accum  # scalar, nats/token
-                loss.backward()
+            with par.grad_sync(a == accum - 1):  # reduce across ranks on the last micro-batch only
+                with amp.autocast():
+                    loss = lm_loss(par.module, x, y) / accum  # scalar, nats/token
+                amp.backward(loss)
             loss_sum += loss.detach()
+        amp.unscale(optimizer)  # fp16: true gradients before clipping
         max_norm = o.grad_clip if o.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()  # before clipping
+        grad_norm = par.clip_grad_norm(max_norm)  # before clipping
         if d.enabled:
             dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
             loss_sum /= d.world_size
         loss_value = loss_sum.item()
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            raise DivergedError(f"step {step + 1}: train loss {loss_value}, grad norm {grad_norm} at lr {lr:.3g}; "
-                                f"stopping before the optimizer step, no checkpoint written after step {step}")
-        optimizer.step()
+        scale = amp.loss_scale()
+        if not should_step(step + 1, loss_value, grad_norm, lr, scale) and d.rank == 0:
+            log.warning("step %d: fp16 gradient overflow (grad norm %s): optimizer step skipped, loss scale %g "
+                        "halved", step + 1, grad_norm, scale)
+        amp.step(optimizer)  # skipped by the scaler after an overflow
         optimizer.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += tokens_per_step
         steps_in_window += 1
         out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, loss_value
         metrics = {"train_loss": loss_value, "learning_rate": lr, "grad_norm": grad_norm}
+        if not math.isfinite(grad_norm):  # a skipped fp16 step: keep inf out of meta.json and MLflow
+            del metrics["grad_norm"]
 
         if d.rank == 0 and (step % cfg.logging.log_every_steps == 0 or step == o.max_steps):
             elapsed = time.perf_counter() - t_window
@@ -248,14 +275,14 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             t_window, steps_in_window = time.perf_counter(), 0
         if step % cfg.checkpoint.interval_steps == 0 or step == o.max_steps:
             with sigterm_deferred():  # a checkpoint and its mention in the result file go together
-                path = save(cfg, d, dataset, model, optimizer, step, tokens_seen, accum, metrics)
+                path = save(cfg, d, dataset, par, optimizer, amp, step, tokens_seen, accum, metrics)
                 if path is not None:
                     out.last_checkpoint = str(path)
             t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
     if step > o.max_steps:
         log.warning("resumed at step %d, past optim.max_steps=%d: nothing to train", step, o.max_steps)
     # Known trap: gloo can hang at exit when a DDP model outlives the process group.
-    del ddp, model, optimizer
+    del par, model, optimizer
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -1,0 +1,232 @@
+"""Data parallelism of the trainer (job config ``framework``): DDP or FSDP2, and what depends on it.
+
+`parallelize` wraps the freshly built model once; the returned `Parallel` is everything the
+training loop and the checkpoint code need to know about the wrapping:
+
+| framework.parallelism | parameters                                   | gradients                           |
+|-----------------------|----------------------------------------------|-------------------------------------|
+| ddp                   | replicated (`DistributedDataParallel`)       | all-reduced, optionally through a   |
+|                       |                                              | compression hook (below)            |
+| fsdp                  | sharded: FSDP2 `fully_shard` on every decoder| reduce-scattered                    |
+|                       | layer, then on the root (embedding, final    |                                     |
+|                       | norm and the tied head)                      |                                     |
+
+Without torchrun (one process, no process group) the model is used as it is and neither applies.
+
+FSDP2 runs on CPU with gloo in torch 2.13 (checked: forward, backward, gradient clipping over
+DTensor gradients, ShardedGradScaler, non-reentrant activation checkpointing and the full state
+dict round trip), so both kinds run on CPU and on CUDA.
+
+Gradient compression (DDP communication hooks, `torch.distributed.algorithms.ddp_comm_hooks`):
+``fp16`` and ``bf16`` cast each gradient bucket before the all-reduce and back after it;
+``powersgd`` is PowerSGD (Vogels et al., 2019) with error feedback and warm start,
+``matrix_approximation_rank = framework.powersgd_rank`` and ``start_powerSGD_iter = max(2,
+optim.warmup_steps)`` (vanilla all-reduce during the learning-rate warm-up, as the hook's
+documentation advises; 2 is the least it accepts). PowerSGD's state (error feedback, warm-start
+factors, iteration count) lives in the hook and is not checkpointed: a resumed attempt starts it
+afresh, so a resumed PowerSGD run is close to, but not bit-identical with, an uninterrupted one.
+
+Checkpoints have one layout whatever the parallelism: rank 0 writes the full, unsharded weights
+and the AdamW state in `torch.optim.Optimizer.state_dict` form (parameters numbered 0.. in
+param-group order). Under FSDP both are gathered with
+`torch.distributed.checkpoint.state_dict` (``full_state_dict=True, cpu_offload=True``) and put
+back with ``set_model_state_dict`` / ``set_optimizer_state_dict``, so a checkpoint resumes under
+either parallelism and any world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.config import JobConfig
+from trainer.distributed import Dist
+from trainer.model import check_weights, enable_activation_checkpointing, load_weights, tied_aliases, weights_state_dict
+
+log = logging.getLogger(__name__)
+
+_FULL_TO_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+_FULL = StateDictOptions(full_state_dict=True)
+
+
+@dataclass
+class Parallel:
+    """The model as the training loop sees it after `parallelize`."""
+
+    kind: str  # "single" (no process group) | "ddp" | "fsdp"
+    model: torch.nn.Module  # the LlamaForCausalLM holding the parameters (DTensor shards under fsdp)
+    module: torch.nn.Module  # what the forward pass calls: the DDP wrapper, else ``model``
+    shapes: dict[str, torch.Size]  # full (unsharded) state-dict shapes
+    aliases: dict[str, str]  # tied state-dict names -> the name stored in checkpoints
+    rank: int
+
+    @contextmanager
+    def grad_sync(self, sync: bool) -> Iterator[None]:
+        """Context of one micro-batch's forward and backward: gradients are reduced across
+        ranks only when ``sync`` (the last micro-batch of a step), else they accumulate locally
+        (DDP ``no_sync``; FSDP2 ``set_requires_gradient_sync``, unsharded gradients kept)."""
+        if self.kind == "ddp" and not sync:
+            with self.module.no_sync():
+                yield
+            return
+        if self.kind == "fsdp":
+            self.model.set_requires_gradient_sync(sync)
+        yield
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the global L2 norm of all gradients to ``max_norm``; returns the norm before clipping."""
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(norm, DTensor):  # FSDP2: a replicated DTensor, the same on every rank
+            norm = norm.full_tensor()
+        return norm.item()
+
+    def nonfinite_parameters(self) -> int:
+        """How many of this rank's parameter tensors (local shards under FSDP) hold NaN or inf."""
+        return sum(int(not torch.isfinite(_local(p)).all()) for p in self.model.parameters())
+
+    def full_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict | None]:
+        """``(weights, optimizer_state)`` as a checkpoint stores them, on rank 0; ``(None, None)`` elsewhere.
+
+        weights: name -> contiguous fp32 CPU tensor, tied aliases left out. Under FSDP this is a
+        collective (every rank must call it); otherwise only rank 0 does any work.
+        """
+        if self.kind == "fsdp":
+            weights = get_model_state_dict(self.model, options=_FULL_TO_CPU)  # {} on ranks > 0
+            by_name = get_optimizer_state_dict(self.model, optimizer, options=_FULL_TO_CPU)
+            if self.rank != 0:
+                return None, None
+            weights = {n: t.contiguous() for n, t in weights.items() if n not in self.aliases}
+            return weights, optimizer_state_by_index(by_name, self.param_names(optimizer))
+        if self.rank != 0:
+            return None, None
+        return weights_state_dict(self.model), optimizer.state_dict()
+
+    def load_full_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict,
+                        optimizer: torch.optim.Optimizer) -> None:
+        """Load a checkpoint's weights and optimizer state (as `full_state` returns them) on every rank.
+
+        Raises:
+            ValueError: the weights do not match the model (names or shapes).
+        """
+        if self.kind != "fsdp":
+            load_weights(self.model, weights)
+            optimizer.load_state_dict(optimizer_state)
+            return
+        check_weights(self.shapes, set(self.aliases), weights)
+        full = dict(weights)  # set_model_state_dict replaces the values in place
+        for alias, name in self.aliases.items():
+            full[alias] = full[name]
+        set_model_state_dict(self.model, full, options=_FULL)  # each rank keeps its shard
+        by_name = optimizer_state_by_name(optimizer_state, self.param_names(optimizer))
+        set_optimizer_state_dict(self.model, optimizer, by_name, options=_FULL)
+
+    def param_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Parameter names in the optimizer's numbering (param groups in order, then parameters)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def optimizer_state_by_index(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A name-keyed optimizer state dict (``get_optimizer_state_dict``) in `Optimizer.state_dict` form."""
+    index = {n: i for i, n in enumerate(names)}
+    return {"state": {index[n]: s for n, s in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
+
+
+def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Inverse of `optimizer_state_by_index`."""
+    return {"state": {names[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def parallelize(model: torch.nn.Module, cfg: JobConfig, d: Dist) -> Parallel:
+    """Apply ``cfg.framework`` to ``model`` (on ``d.device``, not yet wrapped); build the optimizer after this.
+
+    Order: activation checkpointing, then FSDP2 sharding (decoder layers first, then the root)
+    or the DDP wrapper and its communication hook.
+    """
+    fw = cfg.framework
+    aliases = tied_aliases(model)
+    shapes = {n: t.shape for n, t in model.state_dict().items()}
+    if fw.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    if not d.enabled:
+        if fw.parallelism != "ddp" or fw.gradient_compression != "none":
+            log.info("one process without torchrun: framework.parallelism=%r and gradient_compression=%r "
+                     "have nothing to shard or compress", fw.parallelism, fw.gradient_compression)
+        return Parallel("single", model, model, shapes, aliases, d.rank)
+    if fw.parallelism == "fsdp":
+        mesh = init_device_mesh(d.device.type, (d.world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        log.info("FSDP2: %d decoder layers and the root sharded over %d ranks", len(model.model.layers),
+                 d.world_size)
+        return Parallel("fsdp", model, model, shapes, aliases, d.rank)
+    ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    register_compression(ddp, cfg)
+    return Parallel("ddp", model, ddp, shapes, aliases, d.rank)
+
+
+def register_compression(ddp: DDP, cfg: JobConfig) -> None:
+    """Register the DDP communication hook for ``framework.gradient_compression`` (none: DDP's own)."""
+    fw = cfg.framework
+    if fw.gradient_compression == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif fw.gradient_compression == "bf16":
+        nccl = dist.get_backend() == "nccl"
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook if nccl else bf16_compress_any_backend_hook)
+    elif fw.gradient_compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=fw.powersgd_rank,
+            start_powerSGD_iter=max(2, cfg.optim.warmup_steps),
+            random_seed=cfg.optim.seed % 2**32,  # numpy RandomState seed for the low-rank factors
+        )
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    if fw.gradient_compression != "none":
+        log.info("DDP gradient compression: %s%s", fw.gradient_compression,
+                 f" (rank {fw.powersgd_rank}, start_powerSGD_iter {max(2, cfg.optim.warmup_steps)})"
+                 if fw.gradient_compression == "powersgd" else "")
+
+
+# No annotations on purpose: DDP checks a hook's annotations by identity, and this module's
+# `from __future__ import annotations` would turn them into strings it rejects.
+def bf16_compress_any_backend_hook(process_group, bucket):
+    """`default_hooks.bf16_compress_hook` for backends other than NCCL (gloo on CPU).
+
+    The same algorithm (cast the bucket to bfloat16, divide by the world size, all-reduce, copy
+    back into the fp32 bucket). DDP refuses torch's hook by its name unless CUDA with NCCL >=
+    2.10 (or XPU) is present, but gloo all-reduces bfloat16 too (checked on torch 2.13).
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()  # (n,) fp32: this bucket's gradients, flattened
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return dist.all_reduce(compressed, group=group, async_op=True).get_future().then(decompress)
