@@ -47,8 +47,15 @@ def render_job_config(
             "beta2": opt.beta2,
             "grad_clip": opt.grad_clip,
             "seed": opt.seed,
+            "lr_schedule": opt.lr_schedule,
         },
-        "precision": spec.training.precision,
+        "precision": spec.training.framework.precision,
+        "framework": {
+            "parallelism": spec.training.framework.parallelism,
+            "gradient_compression": spec.training.framework.gradient_compression,
+            "powersgd_rank": spec.training.framework.powersgd_rank,
+            "activation_checkpointing": spec.training.framework.activation_checkpointing,
+        },
         "checkpoint": {
             "dir": checkpoint_dir,
             "interval_steps": spec.training.checkpoint.interval_steps,
@@ -70,13 +77,13 @@ def build_training_job(
     env: dict[str, str],
 ) -> TrainingJob:
     """The engine-neutral job for the spec's training section."""
-    local = spec.training.local
+    resources = spec.training.resources
     return TrainingJob(
         identity=identity,
         config=render_job_config(spec, dataset_dir, checkpoint_dir, identity),
-        nodes=1,
-        processes_per_node=local.processes_per_node,
+        nodes=resources.nodes,
+        processes_per_node=resources.processes_per_node,
         env=dict(env),
         max_restarts=spec.training.fault.max_restarts,
-        threads_per_process=local.threads_per_process,
+        threads_per_process=resources.cpus_per_process,
     )

@@ -154,9 +154,17 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
         "unigram_perplexity": metrics.get("val/unigram_perplexity"),
         "val_bits_per_byte": metrics.get("val/val_bits_per_byte"),
         "checkpoint": tags.get("trainforge.validation.checkpoint"),
+        "accounting": {k.split("/", 1)[1]: v for k, v in metrics.items()
+                       if k.startswith("accounting/")},
+        "currency": spec.cost.currency,
         "registered_model": tags.get("trainforge.registered_model"),
         "model_version": tags.get("trainforge.model_version"),
-        "aliases": list(spec.registry.aliases),
+        "aliases": list(spec.registry.aliases)
+        + (["champion"] if tags.get("trainforge.gate.champion_after") == tags.get(
+            "trainforge.model_version") and tags.get("trainforge.model_version") else []),
+        "gate_decision": tags.get("trainforge.gate.decision"),
+        "gate_reason": tags.get("trainforge.gate.reason"),
+        "champion_after": tags.get("trainforge.gate.champion_after"),
         "params_logged": len(params),
     })
     return summary
@@ -190,8 +198,16 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         ("registered model", f"{fmt(summary.get('registered_model'))} "
                              f"v{fmt(summary.get('model_version'))} "
                              f"@{', @'.join(summary.get('aliases') or [])}"),
+        ("eval gate", f"{fmt(summary.get('gate_decision'))}: {fmt(summary.get('gate_reason'))}"
+                      f" (champion is now v{fmt(summary.get('champion_after'))})"),
         ("MLflow run", fmt(summary.get("mlflow_run_url"))),
     ]
+    usage = summary.get("accounting") or {}
+    if usage:
+        rows.append(("training accounting",
+                     f"{usage.get('gpu_hours', 0):.4f} GPU-h, {usage.get('cpu_core_hours', 0):.4f} "
+                     f"CPU-core-h, {usage.get('energy_kwh', 0):.4f} kWh, "
+                     f"{usage.get('cost', 0):.4f} {summary.get('currency', '')}"))
     for task, info in (summary.get("stages") or {}).items():
         rows.append((f"stage {task}", f"{info.get('state')} in {fmt(info.get('seconds'), '.1f')} s"))
     for what, value in rows:

@@ -138,6 +138,15 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
             final = {"train/final_step": result.get("final_step"),
                      "train/tokens_seen": result.get("tokens_seen"),
                      "train/final_loss": result.get("final_train_loss")}
+            if event.get("wall_s") is not None:
+                from operators.accounting import account
+
+                usage = account(spec, event["wall_s"])
+                final.update({f"accounting/{k}": v for k, v in usage.items()})
+                self.log.info("Accounting: %.1f s wall, %.4f GPU-hours, %.4f CPU-core-hours, "
+                              "%.4f %s, %.5f kWh", usage["wall_s"], usage["gpu_hours"],
+                              usage["cpu_core_hours"], usage["cost"], spec.cost.currency,
+                              usage["energy_kwh"])
             self.mlflow_hook.log_metrics(
                 mlflow_run_id, {k: float(v) for k, v in final.items() if v is not None}
             )

@@ -10,7 +10,8 @@ job's identity::
 
     {"status": "success" | "error" | "timeout" | "cancelled", "message": str,
      "job": {dag_id, run_id, task_id, try_number}, "handle": {...}, "exit_code": int | None,
-     "failure": "permanent" | "transient" | None, "result": {...} | None, "log_offset": int}
+     "failure": "permanent" | "transient" | None, "result": {...} | None,
+     "wall_s": float | None, "log_offset": int}
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class TrainingJobTrigger(BaseTrigger):
             "exit_code": getattr(job_status, "exit_code", None),
             "failure": getattr(getattr(job_status, "failure", None), "value", None),
             "result": getattr(job_status, "result", None),
+            "wall_s": getattr(job_status, "wall_s", None),
             "log_offset": self.log_offset,
         }
         return TriggerEvent(payload)

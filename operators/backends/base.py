@@ -94,7 +94,8 @@ class TrainingJob:
 class JobStatus:
     """One observation of a job.
 
-    ``failure`` is set only for FAILED; ``result`` is the trainer's result file when available.
+    ``failure`` is set only for FAILED; ``result`` is the trainer's result file when available;
+    ``wall_s`` is how long the job ran (seconds), once it has ended.
     """
 
     state: JobState
@@ -102,6 +103,7 @@ class JobStatus:
     exit_code: int | None = None
     failure: FailureKind | None = None
     result: dict[str, Any] | None = None
+    wall_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -162,15 +162,18 @@ class LocalBackend(Backend):
         exit_record = _read_json(job_dir / "exit.json")
         if exit_record is not None:
             rc = int(exit_record["exit_code"])
+            wall_s = None
+            if exit_record.get("started_at") and exit_record.get("ended_at"):
+                wall_s = round(exit_record["ended_at"] - exit_record["started_at"], 3)
             if rc == 0 and not exit_record.get("cancelled"):
-                return JobStatus(JobState.SUCCEEDED, "training finished", rc, None, result)
+                return JobStatus(JobState.SUCCEEDED, "training finished", rc, None, result, wall_s)
             if exit_record.get("cancelled"):
-                return JobStatus(JobState.CANCELLED, "job was cancelled", rc, None, result)
+                return JobStatus(JobState.CANCELLED, "job was cancelled", rc, None, result, wall_s)
             kind = FailureKind.TRANSIENT
             if result and result.get("status") in _PERMANENT_RESULTS:
                 kind = FailureKind.PERMANENT
             message = (result or {}).get("message") or f"torchrun exited with code {rc}"
-            return JobStatus(JobState.FAILED, message, rc, kind, result)
+            return JobStatus(JobState.FAILED, message, rc, kind, result, wall_s)
         if self._supervisor_alive(job_dir):
             return JobStatus(JobState.RUNNING, "running", None, None, result)
         # The exit record may have landed between the two reads above.

@@ -77,7 +77,7 @@ def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: li
     errors can explain what YAML made of it.
     """
     marks[path] = node.start_mark
-    if isinstance(node, yaml.ScalarNode) and node.style is None:
+    if isinstance(node, yaml.ScalarNode) and not node.style:  # plain: None (Python) or "" (libyaml)
         marks[("raw",) + path] = node.value
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
@@ -106,6 +106,22 @@ def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: li
             _walk(item, loader, path + (i,), marks, issues, file) for i, item in enumerate(node.value)
         ]
     return loader.construct_object(node, deep=True)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
+
+
+def _data_loc(loc: tuple, marks: dict) -> tuple:
+    """A pydantic error location without union-member tags (``str``, ``AssetSchedule``, ...)."""
+    kept: list = []
+    for part in loc:
+        if tuple(kept + [part]) in marks:
+            kept.append(part)
+        elif isinstance(part, str) and (part[:1].isupper() or part in _TYPE_TAGS or "[" in part):
+            continue
+        else:
+            kept.append(part)
+    return tuple(kept)
 
 
 def _position(marks: dict, loc: tuple) -> tuple[int, int]:
@@ -255,9 +271,12 @@ def _parse_with_positions(text: str, file: str) -> PipelineSpec:
         spec = PipelineSpec.model_validate(data)
     except ValidationError as err:
         for e in err.errors():
+            e["loc"] = _data_loc(tuple(e["loc"]), marks)
             line, col = _position(marks, e["loc"])
             path = ".".join(str(p) for p in e["loc"])
-            issues.append(SpecIssue(file, line, col, path, _describe(e, marks)))
+            issue = SpecIssue(file, line, col, path, _describe(e, marks))
+            if issue not in issues:
+                issues.append(issue)
         spec = None
     if issues:
         issues.sort(key=lambda i: (i.line, i.column))

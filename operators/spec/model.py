@@ -10,69 +10,16 @@ Units are in field names or descriptions: ``*_s`` seconds (written as durations,
 
 from __future__ import annotations
 
-import datetime as dt
-import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from operators.spec.base import SpecModel
 from operators.spec.data import DataSection
 from operators.spec.durations import DurationS
+from operators.spec.pipeline import PipelineSection
 from operators.spec.registry import RegistrySection, ValidationSection
 
-_DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
-_PRESETS = ("@once", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
-
-
-class PipelineSection(SpecModel):
-    name: str = Field(description="Pipeline name; becomes the Airflow dag_id.")
-    description: str = Field("", description="Shown as the DAG's documentation in the Airflow UI.")
-    owner: str = Field("trainforge", description="Airflow task owner.")
-    tags: list[str] = Field(default_factory=list, description="Airflow DAG tags.")
-    schedule: str | None = Field(
-        None,
-        description="Cron expression (5 fields), an Airflow preset (@daily, @weekly, ...), or "
-        "null for manual runs only.",
-    )
-    start_date: dt.date = Field(dt.date(2026, 1, 1), description="First logical date (UTC).")
-    catchup: bool = Field(False, description="Create runs for past intervals since start_date.")
-    max_active_runs: int = Field(1, ge=1, le=64, description="Concurrent DAG runs.")
-    retries: int = Field(0, ge=0, le=20, description="Default task retries.")
-    retry_delay: DurationS = Field("5m", description="Default delay between task retries.")
-    mlflow_experiment: str | None = Field(
-        None, description="MLflow experiment for this pipeline's runs; defaults to the name."
-    )
-
-    @field_validator("name")
-    @classmethod
-    def _name_is_dag_id(cls, value: str) -> str:
-        if not _DAG_ID.match(value):
-            raise ValueError(
-                f"not a valid dag_id (got {value!r}; expected letters, digits, '_', '.', '-')"
-            )
-        return value
-
-    @field_validator("schedule")
-    @classmethod
-    def _schedule_known(cls, value: str | None) -> str | None:
-        if value is None:
-            return value
-        if value.startswith("@"):
-            if value not in _PRESETS:
-                raise ValueError(
-                    f"unknown schedule preset (got {value!r}; expected one of "
-                    f"{', '.join(_PRESETS)}, a cron expression or null)"
-                )
-            return value
-        from croniter import croniter
-
-        if len(value.split()) != 5 or not croniter.is_valid(value):
-            raise ValueError(
-                f"not a valid cron expression (got {value!r}; expected 5 fields like "
-                f"'0 3 * * 1', a preset such as '@weekly', or null)"
-            )
-        return value
 
 
 class ModelSection(SpecModel):
@@ -112,12 +59,58 @@ class ModelSection(SpecModel):
         return -(-(8 * self.hidden_size // 3) // 64) * 64
 
 
+class ResourcesSection(SpecModel):
+    nodes: int = Field(1, ge=1, le=4096, description="Machines in the training job.")
+    processes_per_node: int = Field(
+        2, ge=1, le=64, description="Ranks per machine (torchrun --nproc-per-node); one per GPU "
+        "when gpus_per_node is set."
+    )
+    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs requested per machine.")
+    cpus_per_process: int = Field(
+        1, ge=1, le=256, description="CPU cores per rank; also its OMP_NUM_THREADS."
+    )
+    memory_gib: float | None = Field(None, gt=0, description="Memory per machine, GiB.")
+    image: str | None = Field(None, description="Container image of the trainer (cluster engines).")
+
+    @model_validator(mode="after")
+    def _gpus(self) -> ResourcesSection:
+        if self.gpus_per_node and self.processes_per_node != self.gpus_per_node:
+            raise ValueError(
+                f"processes_per_node must equal gpus_per_node when GPUs are requested, one rank "
+                f"per GPU (got {self.processes_per_node} and {self.gpus_per_node})"
+            )
+        return self
+
+
 class LocalEngine(SpecModel):
-    processes_per_node: int = Field(2, ge=1, le=64, description="torchrun --nproc-per-node.")
     distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Collective backend; auto = nccl with GPUs, gloo on CPU."
     )
-    threads_per_process: int = Field(1, ge=1, le=256, description="OMP_NUM_THREADS per rank.")
+
+
+class FrameworkSection(SpecModel):
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast precision of forward and backward (fp16 uses loss scaling)."
+    )
+    parallelism: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="Data parallelism: replicated (DDP) or sharded (FSDP) parameters."
+    )
+    gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none", description="DDP communication hook compressing gradients before all-reduce."
+    )
+    powersgd_rank: int = Field(1, ge=1, le=64, description="Rank of PowerSGD's approximation.")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass to save memory."
+    )
+
+    @model_validator(mode="after")
+    def _combination(self) -> FrameworkSection:
+        if self.parallelism == "fsdp" and self.gradient_compression != "none":
+            raise ValueError(
+                f"gradient_compression is a DDP communication hook and does not apply to FSDP "
+                f"(got {self.gradient_compression!r} with parallelism 'fsdp'; expected 'none')"
+            )
+        return self
 
 
 class OptimizationSection(SpecModel):
@@ -131,6 +124,9 @@ class OptimizationSection(SpecModel):
         None, ge=0, description="Floor of the cosine decay; default learning_rate / 10."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warm-up, from learning_rate to min_learning_rate."
+    )
     weight_decay: float = Field(0.1, ge=0, le=1, description="AdamW weight decay.")
     beta1: float = Field(0.9, gt=0, lt=1)
     beta2: float = Field(0.95, gt=0, lt=1)
@@ -174,6 +170,9 @@ class CheckpointSection(SpecModel):
 
 class FaultSection(SpecModel):
     max_restarts: int = Field(0, ge=0, le=100, description="torchrun elastic restarts per launch.")
+    startup_timeout: DurationS = Field(
+        "10m", description="Longest a job may wait to be admitted and start running."
+    )
     run_timeout: DurationS = Field("6h", description="Longest a training launch may run.")
     collective_timeout: DurationS = Field(
         "2m", description="Collective timeout: how fast a dead rank is noticed."
@@ -183,20 +182,29 @@ class FaultSection(SpecModel):
 
 
 class TrainingSection(SpecModel):
-    engine: Literal["local"] = Field("local", description="Where training runs.")
+    engine: Literal["local"] = Field(
+        "local", description="Where training runs. This version has the 'local' engine "
+        "(torchrun on the Airflow worker's machine)."
+    )
+    resources: ResourcesSection = ResourcesSection()
     local: LocalEngine = LocalEngine()
     optimization: OptimizationSection
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="Autocast precision.")
+    framework: FrameworkSection = FrameworkSection()
     checkpoint: CheckpointSection
     fault: FaultSection = FaultSection()
     log_every_steps: int = Field(10, ge=1, description="Metric and log-line interval in steps.")
 
     @property
     def world_size(self) -> int:
-        return self.local.processes_per_node
+        return self.resources.nodes * self.resources.processes_per_node
 
     @model_validator(mode="after")
     def _batch_and_interval(self) -> TrainingSection:
+        if self.engine == "local" and self.resources.nodes != 1:
+            raise ValueError(
+                f"the local engine runs on one machine (got resources.nodes {self.resources.nodes}; "
+                f"expected 1)"
+            )
         opt = self.optimization
         per_step = opt.micro_batch_size * self.world_size
         if opt.global_batch_size % per_step:
@@ -213,6 +221,21 @@ class TrainingSection(SpecModel):
         return self
 
 
+class CostSection(SpecModel):
+    """Prices and power used to account each training launch (logged to the MLflow run)."""
+
+    gpu_hour_price: float = Field(0.0, ge=0, description="Price of one GPU-hour, in currency.")
+    cpu_hour_price: float = Field(0.0, ge=0, description="Price of one CPU-core-hour.")
+    currency: str = Field("USD", min_length=1, max_length=8, description="Currency of the prices.")
+    gpu_power_watts: float = Field(
+        700.0, ge=0, description="Average board power of one GPU while training, watts "
+        "(default: the H100/H200 SXM TDP)."
+    )
+    cpu_core_power_watts: float = Field(
+        10.0, ge=0, description="Average power of one busy CPU core, watts."
+    )
+
+
 class PipelineSpec(SpecModel):
     """One pipeline: data prep → training → checkpoint validation → model registration."""
 
@@ -222,6 +245,7 @@ class PipelineSpec(SpecModel):
     training: TrainingSection
     validation: ValidationSection = ValidationSection()
     registry: RegistrySection
+    cost: CostSection = CostSection()
 
     @property
     def dag_id(self) -> str:

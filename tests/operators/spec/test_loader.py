@@ -50,91 +50,89 @@ def _replace(old: str, new: str) -> str:
     return MINIMAL.replace(old, new)
 
 
+def _under(section_line: str, extra: str) -> str:
+    """Insert ``extra`` (already indented) right after the line ``section_line``."""
+    assert section_line in MINIMAL
+    return MINIMAL.replace(section_line, section_line + extra, 1)
+
+
+# (yaml text, field path, line, message fragment) — one row per kind of mistake.
 CASES = [
-    # (yaml text, field path, line, message fragment)
-    (
-        _replace("learning_rate: 1e-3", "learnin_rate: 1e-3"),
-        "training.optimization.learnin_rate",
-        10,
-        "unknown field",
-    ),
-    (
-        _replace("learning_rate: 1e-3", "learning_rate: fast"),
-        "training.optimization.learning_rate",
-        10,
-        "got 'fast'",
-    ),
-    (
-        _replace("  name: tiny\n", "  name: tiny\n  retry_delay: 30\n"),
-        "pipeline.retry_delay",
-        3,
-        "got 30",
-    ),
-    (
-        _replace("  name: tiny\n", "  name: tiny\n  retry_delay: 5 minutes\n"),
-        "pipeline.retry_delay",
-        3,
-        "not a duration",
-    ),
-    (
-        _replace("  name: tiny\n", "  name: tiny\n  schedule: every monday\n"),
-        "pipeline.schedule",
-        3,
-        "not a valid cron expression",
-    ),
-    (
-        _replace("  name: tiny\n", "  name: tiny\n  schedule: '@fortnightly'\n"),
-        "pipeline.schedule",
-        3,
-        "unknown schedule preset",
-    ),
+    # unknown keys, with a did-you-mean
+    (_replace("learning_rate: 1e-3", "learnin_rate: 1e-3"),
+     "training.optimization.learnin_rate", 10, "did you mean 'learning_rate'"),
+    (_replace("  optimization:", "  optimisation:"), "training.optimisation", 6,
+     "did you mean 'optimization'"),
+    (_under("pipeline:\n", "  nmae: x\n"), "pipeline.nmae", 2, "did you mean 'name'"),
+    (_replace("registry:", "registy:"), "registy", 13, "did you mean 'registry'"),
+    # wrong types and values
+    (_replace("learning_rate: 1e-3", "learning_rate: fast"),
+     "training.optimization.learning_rate", 10, "got 'fast'"),
+    (_replace("max_steps: 10", "max_steps: 0"), "training.optimization.max_steps", 7,
+     "greater than or equal to 1"),
+    (_replace("max_steps: 10", "max_steps: 10.5"), "training.optimization.max_steps", 7,
+     "got 10.5"),
+    (_replace("max_steps: 10", "max_steps: [10]"), "training.optimization.max_steps", 7,
+     "valid integer"),
+    (_replace("sources: [corpus/*.txt]", "sources: []"), "data.sources", 4, "at least 1 item"),
+    (_replace("sources: [corpus/*.txt]", "sources: corpus/*.txt"), "data.sources", 4,
+     "valid list"),
+    (_under("data:\n", "  validation_fraction: 0.7\n"), "data.validation_fraction", 4,
+     "less than 0.5"),
+    (_under("training:\n", "  engine: kubernets\n"), "training.engine", 6, "unknown value"),
+    (_under("training:\n", "  framework:\n    precision: fp8\n"),
+     "training.framework.precision", 7, "expected 'fp32', 'bf16' or 'fp16'"),
+    (_under("training:\n", "  framework:\n    parallelism: fsdp\n    gradient_compression: powersgd\n"),
+     "training.framework", 6, "does not apply to FSDP"),
+    (_under("training:\n", "  resources:\n    nodes: 2\n"), "training", 5,
+     "the local engine runs on one machine"),
+    (_under("training:\n", "  resources:\n    gpus_per_node: 4\n"), "training.resources", 6,
+     "processes_per_node must equal gpus_per_node"),
+    # durations
+    (_under("pipeline:\n", "  defaults:\n    retry_delay: 30\n"),
+     "pipeline.defaults.retry_delay", 3, "got 30"),
+    (_under("pipeline:\n", "  defaults:\n    retry_delay: 5 minutes\n"),
+     "pipeline.defaults.retry_delay", 3, "not a duration"),
+    (_under("pipeline:\n", "  tasks:\n    train:\n      execution_timeout: 30m1h\n"),
+     "pipeline.tasks.train.execution_timeout", 4, "largest first"),
+    (_under("pipeline:\n", "  tasks:\n    trian:\n      retries: 2\n"),
+     "pipeline.tasks.trian", 3, "did you mean 'train'"),
+    # schedules: never a silent fallback
+    (_under("pipeline:\n", "  schedule: every monday\n"), "pipeline.schedule", 2,
+     "not a valid cron expression"),
+    (_under("pipeline:\n", "  schedule: '@fortnightly'\n"), "pipeline.schedule", 2,
+     "unknown schedule preset"),
+    (_under("pipeline:\n", "  schedule: '61 * * * *'\n"), "pipeline.schedule", 2,
+     "not a valid cron expression"),
+    (_under("pipeline:\n", "  schedule:\n    assets: [corpus]\n"),
+     "pipeline.schedule.assets", 3, "not an asset URI"),
     (_replace("name: tiny", "name: tiny llm"), "pipeline.name", 2, "not a valid dag_id"),
-    (
-        _replace("global_batch_size: 4", "global_batch_size: 6"),
-        "training",
-        5,
-        "divisible by micro_batch_size x world size",
-    ),
-    (
-        _replace("interval_steps: 5", "interval_steps: 50"),
-        "training",
-        5,
-        "must fit in optimization.max_steps",
-    ),
-    (
-        _replace("max_steps: 10", "max_steps: 0"),
-        "training.optimization.max_steps",
-        7,
-        "greater than or equal to 1",
-    ),
-    (
-        _replace("model_name: tiny-llm", "model_name: tiny-llm\n  aliases: [latest]"),
-        "registry.aliases",
-        15,
-        "not a valid MLflow alias",
-    ),
-    (
-        _replace("registry:\n  model_name: tiny-llm\n", ""),
-        "registry",
-        1,
-        "required field is missing",
-    ),
-    (
-        _replace("  name: tiny\n", "  name: tiny\n  name: other\n"),
-        "pipeline.name",
-        3,
-        "duplicate key",
-    ),
+    # cross-field rules
+    (_replace("global_batch_size: 4", "global_batch_size: 6"),
+     "training", 5, "divisible by micro_batch_size x world size"),
+    (_replace("interval_steps: 5", "interval_steps: 50"),
+     "training", 5, "must fit in optimization.max_steps"),
+    (_replace("micro_batch_size: 2", "micro_batch_size: 8"), "training.optimization", 6,
+     "may not exceed global_batch_size"),
+    (_under("    max_steps: 10\n", "    warmup_steps: 10\n"), "training.optimization", 6,
+     "warmup_steps must be below max_steps"),
+    (_under("pipeline:\n", "  notifications:\n    email:\n      to: [ops]\n"),
+     "pipeline.notifications.email.to", 4, "not an email address"),
+    (_replace("  checkpoint:\n    interval_steps: 5\n",
+              "  checkpoint:\n    interval_steps: 5\n    keep_last: 0\n"),
+     "training.checkpoint.keep_last", 13, "greater than or equal to 1"),
+    (_replace("model_name: tiny-llm", "model_name: tiny-llm\n  aliases: [latest]"),
+     "registry.aliases", 15, "not a valid MLflow alias"),
+    (_replace("registry:\n  model_name: tiny-llm\n", ""), "registry", 1,
+     "required field is missing"),
+    # YAML pitfalls
+    (_replace("  name: tiny\n", "  name: tiny\n  name: other\n"), "pipeline.name", 3,
+     "duplicate key"),
     (_replace("  name: tiny\n", "  name: tiny\n\tdescription: x\n"), "", 3, "tabs"),
-    (
-        _replace(
-            "  checkpoint:\n    interval_steps: 5\n",
-            "  checkpoint:\n    interval_steps: 5\n    keep_last: 0\n",
-        ),
-        "training.checkpoint.keep_last",
-        13,
-        "greater than or equal to 1",
-    ),
+    (_replace("model_name: tiny-llm", "model_name: no"), "registry.model_name", 14,
+     "YAML reads unquoted 'no' as the boolean False"),
+    (_under("pipeline:\n", "  owner: 1.10\n"), "pipeline.owner", 2,
+     "read the unquoted '1.10' as float"),
 ]
 
 
