@@ -1,45 +1,201 @@
-"""The ``prepare_data`` task: clean, split, tokenise and shard the corpus; log its lineage.
+"""The ``prepare_data`` task: stream, clean, split, tokenise and shard the corpus; log lineage.
 
-The work itself is :func:`operators.data.prepare.prepare_dataset` (pure Python, no Airflow);
-this operator maps the spec onto its settings, opens the DAG run's MLflow run, records the
-dataset there as an input (digest, sources, token and document counts), and returns a small
-JSON summary as XCom. Re-running on the same inputs reuses the finished dataset.
+The work itself is :func:`operators.data.prepare.prepare_dataset` (no Airflow, no MLflow); this
+operator
+
+1. maps the spec onto its settings, resolving a ``models:/name@alias`` tokenizer source to the
+   registered model version's ``tokenizer.json`` (downloaded once per version into
+   ``TRAINFORGE_HOME/staging/tokenizers/``);
+2. runs it; an ``s3://`` output is staged in ``TRAINFORGE_HOME/staging/datasets/`` so that the
+   local trainer has a ``dataset_dir`` to read;
+3. records the dataset in the DAG run's MLflow run: an input (digest, dataset URI, source
+   patterns, document and token counts, what each cleaning rule removed), params, metrics, and
+   the manifest as an artifact;
+4. sets the extra of the task's asset event (the dataset root, declared as the outlet by
+   :func:`dataset_asset` when the DAG is built): digest, dataset URI, token counts, reused.
+
+XCom: :meth:`PreparedDataset.summary` (``dataset_dir``, ``dataset_uri``, ``digest``, ``reused``,
+counts, timings) plus ``mlflow_run_id`` and ``tokenizer_source``. Re-running on the same inputs
+reuses the finished dataset and says so.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+from pathlib import Path
 from typing import Any
 
 from operators.base import TrainforgeStageOperator, fail_permanently
-from operators.paths import resolve
+from operators.paths import resolve, safe_segment, trainforge_home
 from operators.spec.model import PipelineSpec
 
+_MODELS_URI = re.compile(r"^models:/([^/@]+)(?:@([^/]+)|/([0-9]+))$")
+#: Folders searched below a model version's artifact root for ``tokenizer.json``.
+_TOKENIZER_SEARCH_DEPTH = 4
+#: MLflow input-tag values are at most 500 characters.
+_TAG_VALUE_MAX = 500
 
-def prepare_settings(spec: PipelineSpec):
-    """The data-prep settings of a spec (sources resolved against TRAINFORGE_HOME)."""
+
+def dataset_root_uri(spec: PipelineSpec) -> str:
+    """The dataset root as a URI: ``s3://bucket/prefix`` or ``file:///abs/datasets``."""
+    root = resolve(spec.data.output_uri)
+    return root.rstrip("/") if root.startswith("s3://") else Path(root).as_uri()
+
+
+def dataset_asset(spec: PipelineSpec):
+    """The Airflow asset the ``prepare_data`` task updates: the spec's dataset root (pipelines
+    sharing a root share the asset; each event's extra names the dataset digest)."""
+    from airflow.sdk import Asset
+
+    return Asset(uri=dataset_root_uri(spec))
+
+
+def staging_root(output_uri: str) -> Path:
+    """Local copy of an ``s3://bucket/prefix`` dataset root: staging/datasets/bucket/prefix."""
+    return trainforge_home() / "staging" / "datasets" / output_uri[len("s3://"):].strip("/")
+
+
+def prepare_settings(spec: PipelineSpec, tokenizer_uri: str | None = None):
+    """The data-prep settings of a spec (paths resolved against TRAINFORGE_HOME).
+
+    ``tokenizer_uri`` replaces ``data.tokenizer.source`` (a downloaded ``models:/`` tokenizer).
+    """
     from operators.data.settings import PrepareSettings
 
     data = spec.data
+    source = tokenizer_uri or data.tokenizer.source
     return PrepareSettings(
         sources=tuple(resolve(s) for s in data.sources),
+        format=data.format,
+        compression=data.compression,
+        text_field=data.text_field,
+        on_malformed=data.on_malformed,
         strip_gutenberg_boilerplate=data.cleaning.strip_gutenberg_boilerplate,
         normalize_whitespace=data.cleaning.normalize_whitespace,
         unicode_normalization=data.cleaning.unicode_normalization,
         min_document_chars=data.cleaning.min_document_chars,
+        max_document_chars=data.cleaning.max_document_chars,
+        deduplicate=data.cleaning.deduplicate,
         vocab_size=data.tokenizer.vocab_size,
+        tokenizer_uri=_tokenizer_location(source),
         validation_fraction=data.validation_fraction,
         shard_tokens=data.shard_tokens,
+        encode_workers=data.encode_workers,
+        memory_budget_mib=data.memory_budget_mib,
+        s3_endpoint_url=data.s3_endpoint_url,
     )
 
 
-class PrepareDataOperator(TrainforgeStageOperator):
-    """Prepare the spec's dataset.
+def _tokenizer_location(source: str | None) -> str | None:
+    """A tokenizer source as the data library takes it: paths resolved, URIs as they are."""
+    if source is None or source.startswith("models:/"):
+        return source  # a models:/ URI is downloaded by the operator first
+    return resolve(source)
 
-    XCom: ``{"dataset_dir", "digest", "reused", "vocab_size", "documents", "tokens", ...,
-    "mlflow_run_id"}`` (see ``PreparedDataset.summary``).
+
+def fetch_registered_tokenizer(client: Any, tracking_uri: str, uri: str, dest_root: Path
+                               ) -> tuple[Path, str]:
+    """Download the ``tokenizer.json`` of registered model version ``uri`` with ``client`` (an
+    ``MlflowClient`` of ``tracking_uri``, which also serves the registry).
+
+    ``uri`` is ``models:/<name>@<alias>`` or ``models:/<name>/<version>``. The artifacts of the
+    version (its logged model, or the run path it was registered from) are searched breadth
+    first, :data:`_TOKENIZER_SEARCH_DEPTH` folders deep; the shallowest ``tokenizer.json``
+    wins. Versions are immutable, so a version already downloaded is not fetched again.
+
+    Returns:
+        (local path of tokenizer.json, ``"models:/<name>/<version>"`` it came from).
+
+    Raises:
+        TokenizerSourceError: no such model version, or no tokenizer.json in its artifacts.
+    """
+    from mlflow.exceptions import MlflowException
+
+    from operators.data.errors import TokenizerSourceError
+
+    match = _MODELS_URI.match(uri)
+    if not match:
+        raise TokenizerSourceError(uri, "not a models:/<name>@<alias> or models:/<name>/<version>")
+    name, alias, number = match.groups()
+    try:
+        version = (client.get_model_version_by_alias(name, alias) if alias
+                   else client.get_model_version(name, number))
+    except MlflowException as err:
+        raise TokenizerSourceError(uri, f"the registry has no such version "
+                                        f"({err.error_code}: {err.message})") from err
+    resolved = f"models:/{name}/{version.version}"
+    dest = dest_root / safe_segment(name) / str(version.version)
+    if (dest / "tokenizer.json").is_file():
+        return dest / "tokenizer.json", resolved
+    repo = _artifact_repository(client, tracking_uri, version)
+    found = _find_file(repo, "tokenizer.json")
+    if found is None:
+        raise TokenizerSourceError(uri, f"{resolved} has no tokenizer.json in its artifacts "
+                                        f"(searched {_TOKENIZER_SEARCH_DEPTH} folders deep)")
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        local = Path(repo.download_artifacts(found, dst_path=str(tmp)))
+        dest.mkdir(parents=True, exist_ok=True)
+        local.replace(dest / "tokenizer.json")  # atomic: a reader sees all of it or nothing
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest / "tokenizer.json", resolved
+
+
+def _artifact_repository(client: Any, tracking_uri: str, version: Any) -> Any:
+    """The artifact repository holding a model version's files."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    source = version.source or ""
+    model_id = getattr(version, "model_id", None) or (
+        source[len("models:/"):] if source.startswith("models:/m-") else None)
+    if model_id:
+        location = client.get_logged_model(model_id).artifact_location
+    elif source.startswith("runs:/"):
+        run_id, _, path = source[len("runs:/"):].partition("/")
+        location = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + path
+    else:
+        location = source
+    return get_artifact_repository(location, tracking_uri=tracking_uri)
+
+
+def _find_file(repo: Any, filename: str) -> str | None:
+    level = [""]
+    for _ in range(_TOKENIZER_SEARCH_DEPTH + 1):
+        entries = [f for folder in level for f in repo.list_artifacts(folder)]
+        files = sorted(f.path for f in entries
+                       if not f.is_dir and f.path.rsplit("/", 1)[-1] == filename)
+        if files:
+            return files[0]
+        level = [f.path for f in entries if f.is_dir]
+        if not level:
+            return None
+    return None
+
+
+def _short(values: list[str]) -> str:
+    text = ", ".join(values)
+    if len(text) <= _TAG_VALUE_MAX:
+        return text
+    return text[:_TAG_VALUE_MAX - 20].rsplit(", ", 1)[0] + f", ... ({len(values)} in all)"
+
+
+class PrepareDataOperator(TrainforgeStageOperator):
+    """Prepare the spec's dataset (see the module doc).
+
+    XCom: ``{"dataset_dir", "dataset_uri", "digest", "reused", "vocab_size", "documents",
+    "tokens", ..., "mlflow_run_id", "tokenizer_source"}`` (see ``PreparedDataset.summary``).
     """
 
     ui_color = "#fff2cc"
+
+    @staticmethod
+    def asset_for(spec: PipelineSpec):
+        """The outlet to declare when the DAG is built: :func:`dataset_asset`."""
+        return dataset_asset(spec)
 
     def execute(self, context: Any) -> dict[str, Any]:
         from operators.data.errors import DataPrepError
@@ -47,39 +203,88 @@ class PrepareDataOperator(TrainforgeStageOperator):
 
         spec = self.resolved_spec(context)
         run_id = self.mlflow_run_id(context, spec)
+        output = resolve(spec.data.output_uri)
+        tokenizer_source = spec.data.tokenizer.source
         try:
-            prepared = prepare_dataset(prepare_settings(spec), resolve(spec.data.output_uri))
+            tokenizer_uri = None
+            if tokenizer_source and tokenizer_source.startswith("models:/"):
+                path, tokenizer_source = fetch_registered_tokenizer(
+                    self.mlflow_hook.client, self.mlflow_hook.tracking_uri, tokenizer_source,
+                    trainforge_home() / "staging" / "tokenizers")
+                tokenizer_uri = str(path)
+                self.log.info("Reusing the tokenizer of %s (%s)", tokenizer_source, path)
+            prepared = prepare_dataset(
+                prepare_settings(spec, tokenizer_uri), output,
+                staging_root=staging_root(output) if output.startswith("s3://") else None,
+                log=self.log)
         except DataPrepError as err:
             fail_permanently(f"data preparation for {spec.dag_id} failed: {err}")
+            raise  # unreachable
         summary = prepared.summary()
-        self.log.info("Dataset %s %s in %.1f s: %s documents, %s tokens", prepared.digest,
-                      "reused" if prepared.reused else "prepared", prepared.elapsed_s,
-                      summary["documents"], summary["tokens"])
+        summary["tokenizer_source"] = tokenizer_source
+        self.log.info("Dataset %s %s in %.1f s: %s documents, %s tokens, at %s", prepared.digest,
+                      f"reused ({prepared.reuse} copy)" if prepared.reused else "prepared",
+                      prepared.elapsed_s, summary["documents"], summary["tokens"],
+                      summary["dataset_uri"])
+        self._log_lineage(spec, run_id, prepared, summary)
+        self._set_asset_extra(context, summary)
+        summary["mlflow_run_id"] = run_id
+        return summary
+
+    def _log_lineage(self, spec: PipelineSpec, run_id: str, prepared: Any,
+                     summary: dict[str, Any]) -> None:
+        stats = prepared.manifest["stats"]
         hook = self.mlflow_hook
         hook.log_params(run_id, {
-            "data.sources": ",".join(spec.data.sources)[:500],
+            "data.sources": _short(spec.data.sources),
+            "data.format": spec.data.format,
             "data.vocab_size": spec.data.tokenizer.vocab_size,
+            "data.tokenizer_source": summary["tokenizer_source"] or "trained",
             "data.sequence_length": spec.data.sequence_length,
             "data.validation_fraction": spec.data.validation_fraction,
         })
-        hook.log_metrics(run_id, {
+        metrics = {
             "data/train_tokens": summary["tokens"]["train"],
             "data/validation_tokens": summary["tokens"]["validation"],
             "data/train_documents": summary["documents"]["train"],
             "data/validation_documents": summary["documents"]["validation"],
             "data/documents_in": summary["documents_in"],
-        })
+            "data/malformed": summary["malformed"],
+        }
+        metrics.update({f"data/removed_{k}": v for k, v in stats["removed"].items()})
+        metrics.update({f"data/cleaning_{k}": v for k, v in stats["cleaning"].items()})
+        hook.log_metrics(run_id, metrics)
         hook.set_tags(run_id, {
             "trainforge.dataset.digest": prepared.digest,
             "trainforge.dataset.dir": str(prepared.path),
+            "trainforge.dataset.uri": summary["dataset_uri"],
             "trainforge.dataset.reused": str(prepared.reused).lower(),
         })
-        hook.log_dataset_input(
-            run_id, name=f"{spec.dag_id}-dataset", digest=prepared.digest,
-            source_uri=str(prepared.path), context="training",
-            extra_tags={"tokens.train": str(summary["tokens"]["train"]),
-                        "tokens.validation": str(summary["tokens"]["validation"])},
-        )
+        tags = {
+            "sources": _short([s["uri"] for s in prepared.manifest["sources"]]),
+            "source_patterns": _short(spec.data.sources),
+            "documents_in": summary["documents_in"],
+            "malformed": summary["malformed"],
+            "tokenizer": summary["tokenizer_source"] or "trained",
+        }
+        for split in ("train", "validation"):
+            tags[f"tokens.{split}"] = summary["tokens"][split]
+            tags[f"documents.{split}"] = summary["documents"][split]
+        tags.update({f"removed.{k}": v for k, v in stats["removed"].items()})
+        tags.update({f"cleaning.{k}": v for k, v in stats["cleaning"].items()})
+        hook.log_dataset_input(run_id, name=f"{spec.dag_id}-dataset", digest=prepared.digest,
+                               source_uri=summary["dataset_uri"], context="training",
+                               extra_tags=tags)
         hook.log_dict_artifact(run_id, prepared.manifest, "dataset/manifest.json")
-        summary["mlflow_run_id"] = run_id
-        return summary
+
+    def _set_asset_extra(self, context: Any, summary: dict[str, Any]) -> None:
+        """Put the dataset's identity on the event of each declared outlet asset."""
+        events = context.get("outlet_events") if hasattr(context, "get") else None
+        if events is None:
+            return
+        extra = {"digest": summary["digest"], "dataset_uri": summary["dataset_uri"],
+                 "tokens_train": summary["tokens"]["train"],
+                 "tokens_validation": summary["tokens"]["validation"],
+                 "reused": summary["reused"]}
+        for outlet in self.outlets or []:
+            events[outlet].extra.update(extra)

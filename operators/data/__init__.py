@@ -1,6 +1,7 @@
-"""Data preparation: clean text files, split by document, train a byte-level BPE tokenizer,
-write token shards and a manifest (docs/contracts.md, "Dataset"). Pure Python: no Airflow, no
-MLflow; the ``prepare_data`` operator wraps :func:`prepare_dataset`.
+"""Data preparation: stream text, JSONL or Parquet sources (local or S3, optionally gzip/zstd),
+clean, deduplicate and split them by document, train (or reuse) a byte-level BPE tokenizer,
+encode token shards in parallel workers and write a manifest (docs/contracts.md, "Dataset";
+docs/data.md). No Airflow, no MLflow; the ``prepare_data`` operator wraps :func:`prepare_dataset`.
 
 The demo corpus fetcher lives in :mod:`operators.data.corpus`
 (``python -m operators.data.corpus fetch --dest DIR``).
@@ -12,9 +13,12 @@ from operators.data.errors import (
     DatasetInvalidError,
     EmptyCorpusError,
     InvalidSettingsError,
+    MalformedRecordError,
+    SourceAccessError,
     SourceChangedError,
     SourceDecodeError,
     SourceNotFoundError,
+    TokenizerSourceError,
 )
 from operators.data.settings import EOS_TOKEN, PrepareSettings
 
@@ -44,11 +48,14 @@ __all__ = [
     "DatasetInvalidError",
     "EmptyCorpusError",
     "InvalidSettingsError",
+    "MalformedRecordError",
     "PrepareSettings",
     "PreparedDataset",
+    "SourceAccessError",
     "SourceChangedError",
     "SourceDecodeError",
     "SourceNotFoundError",
+    "TokenizerSourceError",
     "load_manifest",
     "prepare_dataset",
     "verify_dataset",

@@ -13,11 +13,11 @@ explicitly so the vocabulary never depends on which bytes the corpus happens to 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from operators.data.errors import DataPrepError
+from operators.data.errors import DataPrepError, TokenizerSourceError
 
 
 def new_tokenizer() -> Tokenizer:
@@ -29,9 +29,10 @@ def new_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def train_tokenizer(texts: Sequence[str], *, vocab_size: int, special_tokens: Sequence[str]
-                    ) -> Tokenizer:
-    """Train on ``texts`` (the train split) up to ``vocab_size`` tokens, specials first.
+def train_tokenizer(texts: Iterable[str], *, vocab_size: int, special_tokens: Sequence[str],
+                    length: int | None = None) -> Tokenizer:
+    """Train on ``texts`` (the train split, any iterable: it is streamed) up to ``vocab_size``
+    tokens, specials first. ``length`` is the number of texts when ``texts`` has no ``len``.
 
     The result may hold fewer than ``vocab_size`` tokens when the texts offer fewer merges;
     every id is still ``< vocab_size``.
@@ -47,11 +48,33 @@ def train_tokenizer(texts: Sequence[str], *, vocab_size: int, special_tokens: Se
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    if length is None and isinstance(texts, Sequence):
+        length = len(texts)
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
     eos_id = tokenizer.token_to_id(special_tokens[0])
     if eos_id != 0:
         raise DataPrepError(
             f"tokenizer training gave the EOS token {special_tokens[0]!r} id {eos_id}, "
             "expected 0 (docs/contracts.md); this is a bug in operators.data.bpe"
         )
+    return tokenizer
+
+
+def load_tokenizer(text: str, *, uri: str, vocab_size: int, eos_token: str) -> Tokenizer:
+    """A reused ``tokenizer.json`` (its content ``text``), checked against the dataset.
+
+    Raises:
+        TokenizerSourceError: not a tokenizer, no ``eos_token``, or more ids than ``vocab_size``.
+    """
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as err:  # tokenizers raises a bare Exception for bad JSON
+        raise TokenizerSourceError(uri, f"not a tokenizers JSON file ({err})") from err
+    if tokenizer.token_to_id(eos_token) is None:
+        raise TokenizerSourceError(uri, f"it has no EOS token {eos_token!r}")
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise TokenizerSourceError(
+            uri, f"it has {size} tokens but data.tokenizer.vocab_size is {vocab_size} "
+            f"(set vocab_size >= {size}, usually the vocab_size it was trained with)")
     return tokenizer

@@ -33,8 +33,10 @@ from __future__ import annotations
 import hashlib
 import re
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from operators.data.errors import SourceDecodeError
 
@@ -92,18 +94,26 @@ class CleanedFile:
 class _Cleaner:
     """Line-by-line state machine; :meth:`feed` one decoded line at a time, then :meth:`finish`."""
 
-    def __init__(self, *, gutenberg: bool, whitespace: bool, unicode_form: str) -> None:
+    def __init__(self, *, gutenberg: bool, whitespace: bool, unicode_form: str,
+                 max_chars: int | None = None) -> None:
         self.gutenberg = gutenberg
         self.whitespace = whitespace
         self.unicode_form = unicode_form
+        self.max_chars = max_chars
         self.counts = CleanCounts()
         self.out: list[str] = []
+        self.chars = -1  # len("\n".join(self.out))
+        self.overflow = False  # the output grew past max_chars: it is no longer kept
         self.pending_blank = 0  # blank lines seen since the last kept non-blank line
         self.raw_kept = 0  # raw lines that reached the output since the last header reset
         self.notice: list[str] | None = None  # buffered ``<<`` block, or None
         self.ended = False  # footer seen: drop everything else
 
-    def feed(self, line: str) -> None:
+    def feed(self, line: str | None) -> None:
+        """One line without its line ending; None stands for a line too long to read."""
+        if line is None:
+            self._set_overflow()
+            return
         if self.ended:
             self.counts.gutenberg_footer_lines += 1
             return
@@ -133,6 +143,8 @@ class _Cleaner:
         if _START.match(stripped):
             self.counts.gutenberg_header_lines += self.raw_kept + 1
             self.out.clear()
+            self.chars = -1
+            self.overflow = False
             self.pending_blank = 0
             self.raw_kept = 0
             return True
@@ -155,10 +167,23 @@ class _Cleaner:
         for kept in block:
             self._keep(kept)
 
+    def _append(self, line: str) -> None:
+        if self.overflow:
+            return
+        self.chars += len(line) + 1
+        if self.max_chars is not None and self.chars > self.max_chars:
+            self._set_overflow()
+            return
+        self.out.append(line)
+
+    def _set_overflow(self) -> None:
+        self.overflow = True
+        self.out.clear()
+
     def _keep(self, line: str) -> None:
         self.raw_kept += 1
         if not self.whitespace:
-            self.out.append(line)
+            self._append(line)
             return
         collapsed = _HSPACE.sub(" ", line).rstrip()
         self.counts.whitespace_chars += len(line) - len(collapsed)
@@ -166,20 +191,62 @@ class _Cleaner:
             self.pending_blank += 1
             return
         if self.pending_blank:
-            if self.out:  # one blank line between paragraphs; none at the start
-                self.out.append("")
+            if self.chars >= 0:  # one blank line between paragraphs; none at the start
+                self._append("")
                 self.counts.blank_lines += self.pending_blank - 1
             else:
                 self.counts.blank_lines += self.pending_blank
             self.pending_blank = 0
-        self.out.append(collapsed)
+        self._append(collapsed)
 
-    def finish(self) -> str:
+    def finish(self) -> str | None:
+        """The cleaned text, or None when it grew past ``max_chars``."""
         if self.notice is not None:  # unterminated ``<<``: it was text after all
             self._flush_notice_as_text()
         self.counts.blank_lines += self.pending_blank  # trailing blank lines
         self.pending_blank = 0
-        return "\n".join(self.out)
+        return None if self.overflow else "\n".join(self.out)
+
+    def feed_text(self, text: str) -> None:
+        """Feed an in-memory document (a JSONL or Parquet record) line by line."""
+        for line in text.split("\n"):
+            self.feed(line[:-1] if line.endswith("\r") else line)
+
+
+def decode_lines(stream: BinaryIO, uri: str, line_limit: int) -> Iterator[str | None]:
+    """UTF-8 lines of a binary stream without their line endings (rule 1 of the module doc).
+
+    A line longer than ``line_limit`` bytes is read past and yields None (its document is too
+    long), so memory stays bounded by ``line_limit``.
+
+    Raises:
+        SourceDecodeError: a line is not UTF-8; names the file, the line and the byte offset.
+    """
+    offset = 0
+    number = 0
+    while True:
+        raw = stream.readline(line_limit)
+        if not raw:
+            return
+        number += 1
+        start = offset
+        offset += len(raw)
+        if not raw.endswith(b"\n") and len(raw) == line_limit:
+            while (more := stream.readline(line_limit)) and not more.endswith(b"\n"):
+                offset += len(more)
+            offset += len(more)
+            yield None
+            continue
+        body = raw[:-1] if raw.endswith(b"\n") else raw
+        if body.endswith(b"\r"):
+            body = body[:-1]
+        if start == 0 and body.startswith(_BOM):
+            body = body[len(_BOM):]
+            start += len(_BOM)
+        try:
+            yield body.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise SourceDecodeError(uri, start + err.start, err.reason, line=number) from err
 
 
 def clean_file(path: Path, *, strip_gutenberg_boilerplate: bool, normalize_whitespace: bool,
@@ -192,30 +259,26 @@ def clean_file(path: Path, *, strip_gutenberg_boilerplate: bool, normalize_white
     """
     cleaner = _Cleaner(gutenberg=strip_gutenberg_boilerplate, whitespace=normalize_whitespace,
                        unicode_form=unicode_normalization)
-    file_hash = hashlib.sha256()
-    offset = 0
     with open(path, "rb") as f:
-        for raw in f:
-            file_hash.update(raw)
-            start = offset
-            offset += len(raw)
-            body = raw[:-1] if raw.endswith(b"\n") else raw
-            if body.endswith(b"\r"):
-                body = body[:-1]
-            if start == 0 and body.startswith(_BOM):
-                body = body[len(_BOM):]
-                start += len(_BOM)
-            try:
-                line = body.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise SourceDecodeError(str(path), start + err.start, err.reason) from err
+        hashing = _HashingFile(f)
+        for line in decode_lines(hashing, str(path), 1 << 62):
             cleaner.feed(line)
-    text = cleaner.finish()
+    text = cleaner.finish() or ""
     return CleanedFile(
         text=text,
         text_sha256=hashlib.sha256(text.encode("utf-8")).hexdigest(),
-        file_sha256=file_hash.hexdigest(),
-        file_bytes=offset,
+        file_sha256=hashing.sha.hexdigest(),
+        file_bytes=hashing.count,
         counts=cleaner.counts,
     )
 
+
+class _HashingFile:
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha, self.count = f, hashlib.sha256(), 0
+
+    def readline(self, limit: int) -> bytes:
+        raw = self.f.readline(limit)
+        self.sha.update(raw)
+        self.count += len(raw)
+        return raw

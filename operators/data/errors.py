@@ -37,17 +37,46 @@ class SourceNotFoundError(DataPrepError):
         )
 
 
-class SourceDecodeError(DataPrepError):
-    """A source file is not valid UTF-8."""
+class MalformedRecordError(DataPrepError):
+    """A record of a source cannot be read (``data.on_malformed: fail``).
 
-    def __init__(self, path: str, offset: int, detail: str) -> None:
+    ``location`` is ``line N`` (text, JSONL), ``row group G, row R`` (Parquet) or ``file``.
+    """
+
+    def __init__(self, uri: str, location: str, reason: str) -> None:
+        self.uri = uri
+        self.location = location
+        self.reason = reason
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        return (f"malformed record in {self.uri!r} at {self.location}: {self.reason}; fix or "
+                "drop the source, or set data.on_malformed: skip to count and skip such records")
+
+    @property
+    def short(self) -> str:
+        """``uri:location: reason`` for the manifest's list of examples."""
+        return f"{self.uri}: {self.location}: {self.reason}"
+
+
+class SourceDecodeError(MalformedRecordError):
+    """A text source is not valid UTF-8."""
+
+    def __init__(self, path: str, offset: int, detail: str, line: int | None = None) -> None:
         self.path = path
         self.offset = offset
         self.detail = detail
-        super().__init__(
-            f"source file {path!r} is not UTF-8: {detail} at byte offset {offset}; "
-            "re-encode it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or drop it from the sources"
+        self.line = line
+        where = f"line {line}, " if line is not None else ""
+        DataPrepError.__init__(
+            self,
+            f"source file {path!r} is not UTF-8: {detail} at {where}byte offset {offset}; "
+            "re-encode it as UTF-8 (e.g. `iconv -f latin1 -t utf-8`), drop it from the sources, "
+            "or set data.on_malformed: skip",
         )
+        self.uri = path
+        self.location = f"{where}byte offset {offset}"
+        self.reason = f"not UTF-8 ({detail})"
 
 
 class SourceChangedError(DataPrepError):
@@ -73,6 +102,32 @@ class EmptyCorpusError(DataPrepError):
             f"corpus too small after cleaning: {documents_left} document(s) left of "
             f"{documents_in} read (removed: {removed_txt}); at least 2 are needed to split "
             "train/validation by document; add sources or lower min_document_chars"
+        )
+
+
+class SourceAccessError(DataPrepError):
+    """A source, tokenizer or output location could not be listed, read or written."""
+
+    def __init__(self, uri: str, operation: str, detail: str, remedy: str = "") -> None:
+        self.uri = uri
+        self.operation = operation
+        self.detail = detail
+        super().__init__(
+            f"cannot {operation} {uri!r}: {detail}; "
+            + (remedy or "check the URI, the credentials (standard AWS chain: environment, "
+               "~/.aws, instance role) and the endpoint (AWS_ENDPOINT_URL or data.s3_endpoint_url)")
+        )
+
+
+class TokenizerSourceError(DataPrepError):
+    """A tokenizer to reuse cannot serve this dataset."""
+
+    def __init__(self, uri: str, problem: str) -> None:
+        self.uri = uri
+        self.problem = problem
+        super().__init__(
+            f"tokenizer {uri!r} cannot be reused: {problem}; point data.tokenizer.source at a "
+            "tokenizer.json with the EOS token, or remove it to train a new tokenizer"
         )
 
 

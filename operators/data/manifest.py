@@ -23,7 +23,9 @@ MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
 SPLITS = ("train", "validation")
 #: Bump when a code change alters the prepared output for the same sources and settings.
-RECIPE_VERSION = 1
+#: 2: streamed multi-format sources, max length and malformed-record settings, document index
+#: files, tokenizer reuse.
+RECIPE_VERSION = 2
 _READ_CHUNK_BYTES = 1 << 20  # a multiple of 4: chunks never split a uint16/uint32 id
 
 
@@ -38,8 +40,9 @@ def dataset_digest(*, sources: list[dict[str, Any]], settings: dict[str, Any],
     """SHA-256 hex of the canonical JSON of everything that determines the dataset.
 
     Args:
-        sources: ``[{"name": relative name, "sha256": file hash}, ...]``, any order (sorted here).
-        settings: :meth:`PrepareSettings.output_settings`.
+        sources: each file's identity, ``{"name", "sha256"}`` (local) or ``{"name", "bytes",
+            "etag"}`` (S3), any order (sorted here).
+        settings: :meth:`PrepareSettings.output_settings` plus the reused tokenizer's SHA-256.
         tokenizers_version: ``tokenizers.__version__`` (BPE training may change between versions).
     """
     payload = {
@@ -47,8 +50,8 @@ def dataset_digest(*, sources: list[dict[str, Any]], settings: dict[str, Any],
         "recipe": RECIPE_VERSION,
         "tokenizers_version": tokenizers_version,
         "settings": settings,
-        "sources": sorted(({"name": s["name"], "sha256": s["sha256"]} for s in sources),
-                          key=lambda s: s["name"]),
+        "sources": sorted((dict(s) for s in sources),
+                          key=lambda s: (s["name"], canonical_json(s))),
     }
     return hashlib.sha256(canonical_json(payload)).hexdigest()
 
@@ -73,6 +76,17 @@ def write_json_atomic(path: Path, value: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def dataset_files(manifest: dict[str, Any]) -> list[str]:
+    """Every file a manifest lists (tokenizer, shards, document indexes), manifest excluded."""
+    files = [manifest["tokenizer"]["file"]]
+    for split in SPLITS:
+        entry = manifest["splits"][split]
+        files += [s["file"] for s in entry["shards"]]
+        if "index" in entry:
+            files.append(entry["index"]["file"])
+    return files
 
 
 def load_manifest(dataset_dir: Path | str) -> dict[str, Any]:
@@ -120,6 +134,8 @@ def _verify(folder: Path, manifest: dict[str, Any]) -> list[str]:
     problems += _check_file(folder, manifest["tokenizer"])
     for split in SPLITS:
         entry = manifest["splits"][split]
+        if "index" in entry:
+            problems += _check_file(folder, entry["index"])
         shards = entry["shards"]
         if not shards:
             problems.append(f"split {split!r} has no shards")

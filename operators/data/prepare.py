@@ -1,48 +1,48 @@
-"""Prepare a tokenized dataset from local text files (docs/contracts.md, "Dataset").
+"""Prepare a tokenized dataset from local or S3 sources (docs/contracts.md, "Dataset";
+docs/data.md for every option).
 
-    sources ─► clean (per file) ─► drop short, dedup ─► split by content hash
-            ─► train byte-level BPE on train ─► encode to shards ─► manifest.json (last)
+    sources ─► scan: read (streamed), clean, filter, dedup, split by content hash ─► spools
+            ─► tokenizer: train byte-level BPE on the train spool, or reuse one
+            ─► encode the spools in parallel workers ─► shards ─► manifest.json (last)
 
 Everything is written into ``output_root/.<digest>.tmp-<pid>/`` and renamed to
 ``output_root/<digest>/`` at the end, so a dataset folder either is complete or does not exist.
-When ``output_root/<digest>/`` already verifies, it is reused as is.
+When ``output_root/<digest>/`` already verifies, it is reused as is. An ``s3://`` output root is
+prepared in a local staging folder and uploaded, manifest last (:mod:`operators.data.remote`).
 """
 
 from __future__ import annotations
 
-import glob
+import hashlib
 import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tokenizers
 
-from operators.data.bpe import train_tokenizer
-from operators.data.clean import CleanCounts, clean_file
-from operators.data.errors import EmptyCorpusError, SourceChangedError, SourceNotFoundError
+from operators.data import s3
+from operators.data.bpe import load_tokenizer, train_tokenizer
+from operators.data.encode import encode_splits
+from operators.data.errors import InvalidSettingsError, SourceAccessError, TokenizerSourceError
 from operators.data.manifest import (
     FORMAT, MANIFEST_NAME, RECIPE_VERSION, SPLITS, TOKENIZER_NAME, dataset_digest, load_manifest,
     sha256_file, verify_dataset, write_json_atomic,
 )
+from operators.data.scan import ScanResult, scan_sources
 from operators.data.settings import PrepareSettings
-from operators.data.shards import write_split
-from operators.data.split import Document, deduplicate, split_documents
+from operators.data.sources import SourceFile, resolve_sources
+from operators.data.spool import read_range
 
 logger = logging.getLogger(__name__)
+Log = logging.Logger | logging.LoggerAdapter
 
-
-@dataclass(frozen=True)
-class SourceFile:
-    """One matched source file: ``name`` is relative to the patterns' common base (POSIX)."""
-
-    path: Path
-    name: str
-    bytes: int
-    sha256: str
+#: Spool range size bounds (bytes); see :func:`chunk_bytes`.
+MIN_CHUNK_BYTES = 64 << 10
+MAX_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,10 @@ class PreparedDataset:
         manifest: the parsed ``manifest.json``.
         reused: True when the folder existed and verified; nothing was rewritten.
         elapsed_s: wall time of :func:`prepare_dataset`, seconds.
+        uri: where the dataset lives: ``s3://.../<digest>`` or ``file:///.../<digest>``.
+        reuse: ``""`` (prepared now), ``"local"`` (the folder verified) or ``"remote"`` (the
+            S3 copy existed; fetched or matched locally).
+        timings_s: seconds per phase (``scan``, ``tokenizer``, ``encode``, ``upload``, ...).
     """
 
     path: Path
@@ -62,6 +66,9 @@ class PreparedDataset:
     manifest: dict[str, Any]
     reused: bool
     elapsed_s: float
+    uri: str = ""
+    reuse: str = ""
+    timings_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def documents(self) -> dict[str, int]:
@@ -74,165 +81,222 @@ class PreparedDataset:
     def summary(self) -> dict[str, Any]:
         """Small JSON-able summary (XCom, MLflow params, the task log)."""
         splits = self.manifest["splits"]
+        stats = self.manifest["stats"]
         return {
             "dataset_dir": str(self.path),
+            "dataset_uri": self.uri or self.path.as_uri(),
             "digest": self.digest,
             "reused": self.reused,
+            "reuse": self.reuse,
             "vocab_size": self.manifest["vocab_size"],
             "dtype": self.manifest["dtype"],
             "documents": self.documents,
             "tokens": self.tokens,
             "bytes_utf8": {s: splits[s]["bytes_utf8"] for s in SPLITS},
             "shards": {s: len(splits[s]["shards"]) for s in SPLITS},
-            "documents_in": self.manifest["stats"]["documents_in"],
-            "removed": self.manifest["stats"]["removed"],
-            "cleaning": self.manifest["stats"]["cleaning"],
+            "documents_in": stats["documents_in"],
+            "removed": stats["removed"],
+            "malformed": stats.get("malformed", {}).get("count", 0),
+            "cleaning": stats["cleaning"],
+            "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
         }
 
 
-def resolve_sources(patterns: tuple[str, ...]) -> list[SourceFile]:
-    """Expand glob patterns to regular files, hash them, and name them relative to the
-    patterns' common base folder. Files matched twice count once; order is by name.
+class _Client:
+    """The S3 client, made on first use (local-only runs never import boto3)."""
 
-    Raises:
-        SourceNotFoundError: a pattern matches no regular file.
-    """
-    paths: dict[str, Path] = {}
-    bases: list[str] = []
-    for pattern in patterns:
-        absolute = os.path.abspath(os.path.expanduser(pattern))
-        bases.append(_glob_base(absolute))
-        matched = [p for p in sorted(glob.glob(absolute, recursive=True)) if os.path.isfile(p)]
-        if not matched:
-            raise SourceNotFoundError(pattern, absolute)
-        for match in matched:
-            paths.setdefault(os.path.realpath(match), Path(match))
-    base = os.path.commonpath(bases)
-    files = []
-    for path in paths.values():
-        size, sha = sha256_file(path)
-        name = Path(os.path.relpath(path, base)).as_posix()
-        files.append(SourceFile(path=path, name=name, bytes=size, sha256=sha))
-    return sorted(files, key=lambda f: f.name)
+    def __init__(self, endpoint_url: str | None) -> None:
+        self.endpoint_url = endpoint_url
+        self._client: Any = None
+
+    def __call__(self) -> Any:
+        if self._client is None:
+            self._client = s3.make_client(self.endpoint_url)
+        return self._client
 
 
-def _glob_base(pattern: str) -> str:
-    """The folder part of an absolute pattern before its first wildcard component."""
-    parts = Path(pattern).parts
-    fixed = []
-    for part in parts[:-1]:
-        if glob.has_magic(part):
-            break
-        fixed.append(part)
-    return str(Path(*fixed))
+def chunk_bytes(settings: PrepareSettings) -> int:
+    """Spool range size: ``2 x workers`` ranges are in flight, each held as text, as the
+    tokenizer's transient objects and as ids; a factor 8 keeps that inside the memory budget."""
+    budget = settings.memory_budget_mib << 20
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, budget // (8 * settings.workers)))
 
 
-def prepare_dataset(settings: PrepareSettings, output_root: Path | str,
-                    log: logging.Logger | logging.LoggerAdapter = logger) -> PreparedDataset:
+def prepare_dataset(settings: PrepareSettings, output_root: Path | str, *,
+                    staging_root: Path | str | None = None, log: Log = logger,
+                    s3_client: Any = None) -> PreparedDataset:
     """Prepare (or reuse) ``output_root/<digest>/`` for ``settings``.
 
-    Deterministic: the same source bytes, settings and ``tokenizers`` version give the same
-    digest and byte-identical shards, tokenizer and manifest (source URIs aside).
+    Deterministic: the same source contents, settings and ``tokenizers`` version give the same
+    digest and byte-identical shards, tokenizer, indexes and manifest (source URIs aside),
+    whatever the number of workers.
+
+    Args:
+        output_root: a local folder, or ``s3://bucket/prefix`` (then ``staging_root`` is the
+            local folder that holds the local copy the trainer reads).
+        s3_client: a boto3 S3 client to use instead of making one from the settings.
 
     Raises:
-        SourceNotFoundError, SourceDecodeError, SourceChangedError, EmptyCorpusError: see
+        SourceNotFoundError, MalformedRecordError, SourceChangedError, SourceAccessError,
+        TokenizerSourceError, EmptyCorpusError, InvalidSettingsError: see
             ``operators.data.errors``; all are :class:`DataPrepError`.
         OSError: the output folder cannot be written.
     """
     started = time.monotonic()
-    output_root = Path(output_root).absolute()
-    sources = resolve_sources(settings.sources)
-    digest = dataset_digest(sources=[{"name": s.name, "sha256": s.sha256} for s in sources],
-                            settings=settings.output_settings(),
+    client = (lambda: s3_client) if s3_client is not None else _Client(settings.s3_endpoint_url)
+    sources = resolve_sources(settings.sources, client)
+    tokenizer_text = _read_tokenizer(settings, client)
+    digest_settings = settings.output_settings()
+    if tokenizer_text is not None:
+        digest_settings["tokenizer_sha256"] = _sha256_text(tokenizer_text)
+    digest = dataset_digest(sources=[s.identity() for s in sources], settings=digest_settings,
                             tokenizers_version=tokenizers.__version__)
-    final = output_root / digest
     log.info("dataset %s: %d source files, %d bytes", digest[:12], len(sources),
              sum(s.bytes for s in sources))
+
+    def build(root: Path) -> PreparedDataset:
+        return _prepare_local(settings, sources, digest, root, client, tokenizer_text,
+                              started, log)
+
+    root = str(output_root)
+    if s3.is_s3(root):
+        if staging_root is None:
+            raise InvalidSettingsError("staging_root", None,
+                                       "a local folder for the local copy of an s3:// output")
+        from operators.data.remote import prepare_remote
+
+        return prepare_remote(root, Path(staging_root).absolute(), digest, build, client(),
+                              started, log)
+    return build(Path(root).absolute())
+
+
+def _read_tokenizer(settings: PrepareSettings, client: Any) -> str | None:
+    """The content of the reused tokenizer.json, checked; None when one is trained."""
+    uri = settings.tokenizer_uri
+    if uri is None:
+        return None
+    if uri.startswith("models:/"):
+        raise TokenizerSourceError(uri, "a registered model is fetched by the prepare_data "
+                                        "operator (through MLflow); pass its tokenizer.json here")
+    if s3.is_s3(uri):
+        text = s3.read_bytes(client(), uri).decode("utf-8")
+    else:
+        try:
+            text = Path(uri).expanduser().read_text(encoding="utf-8")
+        except OSError as err:
+            raise SourceAccessError(uri, "read", str(err.strerror or err),
+                                    "check the path of data.tokenizer.source") from err
+    load_tokenizer(text, uri=uri, vocab_size=settings.vocab_size, eos_token=settings.eos_token)
+    return text
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _prepare_local(settings: PrepareSettings, sources: list[SourceFile], digest: str,
+                   output_root: Path, client: Any, tokenizer_text: str | None, started: float,
+                   log: Log) -> PreparedDataset:
+    final = output_root / digest
     if (final / MANIFEST_NAME).exists():
         problems = verify_dataset(final)
         if not problems:
-            log.info("dataset %s already prepared at %s; reusing it", digest[:12], final)
+            log.info("dataset %s already prepared at %s; reusing it (nothing re-read or "
+                     "re-tokenised)", digest[:12], final)
             return PreparedDataset(final, digest, load_manifest(final), True,
-                                   time.monotonic() - started)
+                                   time.monotonic() - started, reuse="local")
         log.warning("dataset %s at %s does not verify (%s); preparing it again",
                     digest[:12], final, "; ".join(problems[:3]))
-
     output_root.mkdir(parents=True, exist_ok=True)
     work = output_root / f".{digest}.tmp-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     try:
-        manifest = _build(settings, sources, digest, work, log)
-        return _publish(work, final, digest, manifest, started, log)
+        manifest, timings = _build(settings, sources, digest, work, client, tokenizer_text, log)
+        prepared = _publish(work, final, digest, manifest, started, log)
+        prepared.timings_s.update(timings)
+        return prepared
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
 def _build(settings: PrepareSettings, sources: list[SourceFile], digest: str, work: Path,
-           log: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
-    counts = CleanCounts()
-    documents: list[Document] = []
-    removed = {"empty": 0, "too_short": 0, "duplicate": 0}
-    for source in sources:
-        cleaned = clean_file(source.path,
-                             strip_gutenberg_boilerplate=settings.strip_gutenberg_boilerplate,
-                             normalize_whitespace=settings.normalize_whitespace,
-                             unicode_normalization=settings.unicode_normalization)
-        if cleaned.file_sha256 != source.sha256:
-            raise SourceChangedError(str(source.path), source.sha256, cleaned.file_sha256)
-        counts.add(cleaned.counts)
-        if not cleaned.text:
-            removed["empty"] += 1
-        elif len(cleaned.text) < settings.min_document_chars:
-            removed["too_short"] += 1
-        else:
-            documents.append(Document(source.name, cleaned.text, cleaned.text_sha256))
-    documents, removed["duplicate"] = deduplicate(documents)
-    log.info("cleaned %d documents: kept %d, removed %s, rules removed %s",
-             len(sources), len(documents), removed, counts.as_dict())
-    if len(documents) < 2:
-        raise EmptyCorpusError(len(sources), len(documents), removed)
-    train, validation = split_documents(documents, settings.validation_fraction)
-    log.info("split by document hash: %d train, %d validation", len(train), len(validation))
+           client: Any, tokenizer_text: str | None, log: Log
+           ) -> tuple[dict[str, Any], dict[str, float]]:
+    spool = work / "spool"
+    scan = scan_sources(sources, settings, client, spool, chunk_bytes(settings), log)
+    log.info("split by document hash: %d train, %d validation", scan.documents["train"],
+             scan.documents["validation"])
 
-    tokenizer = train_tokenizer([d.text for d in train], vocab_size=settings.vocab_size,
-                                special_tokens=settings.special_tokens)
-    (work / TOKENIZER_NAME).write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
-    tok_bytes, tok_sha = sha256_file(work / TOKENIZER_NAME)
-    log.info("trained byte-level BPE on the train split: %d tokens (asked %d)",
-             tokenizer.get_vocab_size(), settings.vocab_size)
+    started = time.monotonic()
+    tokenizer_path = work / TOKENIZER_NAME
+    if tokenizer_text is not None:
+        tokenizer_path.write_bytes(tokenizer_text.encode("utf-8"))
+        tokenizer = load_tokenizer(tokenizer_text, uri=str(settings.tokenizer_uri),
+                                   vocab_size=settings.vocab_size, eos_token=settings.eos_token)
+        log.info("reusing tokenizer %s (%d tokens)", settings.tokenizer_uri,
+                 tokenizer.get_vocab_size())
+    else:
+        texts = (r.text.decode("utf-8") for rng in scan.ranges["train"] for r in read_range(rng))
+        tokenizer = train_tokenizer(texts, vocab_size=settings.vocab_size,
+                                    special_tokens=settings.special_tokens,
+                                    length=scan.documents["train"])
+        tokenizer_path.write_text(tokenizer.to_str(pretty=True), encoding="utf-8")
+        log.info("trained byte-level BPE on the train split: %d tokens (asked %d)",
+                 tokenizer.get_vocab_size(), settings.vocab_size)
+    tokenizer_seconds = time.monotonic() - started
+    tok_bytes, tok_sha = sha256_file(tokenizer_path)
+    eos_id = tokenizer.token_to_id(settings.eos_token)
 
-    splits = {}
-    for split, docs in zip(SPLITS, (train, validation)):
-        splits[split] = write_split(tokenizer, [d.text for d in docs], folder=work, split=split,
-                                    dtype=settings.dtype, shard_tokens=settings.shard_tokens,
-                                    eos_id=0)
-        splits[split]["document_names"] = [d.name for d in docs]
-        log.info("%s: %d documents, %d tokens in %d shard(s)", split, len(docs),
+    splits, encode_seconds = encode_splits(
+        tokenizer_path, scan.ranges, folder=work, dtype=settings.dtype,
+        shard_tokens=settings.shard_tokens, eos_id=eos_id, workers=settings.workers)
+    shutil.rmtree(spool)
+    for split in SPLITS:
+        log.info("%s: %d documents, %d tokens in %d shard(s)", split, splits[split]["documents"],
                  splits[split]["tokens"], len(splits[split]["shards"]))
+    tokens = sum(splits[s]["tokens"] for s in SPLITS)
+    log.info("encoded %d tokens with %d worker(s) in %.1f s (%.0f tokens/s)", tokens,
+             settings.workers, encode_seconds, tokens / max(encode_seconds, 1e-9))
+    manifest = _manifest(settings, sources, digest, scan, splits, eos_id,
+                         {"file": TOKENIZER_NAME, "bytes": tok_bytes, "sha256": tok_sha,
+                          "trained_vocab_size": tokenizer.get_vocab_size(),
+                          "source": settings.tokenizer_uri})
+    return manifest, {"scan": scan.seconds, "tokenizer": tokenizer_seconds,
+                      "encode": encode_seconds}
+
+
+def _manifest(settings: PrepareSettings, sources: list[SourceFile], digest: str,
+              scan: ScanResult, splits: dict[str, Any], eos_id: int,
+              tokenizer: dict[str, Any]) -> dict[str, Any]:
+    entries = []
+    for s in sources:
+        entry: dict[str, Any] = {"uri": s.uri, "name": s.name, "bytes": s.bytes,
+                                 "sha256": s.sha256 or scan.source_sha256.get(s.location, "")}
+        if s.etag:
+            entry["etag"] = s.etag
+        entries.append(entry)
     return {
         "format": FORMAT,
         "digest": digest,
         "dtype": settings.dtype,
         "vocab_size": settings.vocab_size,
         "eos_token": settings.eos_token,
-        "eos_id": 0,
-        "tokenizer": {"file": TOKENIZER_NAME, "bytes": tok_bytes, "sha256": tok_sha,
-                      "trained_vocab_size": tokenizer.get_vocab_size()},
+        "eos_id": eos_id,
+        "tokenizer": tokenizer,
         "splits": splits,
-        "sources": [{"uri": s.path.absolute().as_uri(), "name": s.name, "bytes": s.bytes,
-                     "sha256": s.sha256} for s in sources],
+        "sources": entries,
         "source_patterns": list(settings.sources),
         "settings": settings.output_settings(),
         "recipe": RECIPE_VERSION,
         "tokenizers_version": tokenizers.__version__,
-        "stats": {"documents_in": len(sources), "removed": removed,
-                  "cleaning": counts.as_dict()},
+        "stats": {"documents_in": scan.documents_in, "removed": scan.removed,
+                  "malformed": scan.malformed.as_dict(), "cleaning": scan.counts.as_dict()},
     }
 
 
 def _publish(work: Path, final: Path, digest: str, manifest: dict[str, Any], started: float,
-             log: logging.Logger | logging.LoggerAdapter) -> PreparedDataset:
+             log: Log) -> PreparedDataset:
     """Write the manifest last, then move the folder into place (see module doc)."""
     write_json_atomic(work / MANIFEST_NAME, manifest)
     _fsync_dir(work)
@@ -240,7 +304,7 @@ def _publish(work: Path, final: Path, digest: str, manifest: dict[str, Any], sta
         if not verify_dataset(final):
             log.info("dataset %s was completed by another process; reusing it", digest[:12])
             return PreparedDataset(final, digest, load_manifest(final), True,
-                                   time.monotonic() - started)
+                                   time.monotonic() - started, reuse="local")
         broken = final.with_name(f".{digest}.broken-{os.getpid()}")
         os.replace(final, broken)
         shutil.rmtree(broken, ignore_errors=True)
@@ -249,7 +313,7 @@ def _publish(work: Path, final: Path, digest: str, manifest: dict[str, Any], sta
     except OSError:
         if final.exists() and not verify_dataset(final):  # lost a race to an identical result
             return PreparedDataset(final, digest, load_manifest(final), True,
-                                   time.monotonic() - started)
+                                   time.monotonic() - started, reuse="local")
         raise
     _fsync_dir(final.parent)
     elapsed = time.monotonic() - started

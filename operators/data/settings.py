@@ -7,6 +7,7 @@ tunable values (STYLE habit 1), only the EOS token fixed by ``docs/contracts.md`
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -21,18 +22,38 @@ BYTE_ALPHABET_SIZE = 256
 #: Largest id that fits the uint32 shard dtype (2**32 ids).
 MAX_VOCAB_SIZE = 2**32
 
+#: Longest document (characters after cleaning) the spool format and the readers accept.
+MAX_DOCUMENT_CHARS = 100_000_000
+
 UnicodeNormalization = Literal["NFC", "NFKC", "none"]
+SourceFormat = Literal["text", "jsonl", "parquet", "auto"]
+Compression = Literal["auto", "none", "gzip", "zstd"]
+OnMalformed = Literal["fail", "skip"]
+
+#: Settings that change how the work is done but never the bytes written: kept out of the
+#: digest, so that e.g. more workers reuse the dataset that fewer workers made.
+_RUNTIME_ONLY = ("sources", "tokenizer_uri", "encode_workers", "memory_budget_mib",
+                 "s3_endpoint_url")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PrepareSettings:
-    """How to turn source files into a tokenized dataset.
+    """How to turn source files into a tokenized dataset (docs/data.md lists every option).
 
     Attributes:
-        sources: glob patterns of local UTF-8 text files, one document per file; absolute or
-            relative to the current directory; ``**`` recurses. Matching files are identified in
-            the digest by their path relative to the patterns' common base folder, so the same
-            corpus in another folder gives the same dataset.
+        sources: glob patterns of local files (absolute or relative to the current directory) or
+            ``s3://bucket/prefix/*.jsonl.gz`` URIs; ``**`` recurses. Files are identified in the
+            digest by their path relative to the patterns' common base folder and their content
+            (local: SHA-256; S3: size and ETag), so the same corpus elsewhere gives the same
+            dataset.
+        format: ``text`` (one document per file), ``jsonl`` (one JSON object per line, the
+            document in ``text_field``), ``parquet`` (the document in column ``text_field``), or
+            ``auto``: by suffix before any compression suffix (``.jsonl``/``.ndjson`` JSONL,
+            ``.parquet``/``.pq`` Parquet, anything else text).
+        compression: ``auto`` (by suffix: ``.gz`` gzip, ``.zst``/``.zstd`` zstd), or forced.
+        text_field: JSONL key / Parquet column holding the document text.
+        on_malformed: ``fail`` raises :class:`MalformedRecordError` at the first unreadable
+            record (naming file and line or row group); ``skip`` counts and skips them.
         strip_gutenberg_boilerplate: drop Project Gutenberg licence headers, footers and the
             ``<<THIS ELECTRONIC VERSION ...>>`` notices (see ``operators.data.clean``).
         normalize_whitespace: collapse runs of horizontal whitespace to one space, strip
@@ -40,11 +61,22 @@ class PrepareSettings:
             at both ends.
         unicode_normalization: Unicode normal form applied to every line (``"none"`` to skip).
         min_document_chars: documents shorter than this (characters, after cleaning) are dropped.
+        max_document_chars: documents longer than this (characters, after cleaning) are dropped;
+            also bounds the memory one document may take while it is read.
+        deduplicate: drop documents whose cleaned text equals an earlier one (SHA-256).
         vocab_size: BPE vocabulary size including the EOS token (>= 257); also the model's
             embedding size. Shards are uint16 when ``vocab_size <= 65536``, else uint32.
+        tokenizer_uri: reuse this ``tokenizer.json`` (local path or ``s3://``) instead of
+            training one; its SHA-256, not the URI, enters the digest.
         validation_fraction: expected share of documents in the validation split, in (0, 1).
         shard_tokens: maximum tokens per shard file.
-        eos_token: end-of-document token, id 0, written after every document.
+        encode_workers: encoding worker processes (one tokenizer thread each); 0: one per CPU
+            this process may use. The output does not depend on it.
+        memory_budget_mib: memory (MiB) the step may use for text in flight: sizes the chunks
+            the workers encode. Does not bound one document (see ``max_document_chars``) nor the
+            tokenizer trainer's word counts.
+        s3_endpoint_url: S3 endpoint (e.g. MinIO); None: ``AWS_ENDPOINT_URL`` or AWS itself.
+        eos_token: end-of-document token, written after every document.
     """
 
     sources: tuple[str, ...]
@@ -55,6 +87,16 @@ class PrepareSettings:
     vocab_size: int
     validation_fraction: float
     shard_tokens: int
+    format: SourceFormat = "text"
+    compression: Compression = "auto"
+    text_field: str = "text"
+    on_malformed: OnMalformed = "fail"
+    max_document_chars: int = MAX_DOCUMENT_CHARS
+    deduplicate: bool = True
+    tokenizer_uri: str | None = None
+    encode_workers: int = 1
+    memory_budget_mib: int = 1024
+    s3_endpoint_url: str | None = None
     eos_token: str = field(default=EOS_TOKEN)
 
     def __post_init__(self) -> None:
@@ -63,15 +105,28 @@ class PrepareSettings:
         object.__setattr__(self, "sources", tuple(self.sources))
         if not self.sources or any(not s.strip() for s in self.sources):
             raise InvalidSettingsError("sources", self.sources, "at least one non-empty pattern")
-        for name in ("strip_gutenberg_boilerplate", "normalize_whitespace"):
+        for name in ("strip_gutenberg_boilerplate", "normalize_whitespace", "deduplicate"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSettingsError(name, getattr(self, name), "true or false")
-        if self.unicode_normalization not in ("NFC", "NFKC", "none"):
-            raise InvalidSettingsError(
-                "unicode_normalization", self.unicode_normalization, "'NFC', 'NFKC' or 'none'"
-            )
+        for name, allowed in (("unicode_normalization", ("NFC", "NFKC", "none")),
+                              ("format", ("text", "jsonl", "parquet", "auto")),
+                              ("compression", ("auto", "none", "gzip", "zstd")),
+                              ("on_malformed", ("fail", "skip"))):
+            if getattr(self, name) not in allowed:
+                expected = ", ".join(repr(a) for a in allowed[:-1]) + f" or {allowed[-1]!r}"
+                raise InvalidSettingsError(name, getattr(self, name), expected)
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise InvalidSettingsError("text_field", self.text_field, "a non-empty string")
         _check_int("min_document_chars", self.min_document_chars, 1)
+        _check_int("max_document_chars", self.max_document_chars, self.min_document_chars,
+                   MAX_DOCUMENT_CHARS, why="(and >= min_document_chars)")
         _check_int("shard_tokens", self.shard_tokens, 1)
+        _check_int("encode_workers", self.encode_workers, 0, 1024)
+        _check_int("memory_budget_mib", self.memory_budget_mib, 16)
+        for name in ("tokenizer_uri", "s3_endpoint_url"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise InvalidSettingsError(name, value, "null or a non-empty string")
         if not isinstance(self.eos_token, str) or not self.eos_token:
             raise InvalidSettingsError("eos_token", self.eos_token, "a non-empty string")
         minimum_vocab = BYTE_ALPHABET_SIZE + len(self.special_tokens)
@@ -87,7 +142,7 @@ class PrepareSettings:
 
     @property
     def special_tokens(self) -> tuple[str, ...]:
-        """Special tokens in id order; the EOS token is id 0."""
+        """Special tokens in id order; the EOS token is id 0 of a trained tokenizer."""
         return (self.eos_token,)
 
     @property
@@ -95,11 +150,26 @@ class PrepareSettings:
         """Shard dtype name: ``uint16`` when every id fits in 16 bits, else ``uint32``."""
         return "uint16" if self.vocab_size <= 2**16 else "uint32"
 
+    @property
+    def workers(self) -> int:
+        """Encoding worker processes, ``encode_workers`` with 0 resolved to the usable CPUs."""
+        if self.encode_workers:
+            return self.encode_workers
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not Linux
+            return max(1, os.cpu_count() or 1)
+
     def output_settings(self) -> dict[str, Any]:
-        """The settings that enter the digest and the manifest: all but the source patterns
-        (the matched files themselves, by relative name and SHA-256, stand for those)."""
+        """The settings that enter the digest and the manifest: all that change the output
+        bytes. Left out: the source patterns (the matched files themselves, by relative name
+        and content, stand for those), the tokenizer URI (its SHA-256 stands for it), and the
+        runtime-only knobs (workers, memory budget, endpoint)."""
         values = asdict(self)
-        del values["sources"]
+        for name in _RUNTIME_ONLY:
+            del values[name]
+        if self.format == "text":
+            del values["text_field"]  # not read for plain text
         return values
 
 

@@ -2,23 +2,18 @@
 
 ``<split>-00000.bin``, ``<split>-00001.bin``, ...: each is a raw array of ``uint16`` (or
 ``uint32``) token ids, no header; documents are concatenated with the EOS id after each one
-(including the last). A shard holds at most ``shard_tokens`` ids; a document may straddle two
-shards (readers treat a split as one stream).
+(including the last); :mod:`operators.data.encode` produces them. A shard holds at most
+``shard_tokens`` ids; a document may straddle two shards (readers treat a split as one stream).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer
-
-#: Documents per ``encode_batch`` call: bounds memory to a few documents' ids at a time.
-ENCODE_BATCH_DOCUMENTS = 16
 
 
 class ShardWriter:
@@ -73,26 +68,3 @@ class ShardWriter:
             "tokens": self._count,
         })
         self._file = None
-
-
-def write_split(tokenizer: Tokenizer, texts: Sequence[str], *, folder: Path, split: str,
-                dtype: str, shard_tokens: int, eos_id: int) -> dict[str, Any]:
-    """Encode ``texts`` (one per document) into shards; returns the split's manifest entry
-    ``{"documents", "tokens", "bytes_utf8", "shards"}`` (``bytes_utf8`` counts the cleaned
-    text only, nothing for the EOS ids)."""
-    writer = ShardWriter(folder, split, dtype, shard_tokens)
-    eos = np.array([eos_id], dtype=np.int64)
-    tokens = 0
-    bytes_utf8 = 0
-    try:
-        for start in range(0, len(texts), ENCODE_BATCH_DOCUMENTS):
-            batch = list(texts[start:start + ENCODE_BATCH_DOCUMENTS])
-            encodings = tokenizer.encode_batch(batch, add_special_tokens=False)
-            for text, encoding in zip(batch, encodings):
-                ids = np.concatenate([np.asarray(encoding.ids, dtype=np.int64), eos])
-                writer.write(ids)
-                tokens += ids.size
-                bytes_utf8 += len(text.encode("utf-8"))
-    finally:
-        shards = writer.close()
-    return {"documents": len(texts), "tokens": tokens, "bytes_utf8": bytes_utf8, "shards": shards}

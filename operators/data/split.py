@@ -9,6 +9,9 @@ Fallback, so that neither split is empty (needs >= 2 documents): when validation
 document with the smallest hash (the one nearest the threshold from above) moves to validation;
 when train is empty, the document with the largest hash (nearest the threshold from below) moves
 to train.
+
+:func:`deduplicate` and :func:`split_documents` are the rule on documents in memory; the data
+step applies the same rule (:func:`in_validation`) while streaming (:mod:`operators.data.scan`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,17 @@ class Document:
     @property
     def hash_fraction(self) -> float:
         """The document's position in [0, 1) used by the split rule."""
-        return int(self.sha256, 16) / _HASH_SPACE
+        return hash_fraction(bytes.fromhex(self.sha256))
+
+
+def hash_fraction(sha256: bytes) -> float:
+    """A document's position in [0, 1): its SHA-256 read as a big-endian 256-bit fraction."""
+    return int.from_bytes(sha256, "big") / _HASH_SPACE
+
+
+def in_validation(sha256: bytes, validation_fraction: float) -> bool:
+    """The split rule of the module doc (before the fallback)."""
+    return hash_fraction(sha256) < validation_fraction
 
 
 def deduplicate(documents: Iterable[Document]) -> tuple[list[Document], int]:

@@ -72,3 +72,68 @@ def make_settings():
 def corpus_writer():
     """``corpus_writer(folder, count=12, lines=60) -> [paths]``."""
     return write_corpus
+
+
+# -- multi-format and S3 helpers ------------------------------------------------------------
+
+
+def compress(data: bytes, kind: str) -> bytes:
+    """``data`` as stored with ``kind`` compression: ``none``, ``gzip`` or ``zstd``."""
+    if kind == "gzip":
+        import gzip
+
+        return gzip.compress(data, mtime=0)
+    if kind == "zstd":
+        import zstandard
+
+        return zstandard.ZstdCompressor().compress(data)
+    return data
+
+
+SUFFIX = {"none": "", "gzip": ".gz", "zstd": ".zst"}
+
+
+def jsonl_bytes(texts: list[str], field: str = "text") -> bytes:
+    import json
+
+    return "".join(json.dumps({"id": i, field: t}) + "\n" for i, t in enumerate(texts)).encode()
+
+
+def parquet_bytes(texts: list, column: str = "text", row_group_size: int = 4) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    table = pa.table({"id": list(range(len(texts))), column: pa.array(texts, pa.string())})
+    pq.write_table(table, buf, row_group_size=row_group_size)
+    return buf.getvalue()
+
+
+def corpus_texts(count: int = 12, lines: int = 60) -> list[str]:
+    """The texts ``write_corpus`` writes, without the trailing newline (cleaned form)."""
+    return [make_text(i, lines) for i in range(count)]
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """Credentials and region for the loopback S3 server; yields a boto3 client of it."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return boto3.client("s3", endpoint_url=s3_server)
+
+
+@pytest.fixture
+def bucket(s3_env, request) -> str:
+    """A fresh bucket on the loopback S3 server, named after the test."""
+    import re
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-")
+    name = f"tf-{name}-{random.randrange(16**6):06x}"
+    s3_env.create_bucket(Bucket=name)
+    return name

@@ -209,7 +209,7 @@ def test_cleaning_dedup_and_short_documents_are_counted(tmp_path, make_settings,
     result = prepare_dataset(make_settings(folder / "*.txt"), tmp_path / "o")
     stats = result.manifest["stats"]
     assert stats["documents_in"] == 8
-    assert stats["removed"] == {"empty": 1, "too_short": 1, "duplicate": 1}
+    assert stats["removed"] == {"empty": 1, "too_short": 1, "too_long": 0, "duplicate": 1}
     assert stats["cleaning"]["gutenberg_header_lines"] == 2
     assert stats["cleaning"]["gutenberg_footer_lines"] == 2
     assert sum(result.documents.values()) == 5
@@ -267,7 +267,7 @@ def test_corpus_empty_after_cleaning(tmp_path, make_settings):
     with pytest.raises(
         EmptyCorpusError,
         match=r"1 document\(s\) left of 3 read \(removed: "
-        r"duplicate=0, empty=1, too_short=1\)",
+        r"duplicate=0, empty=1, too_long=0, too_short=1\)",
     ):
         prepare_dataset(make_settings(folder / "*.txt"), tmp_path / "o")
     assert list((tmp_path / "o").iterdir()) == []
