@@ -1,23 +1,62 @@
-"""The ``register_model`` task: one model version per validated checkpoint, then aliases.
+"""The ``register_model`` task: one model version per validated checkpoint, then the eval gate.
 
 The checkpoint is exported to a Hugging Face folder by the trainer's exporter (a child process),
 logged into the DAG run's MLflow run with the ``transformers`` flavour (so it loads back as a
 text-generation pipeline with its tokenizer), registered, awaited until READY, and given the
-spec's aliases. The idempotency key — MLflow run id + checkpoint digest — is looked up before
-anything is created, so a retry or a second run of this task never adds a second version.
+spec's aliases (``challenger``). The idempotency key — MLflow run id + checkpoint digest — is
+looked up before anything is created, so a retry or a second run of this task never adds a
+second version.
+
+Then the eval gate (operators.gate, docs/registry.md) decides whether the version also takes
+``champion``; comparing with an existing champion runs ``python -m trainer.evaluate`` on both
+versions, loaded back from the registry, as a child process. A gate failure is a normal outcome:
+the task logs it plainly and succeeds. When ``champion`` moves, the task emits an asset event for
+``Asset("trainforge-model-<name>")`` through the ``AssetAlias`` outlet that the DAG builder
+declares (`champion_outlet`): an ``Asset`` outlet would emit on every success, gate failures
+included.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from operators.base import TrainforgeStageOperator, fail_permanently
+from operators.gate import PASS, GateDecision, decide, evaluator_argv
+from operators.validation import threshold_failures
+
+# Rounds of "evaluate against the champion, then check it did not move meanwhile" before giving up.
+MAX_GATE_ROUNDS = 3
+GATE_REPORT_ARTIFACT = "gate/evaluation.json"
 
 
-def model_card(spec, prepared: dict, validated: dict, context: Any) -> str:
-    """The model version's description: data, config, metrics, links (Markdown)."""
+def model_asset_name(model_name: str) -> str:
+    """Name (and URI) of the Airflow asset of a registered model's champion."""
+    return f"trainforge-model-{model_name}"
+
+
+def model_asset(model_name: str):
+    """``Asset("trainforge-model-<name>")``: what downstream DAGs schedule on."""
+    from airflow.sdk import Asset
+
+    return Asset(name=model_asset_name(model_name))
+
+
+def champion_outlet(model_name: str):
+    """The ``AssetAlias`` outlet of ``register_model``: it emits an event for `model_asset` only
+    when ``champion`` moved (a plain ``Asset`` outlet emits on every success)."""
+    from airflow.sdk import AssetAlias
+
+    return AssetAlias(name=f"{model_asset_name(model_name)}-champion")
+
+
+def model_card(spec, prepared: dict, validated: dict, context: Any, mlflow_run_url: str = "",
+               gate: GateDecision | None = None) -> str:
+    """The model version's description: data, config, metrics, gate decision, links (Markdown)."""
     ti = context["ti"]
     metrics = validated.get("metrics", {})
     lines = [
@@ -28,24 +67,47 @@ def model_card(spec, prepared: dict, validated: dict, context: Any) -> str:
         f"- dataset digest: `{prepared.get('digest')}`",
         f"- sources: {', '.join(spec.data.sources)}",
         f"- checkpoint: `{validated.get('checkpoint')}` (step {validated.get('step')}, "
-        f"digest `{validated.get('checkpoint_digest')}`)",
+        f"digest `{validated.get('checkpoint_digest')}`, "
+        f"policy {validated.get('policy', 'newest')})",
         f"- model: {spec.model.family}, d_model {spec.model.hidden_size}, "
         f"{spec.model.num_layers} layers, {spec.model.num_heads} heads",
         f"- optimisation: {spec.training.optimization.max_steps} steps, global batch "
         f"{spec.training.optimization.global_batch_size} x {spec.data.sequence_length} tokens, "
         f"lr {spec.training.optimization.learning_rate}",
-        f"- validation: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())),
+        "- validation: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())),
     ]
+    if gate is not None:
+        lines.append(f"- {gate.summary_line()}")
+    airflow_url = _airflow_run_url(ti.dag_id, ti.run_id)
+    if airflow_url:
+        lines.append(f"- Airflow DAG run: {airflow_url}")
+    if mlflow_run_url:
+        lines.append(f"- MLflow run: {mlflow_run_url}")
     return "\n".join(lines)
 
 
-class RegisterModelOperator(TrainforgeStageOperator):
-    """Register the validated checkpoint in the MLflow model registry.
+def _airflow_run_url(dag_id: str, run_id: str) -> str:
+    from urllib.parse import quote
 
-    XCom: ``{"name", "version", "aliases", "model_uri", "created"}``.
+    try:
+        from airflow.configuration import conf
+
+        base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
+    except Exception:  # noqa: BLE001 - a link is a convenience
+        base = ""
+    return f"{base}/dags/{quote(dag_id)}/runs/{quote(run_id, safe='')}" if base else ""
+
+
+class RegisterModelOperator(TrainforgeStageOperator):
+    """Register the validated checkpoint in the MLflow model registry, then run the eval gate.
+
+    XCom: ``{"name", "version", "aliases", "model_uri", "created", ..., "gate": {"decision",
+    "reason", "metric", "method", "candidate_version", "candidate_value", "champion_version",
+    "champion_value", "improvement", "min_improvement", "champion_after", "promoted"}}``.
     """
 
     ui_color = "#ede2f6"
+    champion_outlet = staticmethod(champion_outlet)  # for the DAG builder: outlets=[...]
 
     def __init__(self, *, prepare_task_id: str = "prepare_data",
                  validate_task_id: str = "validate_checkpoint", timeout_s: float = 3600.0,
@@ -64,18 +126,24 @@ class RegisterModelOperator(TrainforgeStageOperator):
         if not validated.get("checkpoint") or not validated.get("checkpoint_digest"):
             fail_permanently(f"no validated checkpoint (validate XCom was {validated!r})")
         run_id = self.mlflow_run_id(context, spec)
+        run_url = self._mlflow_run_url(run_id)
         key = f"{run_id}:{validated['checkpoint_digest']}"
+        existing = self.mlflow_hook.find_model_version(spec.registry.model_name, key)
         with tempfile.TemporaryDirectory(prefix="trainforge-export-") as tmp:
             hf_dir = Path(tmp) / "hf"
-            rc = self.run_streaming(
-                [self.python(), "-m", "trainer.export", "--checkpoint", validated["checkpoint"],
-                 "--dataset", prepared["dataset_dir"], "--out", str(hf_dir)],
-                timeout_s=self.timeout_s,
-            )
-            if rc != 0:
-                fail_permanently(
-                    f"exporting checkpoint {validated['checkpoint']} failed with exit code {rc}"
+            if existing is not None:  # a retry: the version exists; aliases and the gate remain
+                self.log.info("%s v%s already holds checkpoint digest %s: not exporting again",
+                              existing["name"], existing["version"], validated["checkpoint_digest"])
+            else:
+                rc = self.run_streaming(
+                    [self.python(), "-m", "trainer.export", "--checkpoint", validated["checkpoint"],
+                     "--dataset", prepared["dataset_dir"], "--out", str(hf_dir)],
+                    timeout_s=self.timeout_s,
                 )
+                if rc != 0:
+                    fail_permanently(
+                        f"exporting checkpoint {validated['checkpoint']} failed with exit code {rc}"
+                    )
             tags = {
                 **spec.registry.tags,
                 "trainforge.dag_id": ti.dag_id,
@@ -90,16 +158,132 @@ class RegisterModelOperator(TrainforgeStageOperator):
                 registered_model_name=spec.registry.model_name,
                 idempotency_key=key,
                 aliases=list(spec.registry.aliases),
-                description=model_card(spec, prepared, validated, context),
+                description=model_card(spec, prepared, validated, context, run_url),
                 tags=tags,
                 ready_timeout_s=self.ready_timeout_s,
             )
         self.log.info("Model version %s v%s (%s) aliases %s", registered["name"],
                       registered["version"], "created" if registered.get("created") else "reused",
                       ", ".join(registered.get("aliases", [])))
+        gate = self.run_gate(spec, prepared, validated, registered, run_id)
+        self._log_decision(gate)
+        registry = self._registry
+        registry.set_description(registered["name"], registered["version"],
+                                 model_card(spec, prepared, validated, context, run_url, gate))
         self.mlflow_hook.set_tags(run_id, {
             "trainforge.registered_model": registered["name"],
             "trainforge.model_version": str(registered["version"]),
+            **gate.tags(),
         })
+        if gate.decision == PASS:
+            self._emit_champion_event(context, registered["name"], str(registered["version"]), gate)
         self.mlflow_hook.end_run(run_id, "FINISHED")
-        return registered
+        aliases = registry.aliases_of(registered["name"], registered["version"])
+        return {**registered, "aliases": aliases, "gate": gate.as_xcom()}
+
+    # -- the gate ---------------------------------------------------------------------------
+    @property
+    def _registry(self):
+        from operators.hooks.mlflow_registry import ModelRegistry
+
+        return ModelRegistry(self.mlflow_hook)
+
+    def run_gate(self, spec, prepared: dict, validated: dict, registered: dict,
+                 run_id: str) -> GateDecision:
+        """Decide, and move ``champion`` on a pass (module doc). Returns the decision with
+        ``champion_after`` filled in."""
+        from operators.hooks.mlflow_registry import CHAMPION
+
+        registry = self._registry
+        name, version = registered["name"], str(registered["version"])
+        rules = spec.validation.gate
+        failures = threshold_failures(spec, validated.get("metrics") or {})
+        decision = None
+        for _ in range(MAX_GATE_ROUNDS):
+            champion = registry.version_with_alias(name, CHAMPION)
+            champion_version = champion["version"] if champion else None
+            recorded = GateDecision.from_tags(registered.get("tags") or {})
+            if champion_version == version and recorded is not None and recorded.decision == PASS:
+                decision = recorded  # a retry after the alias moved: keep the original comparison
+                break
+            evaluation = None
+            if rules.enabled and not failures and champion_version not in (None, version):
+                evaluation = self._evaluate(name, version, champion_version, prepared, spec, run_id)
+            decision = decide(enabled=rules.enabled, metric=rules.metric,
+                              min_improvement=rules.min_improvement, candidate_version=version,
+                              candidate_metrics=validated.get("metrics") or {},
+                              threshold_failures=failures, champion_version=champion_version,
+                              evaluation=evaluation)
+            if decision.decision != PASS or champion_version == version:
+                registry.set_version_tags(name, version, decision.tags(with_champion_after=False))
+                break
+            now = registry.version_with_alias(name, CHAMPION)
+            if (now["version"] if now else None) != champion_version:
+                self.log.warning("champion of %s moved from v%s to v%s while the gate ran; "
+                                 "comparing again", name, champion_version, now and now["version"])
+                continue
+            registry.promote(name, version, champion_version,
+                             decision.tags(with_champion_after=False))
+            break
+        else:
+            decision = dataclasses.replace(
+                decision, decision="fail",
+                reason=f"the champion alias moved {MAX_GATE_ROUNDS} times while the gate ran; "
+                       "not moving it (retry the task)")
+            registry.set_version_tags(name, version, decision.tags(with_champion_after=False))
+        after = registry.version_with_alias(name, CHAMPION)
+        return dataclasses.replace(decision, champion_after=after["version"] if after else None)
+
+    def _evaluate(self, name: str, version: str, champion_version: str, prepared: dict, spec,
+                  run_id: str) -> dict[str, Any]:
+        """Run trainer.evaluate on both versions; fail the task when the candidate does not load
+        back or evaluate (a registered version must be usable)."""
+        with tempfile.TemporaryDirectory(prefix="trainforge-gate-") as tmp:
+            report_path = Path(tmp) / "evaluation.json"
+            argv = evaluator_argv(
+                self.python(), prepared["dataset_dir"],
+                {"candidate": f"models:/{name}/{version}",
+                 "champion": f"models:/{name}/{champion_version}"},
+                str(report_path), spec.validation.eval_tokens,
+            )
+            env = {**os.environ, "MLFLOW_TRACKING_URI": self.mlflow_hook.tracking_uri}
+            rc = self.run_streaming(argv, timeout_s=self.timeout_s, env=env)
+            if not report_path.exists():
+                raise RuntimeError(f"trainer.evaluate wrote no report for {name} v{version} vs "
+                                   f"v{champion_version} (exit code {rc}); retrying may help")
+            report = json.loads(report_path.read_text(encoding="utf-8"))
+        self.mlflow_hook.log_dict_artifact(run_id, report, GATE_REPORT_ARTIFACT)
+        candidate = (report.get("models") or {}).get("candidate") or {}
+        if not candidate.get("ok"):
+            fail_permanently(f"registered version {name} v{version} does not load back from the "
+                             f"registry and evaluate: {candidate.get('error')}")
+        return report
+
+    def _log_decision(self, gate: GateDecision) -> None:
+        if gate.decision == PASS:
+            self.log.info("%s. champion is now v%s.", gate.summary_line(), gate.champion_after)
+        else:
+            self.log.warning("%s. v%s keeps its other aliases; champion stays %s. The task "
+                             "succeeds: a gate failure is a normal outcome.", gate.summary_line(),
+                             gate.candidate_version,
+                             f"v{gate.champion_after}" if gate.champion_after else "unset")
+
+    def _emit_champion_event(self, context: Any, name: str, version: str,
+                             gate: GateDecision) -> None:
+        alias = champion_outlet(name)
+        if not any(getattr(o, "name", None) == alias.name for o in self.outlets or []):
+            self.log.info("no outlet %s declared on this task: no asset event emitted", alias.name)
+            return
+        extra = {"name": name, "version": version, "alias": "champion",
+                 "model_uri": f"models:/{name}/{version}",
+                 "previous_champion": gate.champion_version}
+        context["outlet_events"][alias].add(model_asset(name), extra=extra)
+        self.log.info("Asset event for %s: %s", model_asset_name(name), extra)
+
+    def _mlflow_run_url(self, run_id: str) -> str:
+        try:
+            experiment_id = self.mlflow_hook.client.get_run(run_id).info.experiment_id
+        except Exception:  # noqa: BLE001 - a link is a convenience
+            return ""
+        base = self.mlflow_hook.tracking_uri.rstrip("/")
+        return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"

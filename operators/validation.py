@@ -2,9 +2,12 @@
 
 The checks themselves run in the trainer's own validator (``python -m trainer.validate``, the
 same code that loads checkpoints for resume), as a child process: Airflow never imports the
-trainer. This task applies the spec's thresholds to the report, logs the metrics and the report
-to the DAG run's MLflow run, and fails — naming the checkpoint and every failed check — when
-anything is wrong.
+trainer. This task tells it what to expect (the job config the ``train`` task ran with, rendered
+again from the same spec, so the config digest, architecture and vocabulary must match), which
+checkpoint to choose (``validation.policy``) and to move damaged checkpoints aside into
+``<checkpoints>/quarantine/`` (never deleted). It then applies the spec's thresholds to the
+report, logs the metrics and the report to the DAG run's MLflow run, and fails — naming the
+checkpoint and every failed check — when anything is wrong.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 from operators.base import TrainforgeStageOperator, fail_permanently
 from operators.spec.model import PipelineSpec
+
+REPORT_ARTIFACT = "validation/report.json"
 
 
 def threshold_failures(spec: PipelineSpec, metrics: dict[str, float]) -> list[str]:
@@ -39,10 +44,46 @@ def threshold_failures(spec: PipelineSpec, metrics: dict[str, float]) -> list[st
     return failures
 
 
-class ValidateCheckpointOperator(TrainforgeStageOperator):
-    """Validate the newest checkpoint of the ``train`` task.
+def expected_job_config(spec: PipelineSpec, dataset_dir: str, checkpoint_dir: str,
+                        dag_id: str, run_id: str, train_task_id: str) -> dict[str, Any]:
+    """The job config the ``train`` task handed the trainer (its digest ignores ``identity``)."""
+    from operators.backends.base import JobIdentity
+    from operators.jobconfig import render_job_config
 
-    XCom: ``{"checkpoint", "step", "checkpoint_digest", "metrics", "sample", "report"}``.
+    identity = JobIdentity(dag_id, run_id, train_task_id, 1)
+    return render_job_config(spec, dataset_dir, checkpoint_dir, identity)
+
+
+def validator_argv(python: str, spec: PipelineSpec, checkpoint_dir: str, dataset_dir: str,
+                   report_path: str, expect_path: str, final_step: int | None,
+                   vocab_size: int | None) -> list[str]:
+    """Pure: the exact ``python -m trainer.validate`` command line of this task."""
+    rules = spec.validation
+    argv = [
+        python, "-m", "trainer.validate",
+        "--checkpoints", checkpoint_dir,
+        "--dataset", dataset_dir,
+        "--report", report_path,
+        "--policy", rules.policy,
+        "--expect-job-config", expect_path,
+        "--expect-world-size", str(spec.training.world_size),
+        "--quarantine",
+        "--max-eval-tokens", str(rules.eval_tokens),
+        "--prompt", rules.sample_prompt,
+        "--sample-tokens", str(rules.sample_tokens),
+    ]  # fmt: skip
+    if vocab_size:
+        argv += ["--expect-vocab-size", str(vocab_size)]
+    if final_step and rules.policy == "newest":
+        argv += ["--step", str(final_step)]
+    return argv
+
+
+class ValidateCheckpointOperator(TrainforgeStageOperator):
+    """Validate the ``train`` task's checkpoints by the spec's ``validation.policy``.
+
+    XCom: ``{"checkpoint", "step", "checkpoint_digest", "metrics", "sample", "policy",
+    "quarantined": [moved-to paths], "report_uri"}``.
     """
 
     ui_color = "#e2f0d9"
@@ -66,29 +107,32 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
         run_id = self.mlflow_run_id(context, spec)
         with tempfile.TemporaryDirectory(prefix="trainforge-validate-") as tmp:
             report_path = Path(tmp) / "validation_report.json"
-            argv = [
-                self.python(), "-m", "trainer.validate",
-                "--checkpoints", trained["checkpoint_dir"],
-                "--dataset", prepared["dataset_dir"],
-                "--report", str(report_path),
-                "--max-eval-tokens", str(spec.validation.eval_tokens),
-                "--prompt", spec.validation.sample_prompt,
-                "--sample-tokens", str(spec.validation.sample_tokens),
-            ]
-            if trained.get("final_step"):
-                argv += ["--step", str(trained["final_step"])]
+            expect_path = Path(tmp) / "expected_job.json"
+            expect_path.write_text(json.dumps(expected_job_config(
+                spec, prepared["dataset_dir"], trained["checkpoint_dir"], ti.dag_id, ti.run_id,
+                self.train_task_id,
+            )), encoding="utf-8")
+            argv = validator_argv(
+                self.python(), spec, trained["checkpoint_dir"], prepared["dataset_dir"],
+                str(report_path), str(expect_path), trained.get("final_step"),
+                prepared.get("vocab_size"),
+            )
             rc = self.run_streaming(argv, timeout_s=self.timeout_s)
             if not report_path.exists():
                 fail_permanently(
                     f"the validator wrote no report for {trained['checkpoint_dir']} (exit code {rc})"
                 )
             report = json.loads(report_path.read_text(encoding="utf-8"))
-        self.mlflow_hook.log_dict_artifact(run_id, report, "validation/report.json")
+        report_uri = self.mlflow_hook.log_dict_artifact(run_id, report, REPORT_ARTIFACT)
         metrics = {k: float(v) for k, v in (report.get("metrics") or {}).items()
                    if isinstance(v, (int, float))}
         if metrics:
             self.mlflow_hook.log_metrics(run_id, {f"val/{k}": v for k, v in metrics.items()},
                                          step=report.get("step"))
+        quarantined = report.get("quarantined") or []
+        for moved in quarantined:
+            self.log.warning("Quarantined damaged checkpoint %s -> %s: %s", moved["checkpoint"],
+                             moved["moved_to"], "; ".join(moved.get("reasons", [])))
         failed = [f"{c['name']}: {c.get('detail', '')}" for c in report.get("checks", [])
                   if not c.get("ok")]
         failed += threshold_failures(spec, metrics) if not failed else []
@@ -96,13 +140,20 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
         self.mlflow_hook.set_tags(run_id, {
             "trainforge.validation.checkpoint": checkpoint,
             "trainforge.validation.ok": str(not failed).lower(),
+            "trainforge.validation.policy": spec.validation.policy,
+            "trainforge.validation.candidates": str(len(report.get("candidates") or [])),
+            "trainforge.validation.quarantined": str(len(quarantined)),
         })
         if failed:
+            moved_to = report.get("quarantined_to")
+            where = f" (moved to {moved_to})" if moved_to else ""
             fail_permanently(
-                f"checkpoint {checkpoint} failed validation:\n  - " + "\n  - ".join(failed)
+                f"checkpoint {checkpoint}{where} failed validation:\n  - " + "\n  - ".join(failed)
             )
-        self.log.info("Checkpoint %s passed every check: val_loss=%.4f val_perplexity=%.2f "
-                      "(unigram baseline %.2f)", checkpoint, metrics.get("val_loss", float("nan")),
+        self.log.info("Checkpoint %s (policy %s, %d candidate(s)) passed every check: "
+                      "val_loss=%.4f val_perplexity=%.2f (unigram baseline %.2f)", checkpoint,
+                      spec.validation.policy, len(report.get("candidates") or []),
+                      metrics.get("val_loss", float("nan")),
                       metrics.get("val_perplexity", float("nan")),
                       metrics.get("unigram_perplexity", float("nan")))
         return {
@@ -111,4 +162,7 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
             "checkpoint_digest": report.get("checkpoint_digest"),
             "metrics": metrics,
             "sample": report.get("sample"),
+            "policy": spec.validation.policy,
+            "quarantined": [q["moved_to"] for q in quarantined],
+            "report_uri": report_uri,
         }

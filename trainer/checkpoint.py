@@ -10,6 +10,10 @@
 
 A folder counts as a checkpoint only when `verify` finds no problem. ``step`` is the number of
 optimizer steps completed; resuming from step-00000100 continues with step index 100.
+
+Every function also takes an ``s3://bucket/prefix`` string for the root or the folder: the same
+layout is then read and written on S3 (trainer.checkpoint_s3: the manifest object is uploaded
+last and is what makes a checkpoint exist). Paths (``pathlib.Path``) are always local.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import safetensors.torch
 import torch
 
 from trainer.errors import CheckpointError
-from trainer.fsutil import atomic_write_json, chmod_like_umask, fsync_dir, fsync_file, sha256_file
+from trainer.fsutil import atomic_write_json, chmod_like_umask, fsync_dir, fsync_file
+from trainer.hashing import sha256_files
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +41,14 @@ CHECKPOINT_FORMAT = "trainforge.checkpoint/v1"
 MANIFEST = "manifest.json"
 WEIGHTS, OPTIMIZER, TRAINER_STATE, META = "model.safetensors", "optimizer.pt", "trainer_state.pt", "meta.json"
 REQUIRED_FILES = (WEIGHTS, OPTIMIZER, TRAINER_STATE, META)
+# Written into a folder before it is moved aside (trainer.quarantine): such a folder never verifies.
+QUARANTINE_REASON = "QUARANTINE_REASON.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def _on_s3(path: Any) -> bool:
+    """``s3://`` roots and folders go to trainer.checkpoint_s3 (same layout, same rules)."""
+    return isinstance(path, str) and path.startswith("s3://")
 
 
 def step_dir_name(step: int) -> str:
@@ -46,6 +58,10 @@ def step_dir_name(step: int) -> str:
 
 def list_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     """``(step, folder)`` of every ``step-*`` folder under ``root``, oldest first (valid or not)."""
+    if _on_s3(root):
+        from trainer import checkpoint_s3
+
+        return checkpoint_s3.list_step_dirs(root)  # type: ignore[return-value]
     root = Path(root)
     if not root.is_dir():
         return []
@@ -59,6 +75,10 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: missing, unreadable, not JSON, or not a trainforge.checkpoint/v1 manifest.
     """
+    if _on_s3(step_dir):
+        from trainer import checkpoint_s3
+
+        return checkpoint_s3.read_manifest(step_dir)
     path = Path(step_dir) / MANIFEST
     try:
         manifest = json.loads(path.read_bytes())
@@ -74,12 +94,18 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(step_dir: str | Path, hashes: bool = True) -> list[str]:
+def verify(step_dir: str | Path, hashes: bool = True, max_threads: int | None = None) -> list[str]:
     """Every problem that stops ``step_dir`` from being a checkpoint; empty when it verifies.
 
-    Checks the manifest (present, format, step = folder name, lists every required file) and
-    each listed file's size and, when ``hashes``, SHA-256 (read in 4 MiB chunks).
+    Checks the manifest (present, format, step = folder name, lists every required file), that
+    the folder was not quarantined (`QUARANTINE_REASON` present), and each listed file's size
+    and, when ``hashes``, SHA-256 (4 MiB reads; files hashed in parallel on up to
+    ``max_threads`` threads, default one per file up to the usable cores: see trainer.hashing).
     """
+    if _on_s3(step_dir):
+        from trainer import checkpoint_s3
+
+        return checkpoint_s3.verify(step_dir, hashes, max_threads)
     step_dir = Path(step_dir)
     try:
         manifest = read_manifest(step_dir)
@@ -89,9 +115,13 @@ def verify(step_dir: str | Path, hashes: bool = True) -> list[str]:
     m = _STEP_DIR.match(step_dir.name)
     if m is None or int(m.group(1)) != manifest["step"]:
         problems.append(f"{step_dir}: manifest step {manifest['step']} does not match the folder name")
+    if (step_dir / QUARANTINE_REASON).exists():
+        problems.append(f"{step_dir / QUARANTINE_REASON}: the checkpoint was quarantined; it is never resumed "
+                        "from or registered")
     for name in REQUIRED_FILES:
         if name not in manifest["files"]:
             problems.append(f"{step_dir / MANIFEST}: does not list required file {name}")
+    to_hash: dict[Path, str] = {}
     for name, entry in manifest["files"].items():
         path = step_dir / name
         if Path(name).name != name or not isinstance(entry, dict):
@@ -104,14 +134,23 @@ def verify(step_dir: str | Path, hashes: bool = True) -> list[str]:
             continue
         if size != entry.get("bytes"):
             problems.append(f"{path}: {size} bytes on disk, manifest says {entry.get('bytes')}")
-        elif hashes and (got := sha256_file(path)) != entry.get("sha256"):
-            problems.append(f"{path}: SHA-256 {got[:16]}... does not match the manifest's "
-                            f"{str(entry.get('sha256'))[:16]}...")
+        elif hashes:
+            to_hash[path] = str(entry.get("sha256"))
+    for path, got in sha256_files(list(to_hash), max_threads).items():
+        if isinstance(got, OSError):
+            problems.append(f"{path}: unreadable ({got.strerror or got})")
+        elif got != to_hash[path]:
+            problems.append(f"{path}: SHA-256 {got[:16]}... does not match the manifest's {to_hash[path][:16]}...")
     return problems
 
 
 def newest_valid(root: str | Path) -> Path | None:
-    """The newest step folder under ``root`` that verifies, or None. Logs the ones skipped."""
+    """The newest step folder under ``root`` that verifies, or None. Logs the ones skipped.
+
+    Only ``step-*`` folders directly under ``root`` are candidates: ``quarantine/`` is never
+    looked into, and a folder holding a QUARANTINE_REASON.json never verifies. For an ``s3://``
+    root the result is the step's URI string.
+    """
     for step, path in reversed(list_step_dirs(root)):
         problems = verify(path)
         if not problems:
@@ -132,6 +171,10 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
     Raises:
         CheckpointError: a file could not be written (disk full, permissions).
     """
+    if _on_s3(root):
+        from trainer import checkpoint_s3
+
+        return checkpoint_s3.write_checkpoint(root, step, weights, optimizer_state, trainer_state, meta)  # type: ignore
     step_dir = Path(root) / step_dir_name(step)
     if step_dir.exists():
         if not verify(step_dir):
@@ -146,10 +189,15 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
         torch.save(optimizer_state, step_dir / OPTIMIZER)
         torch.save(trainer_state, step_dir / TRAINER_STATE)
         (step_dir / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        files = {}
-        for name in REQUIRED_FILES:  # hash what is on disk, after it is on disk
+        for name in REQUIRED_FILES:
             fsync_file(step_dir / name)
-            files[name] = {"bytes": (step_dir / name).stat().st_size, "sha256": sha256_file(step_dir / name)}
+        digests = sha256_files([step_dir / name for name in REQUIRED_FILES])  # what is on disk, after fsync
+        files = {}
+        for name in REQUIRED_FILES:
+            digest = digests[step_dir / name]
+            if isinstance(digest, OSError):
+                raise digest
+            files[name] = {"bytes": (step_dir / name).stat().st_size, "sha256": digest}
         atomic_write_json(step_dir / MANIFEST, {"format": CHECKPOINT_FORMAT, "step": step, "files": files})
         fsync_dir(step_dir.parent)
     except OSError as err:
@@ -164,6 +212,10 @@ def apply_retention(root: str | Path, keep_last: int) -> list[Path]:
     (partial writes of killed attempts). Never deletes the newest valid checkpoint, nor
     anything newer than it (it may be a write in progress).
     """
+    if _on_s3(root):
+        from trainer import checkpoint_s3
+
+        return checkpoint_s3.apply_retention(root, keep_last)  # type: ignore[return-value]
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: expected >= 1")
     dirs = list_step_dirs(root)
@@ -197,6 +249,10 @@ def load_checkpoint(step_dir: str | Path) -> Checkpoint:
     Raises:
         CheckpointError: a file is missing or cannot be decoded.
     """
+    if _on_s3(step_dir):
+        from trainer import checkpoint_s3
+
+        return checkpoint_s3.load_checkpoint(step_dir)
     step_dir = Path(step_dir)
     try:
         weights = safetensors.torch.load_file(step_dir / WEIGHTS, device="cpu")

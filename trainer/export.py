@@ -33,8 +33,11 @@ from trainer.model import build_model, llama_config, load_weights
 EXPORT_INFO = "trainforge_export.json"
 
 
-def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write the HF folder for ``step_dir`` at ``out_dir``; returns ``out_dir``.
+def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: str | Path,
+                      source: str | None = None) -> Path:
+    """Write the HF folder for ``step_dir`` (a folder, or an ``s3://`` step downloaded first) at
+    ``out_dir``; returns ``out_dir``. ``source`` names the checkpoint in trainforge_export.json
+    (default: ``step_dir`` resolved).
 
     Raises:
         ConfigError: ``out_dir`` exists and is not empty.
@@ -44,6 +47,13 @@ def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: st
     """
     from transformers import GenerationConfig, PreTrainedTokenizerFast
 
+    if isinstance(step_dir, str) and step_dir.startswith("s3://"):
+        import tempfile
+
+        from trainer.checkpoint_s3 import fetch
+
+        with tempfile.TemporaryDirectory(prefix="trainforge-export-") as tmp:
+            return export_checkpoint(fetch(step_dir, tmp), dataset_dir, out_dir, source=step_dir)
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"--out {out_dir}: exists and is not an empty directory")
@@ -81,7 +91,7 @@ def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: st
         tokenizer.save_pretrained(tmp)
         for path in tmp.iterdir():
             chmod_like_umask(path)
-        info = {"checkpoint": str(step_dir.resolve()), "step": c.step,
+        info = {"checkpoint": source or str(step_dir.resolve()), "step": c.step,
                 "checkpoint_digest": hashlib.sha256((step_dir / ckpt.MANIFEST).read_bytes()).hexdigest(),
                 "dataset_digest": dataset.digest, "config_digest": c.meta.get("config_digest")}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")

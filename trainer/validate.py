@@ -1,19 +1,32 @@
-"""Validate one checkpoint and write a report (docs/contracts.md, "Validation report").
+"""Validate checkpoints and write a report (docs/contracts.md "Validation report", docs/registry.md).
 
-    python -m trainer.validate --checkpoints DIR [--step N] --dataset DIR --report OUT.json
+    python -m trainer.validate --checkpoints DIR [--step N] --dataset DIR --report OUT.json \
+        [--policy newest|best_val_loss] [--expect-job-config JOB.json] [--expect-vocab-size N] \
+        [--expect-world-size N] [--quarantine]
 
 Single process, no torchrun. Every check runs and is reported, even after an earlier one failed
-(a check that cannot run says so and counts as failed). Exit 0 when all pass, 1 otherwise, 78
-for bad arguments (missing folders, a dataset that does not verify).
+(a check that cannot run says so and counts as failed). Exit 0 when the chosen checkpoint passes
+every check, 1 otherwise, 78 for bad arguments (missing folders, a dataset that does not verify).
 
 Checks, in report order: ``manifest`` (present, trainforge.checkpoint/v1), ``file_hashes``
-(sizes + SHA-256), ``meta`` (meta.json readable, its job config valid, vocabulary / EOS /
-tokenizer equal to the dataset's), ``weights_load`` (safetensors decodes; no pickle),
-``shapes`` (names and shapes equal to the model the job config describes), ``finite`` (every
-tensor), ``eval`` (validation loss is finite), ``sample`` (greedy generation ran).
+(sizes + SHA-256, several files in parallel), ``meta`` (meta.json readable, its job config valid,
+vocabulary / EOS / tokenizer equal to the dataset's), ``consistency`` (meta.json against itself
+and what the pipeline expects: config digest, vocabulary size, architecture, sequence length,
+world size x micro batch x accumulation = global batch; see trainer.expectations),
+``weights_load`` (safetensors decodes; no pickle), ``shapes`` (names and shapes equal to the
+model the job config describes), ``finite`` (every tensor), ``eval`` (validation loss is
+finite), ``sample`` (greedy generation ran).
+
+Policy: ``newest`` validates the newest step folder with a manifest (or ``--step``);
+``best_val_loss`` validates every one and picks the lowest validation loss among those that pass
+(ties: the newer). With ``--quarantine``, a checkpoint whose failed checks show it is damaged
+(``integrity_failures``: manifest, file_hashes, weights_load, shapes, finite, or a non-finite
+eval) is moved to ``<checkpoints>/quarantine/step-XXXXXXXX/`` with a QUARANTINE_REASON.json
+(trainer.quarantine); one that is intact but not what the pipeline expects (meta, consistency)
+fails validation and stays where it is.
 
 Metrics, over the first ``max_eval_tokens`` target tokens of the validation split, read as
-consecutive non-overlapping windows of ``sequence_length``:
+consecutive non-overlapping windows of ``sequence_length`` (trainer.evaluate):
 
     val_loss           = total nats / val_tokens
     val_perplexity     = exp(val_loss)
@@ -31,31 +44,41 @@ import hashlib
 import json
 import math
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import safetensors.torch
 import torch
-from torch.nn import functional as F
 
 from trainer import checkpoint as ckpt
+from trainer import checkpoint_s3, s3
 from trainer.config import parse_job_config
-from trainer.data import Dataset, TokenStream, open_dataset, validation_windows
+from trainer.data import Dataset, open_dataset
 from trainer.errors import EXIT_CONFIG, CheckpointError, ConfigError, TrainerError
+from trainer.evaluate import evaluate, greedy_sample
+from trainer.expectations import Expectations, check_consistency
 from trainer.fsutil import atomic_write_json
 from trainer.model import build_model, llama_config, load_weights
+from trainer.quarantine import quarantine
 
 REPORT_FORMAT = "trainforge.validation/v1"
 DEFAULT_PROMPT = "ROMEO:"
+POLICIES = ("newest", "best_val_loss")
+
+__all__ = ["POLICIES", "REPORT_FORMAT", "evaluate", "greedy_sample", "main", "pick_checkpoint",
+           "validate_checkpoint", "validate_checkpoints"]
 
 
 class _Report:
     def __init__(self) -> None:
         self.checks: list[dict[str, Any]] = []
+        self.integrity_failures: list[str] = []  # failed checks that show the checkpoint is damaged
 
-    def add(self, name: str, ok: bool, detail: str) -> bool:
+    def add(self, name: str, ok: bool, detail: str, damaged: bool = False) -> bool:
         self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
+        if not ok and damaged:
+            self.integrity_failures.append(name)
         return ok
 
     def skip(self, name: str, why: str) -> bool:
@@ -76,14 +99,25 @@ def pick_checkpoint(checkpoints_dir: str | Path, step: int | None = None) -> Pat
         if not path.is_dir():
             raise ConfigError(f"--step {step}: {path} does not exist")
         return path
-    with_manifest = [p for _, p in ckpt.list_step_dirs(root) if (p / ckpt.MANIFEST).is_file()]
+    with_manifest = candidate_dirs(root)
     return with_manifest[-1] if with_manifest else None
+
+
+def candidate_dirs(checkpoints_dir: str | Path) -> list[Path]:
+    """Step folders directly under ``checkpoints_dir`` that have a manifest.json, oldest first.
+
+    Folders without one are writes in progress or killed writes: not checkpoints, not judged.
+    """
+    return [p for _, p in ckpt.list_step_dirs(checkpoints_dir) if (p / ckpt.MANIFEST).is_file()]
 
 
 def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_tokens: int = 65536,
                         eval_batch_size: int = 8, prompt: str = DEFAULT_PROMPT, max_new_tokens: int = 32,
-                        device: str = "cpu") -> dict[str, Any]:
+                        device: str = "cpu", expect: Expectations | None = None) -> dict[str, Any]:
     """Run every check on ``step_dir`` against ``dataset_dir``; returns the report dict.
+
+    Pure: reads the checkpoint and the dataset, changes nothing. ``report["integrity_failures"]``
+    lists the failed checks that show the checkpoint itself is damaged (grounds for quarantine).
 
     Raises:
         DatasetError: the dataset folder does not verify (the report would be meaningless).
@@ -93,7 +127,7 @@ def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_
     r = _Report()
     report: dict[str, Any] = {"format": REPORT_FORMAT, "ok": False, "checkpoint": str(step_dir), "step": None,
                               "checkpoint_digest": None, "dataset_digest": dataset.digest, "checks": r.checks,
-                              "metrics": {}, "sample": None}
+                              "metrics": {}, "sample": None, "integrity_failures": r.integrity_failures}
 
     manifest_ok = False
     try:
@@ -103,20 +137,25 @@ def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_
         manifest_ok = r.add("manifest", True, f"{ckpt.CHECKPOINT_FORMAT}, step {manifest['step']}, "
                                               f"{len(manifest['files'])} files")
     except CheckpointError as err:
-        r.add("manifest", False, str(err))
+        r.add("manifest", False, str(err), damaged=True)
     if manifest_ok:
         problems = ckpt.verify(step_dir)
-        r.add("file_hashes", not problems, "; ".join(problems) or "sizes and SHA-256 of every file match")
+        r.add("file_hashes", not problems, "; ".join(problems) or "sizes and SHA-256 of every file match",
+              damaged=True)
     else:
         r.skip("file_hashes", "no readable manifest")
 
-    cfg = _check_meta(r, step_dir, dataset)
+    cfg, meta = _check_meta(r, step_dir, dataset)
+    if meta is None:
+        r.skip("consistency", "meta.json is unreadable")
+    else:
+        r.add("consistency", *check_consistency(meta, expect or Expectations()))
     weights = None
     try:
         weights = safetensors.torch.load_file(step_dir / ckpt.WEIGHTS, device="cpu")
         r.add("weights_load", True, f"{len(weights)} tensors, {sum(t.numel() for t in weights.values())} values")
     except Exception as err:  # missing file, truncated header, bad JSON header...
-        r.add("weights_load", False, f"{ckpt.WEIGHTS}: {type(err).__name__}: {err}")
+        r.add("weights_load", False, f"{ckpt.WEIGHTS}: {type(err).__name__}: {err}", damaged=True)
 
     model = None
     if weights is None or cfg is None:
@@ -127,14 +166,14 @@ def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_
             load_weights(model, weights)
             r.add("shapes", True, f"{len(weights)} tensors match the {cfg.model.family} config")
         except ValueError as err:
-            r.add("shapes", False, str(err))
+            r.add("shapes", False, str(err), damaged=True)
             model = None
     if weights is None:
         r.skip("finite", "weights did not load")
     else:
         bad = [n for n, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
         r.add("finite", not bad, f"non-finite values in {bad[:5]}{' ...' if len(bad) > 5 else ''}" if bad
-              else "every tensor is finite")
+              else "every tensor is finite", damaged=True)
 
     if model is None:
         r.skip("eval", "no model with the checkpoint's weights")
@@ -148,8 +187,8 @@ def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_
             r.add("eval", math.isfinite(metrics["val_loss"]),
                   f"val_loss {metrics['val_loss']:.4f} nats/token over {metrics['val_tokens']} tokens "
                   f"(unigram baseline perplexity {metrics['unigram_perplexity']:.1f}); bits/byte uses "
-                  "bytes estimated from the split's bytes_utf8/tokens ratio")
-        except TrainerError as err:
+                  "bytes estimated from the split's bytes_utf8/tokens ratio", damaged=True)
+        except TrainerError as err:  # the split is too short: the dataset's fault, not the checkpoint's
             r.add("eval", False, str(err))
         try:
             report["sample"] = {"prompt": prompt, "text": greedy_sample(model, dataset, prompt, max_new_tokens,
@@ -162,14 +201,21 @@ def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_
 
 
 def _check_meta(r: _Report, step_dir: Path, dataset: Dataset):
-    """The checkpoint's JobConfig when meta.json is readable and matches the dataset, else None."""
+    """``(JobConfig or None, meta dict or None)``: the config when meta.json is readable, its job
+    config valid and its vocabulary the dataset's; the raw meta whenever it is a JSON object."""
     try:
         meta = json.loads((step_dir / ckpt.META).read_text(encoding="utf-8"))
-        cfg = parse_job_config(meta["job_config"])
-    except (OSError, ValueError, KeyError, TypeError, ConfigError) as err:
+        if not isinstance(meta, dict):
+            raise ValueError(f"expected a JSON object, got {type(meta).__name__}")
+    except (OSError, ValueError) as err:
         r.add("meta", False, f"{ckpt.META}: {type(err).__name__}: {err}")
-        return None
-    saved = meta.get("dataset", {})
+        return None, None
+    try:
+        cfg = parse_job_config(meta["job_config"])
+    except (KeyError, TypeError, ConfigError) as err:
+        r.add("meta", False, f"{ckpt.META}: job_config: {type(err).__name__}: {err}")
+        return None, meta
+    saved = meta.get("dataset") or {}
     expected = {"vocab_size": dataset.vocab_size, "eos_id": dataset.eos_id,
                 "tokenizer_sha256": dataset.tokenizer_sha256}
     wrong = [f"{k}: checkpoint {saved.get(k)!r}, dataset {v!r}" for k, v in expected.items() if saved.get(k) != v]
@@ -177,82 +223,138 @@ def _check_meta(r: _Report, step_dir: Path, dataset: Dataset):
         f"; note: trained on dataset {meta.get('dataset_digest')}, evaluating on {dataset.digest}")
     r.add("meta", not wrong, ("; ".join(wrong) if wrong else
                               f"step {meta.get('step')}, vocab {dataset.vocab_size}, same tokenizer") + note)
-    return cfg if not wrong else None
+    return (cfg if not wrong else None), meta
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: Dataset, seq_len: int, max_tokens: int, batch_size: int,
-             device: str = "cpu") -> dict[str, float]:
-    """Validation loss, perplexity, bits per byte and the unigram baseline (formulas: module doc)."""
-    split = dataset.splits["validation"]
-    counts = np.zeros(dataset.vocab_size, dtype=np.float64)
-    for chunk in TokenStream(dataset, "train").iter_chunks():
-        counts += np.bincount(chunk, minlength=dataset.vocab_size)[: dataset.vocab_size]
-    unigram_nll = torch.from_numpy(-np.log((counts + 1.0) / (counts.sum() + dataset.vocab_size)))  # (vocab,)
-
-    total_nats, unigram_nats, n = 0.0, 0.0, 0
-    for x, y in validation_windows(TokenStream(dataset, "validation"), seq_len, max_tokens, batch_size):
-        logits = model(input_ids=x.to(device), use_cache=False).logits.float()  # (b, T, vocab)
-        total_nats += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
-        unigram_nats += unigram_nll[y].sum().item()
-        n += y.numel()
-    if n == 0:
-        raise TrainerError(f"validation split has {split.tokens} tokens, fewer than sequence_length + 1")
-    loss = total_nats / n
-    est_bytes = n * split.bytes_utf8 / split.tokens
-    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)),
-            "val_bits_per_byte": total_nats / math.log(2) / est_bytes, "val_tokens": n,
-            "unigram_perplexity": math.exp(unigram_nats / n)}
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    return {"checkpoint": report["checkpoint"], "step": report["step"], "ok": report["ok"],
+            "val_loss": (report.get("metrics") or {}).get("val_loss"),
+            "failed": [c["name"] for c in report["checks"] if not c["ok"]],
+            "integrity_failures": list(report.get("integrity_failures") or []), "quarantined_to": None}
 
 
-@torch.no_grad()
-def greedy_sample(model: torch.nn.Module, dataset: Dataset, prompt: str, max_new_tokens: int, context: int,
-                  device: str = "cpu") -> str:
-    """Greedy continuation of ``prompt`` (at most ``max_new_tokens``, stops at EOS), decoded text."""
-    from tokenizers import Tokenizer
+def validate_checkpoints(checkpoints_dir: str | Path, dataset_dir: str | Path, policy: str = "newest",
+                         step: int | None = None, expect: Expectations | None = None,
+                         quarantine_damaged: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """Apply ``policy`` to the checkpoints under ``checkpoints_dir``; returns the chosen one's
+    report plus ``policy``, ``candidates`` (one summary per checkpoint judged) and
+    ``quarantined`` (``[{"checkpoint", "moved_to", "reasons"}]``).
 
-    tok = Tokenizer.from_file(str(dataset.tokenizer_path))
-    ids = tok.encode(prompt).ids or [dataset.eos_id]
-    new: list[int] = []
-    for _ in range(max_new_tokens):
-        x = torch.tensor([(ids + new)[-context:]], device=device)  # (1, <= context)
-        nxt = int(model(input_ids=x, use_cache=False).logits[0, -1].argmax())
-        if nxt == dataset.eos_id:
-            break
-        new.append(nxt)
-    return tok.decode(new)
+    ``kwargs`` go to `validate_checkpoint` (``max_eval_tokens``, ``prompt``, ...). When no
+    checkpoint has a manifest the report says so with ``ok: false`` and ``checkpoint: null``.
+
+    Raises:
+        ConfigError: unknown policy, ``step`` with ``best_val_loss``, missing folders.
+        DatasetError: the dataset does not verify.
+        CheckpointError: a damaged checkpoint could not be moved aside.
+    """
+    if policy not in POLICIES:
+        raise ConfigError(f"--policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    if policy == "best_val_loss" and step is not None:
+        raise ConfigError(f"--step {step} with --policy best_val_loss: the policy chooses the step; drop one")
+    if s3.is_s3(checkpoints_dir):
+        dirs = _s3_candidates(str(checkpoints_dir), policy, step)
+    elif policy == "newest":
+        chosen_dir = pick_checkpoint(checkpoints_dir, step)
+        dirs = [chosen_dir] if chosen_dir is not None else []
+    else:
+        pick_checkpoint(checkpoints_dir)  # ConfigError when the folder is missing
+        dirs = candidate_dirs(checkpoints_dir)
+    reports = [_validate_one(d, dataset_dir, expect, kwargs) for d in dirs]
+    summaries = [_summary(rep) for rep in reports]
+    moved = []
+    for rep, summary in zip(reports, summaries):
+        if quarantine_damaged and rep["integrity_failures"]:
+            reasons = [f"{c['name']}: {c['detail']}" for c in rep["checks"] if c["name"] in rep["integrity_failures"]]
+            move = checkpoint_s3.quarantine if s3.is_s3(rep["checkpoint"]) else quarantine
+            target = move(rep["checkpoint"], reasons, rep["integrity_failures"], rep["step"])
+            summary["quarantined_to"] = str(target)
+            moved.append({"checkpoint": rep["checkpoint"], "moved_to": str(target), "reasons": reasons})
+    if not reports:
+        top: dict[str, Any] = {"format": REPORT_FORMAT, "ok": False, "checkpoint": None, "step": None,
+                               "checkpoint_digest": None, "metrics": {}, "sample": None, "integrity_failures": [],
+                               "checks": [{"name": "manifest", "ok": False,
+                                           "detail": f"no step-* folder with a manifest.json under {checkpoints_dir}"}]}
+    else:
+        passing = [i for i, rep in enumerate(reports) if rep["ok"]]
+        if policy == "best_val_loss" and passing:  # lowest loss; on a tie the newer (later) one
+            best = min(passing, key=lambda i: (reports[i]["metrics"]["val_loss"], -i))
+        else:
+            best = passing[-1] if passing else len(reports) - 1
+        top = dict(reports[best])
+        top["quarantined_to"] = summaries[best]["quarantined_to"]
+    top.update(policy=policy, candidates=summaries, quarantined=moved,
+               expectations=(expect or Expectations()).as_dict())
+    return top
+
+
+def _s3_candidates(root: str, policy: str, step: int | None) -> list[str]:
+    """Step prefixes with a manifest object under an ``s3://`` root (newest only for ``newest``)."""
+    with_manifest = [u for _, u in checkpoint_s3.list_step_dirs(root)
+                     if s3.size_of(s3.join(u, ckpt.MANIFEST)) is not None]
+    if step is not None:
+        wanted = s3.join(root, ckpt.step_dir_name(step))
+        if s3.size_of(s3.join(wanted, ckpt.MANIFEST)) is None and not list(s3.list_keys(wanted + "/")):
+            raise ConfigError(f"--step {step}: {wanted} does not exist")
+        return [wanted]
+    return with_manifest if policy == "best_val_loss" else with_manifest[-1:]
+
+
+def _validate_one(step_dir: str | Path, dataset_dir: str | Path, expect: Expectations | None,
+                  kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`validate_checkpoint`; an ``s3://`` step is downloaded first and reported by its URI."""
+    if not s3.is_s3(step_dir):
+        return validate_checkpoint(step_dir, dataset_dir, expect=expect, **kwargs)
+    with tempfile.TemporaryDirectory(prefix="trainforge-validate-") as tmp:
+        try:
+            local = checkpoint_s3.fetch(str(step_dir), tmp)
+        except CheckpointError:  # no readable manifest: judge the empty copy (every check says so)
+            local = Path(tmp) / str(step_dir).rstrip("/").rsplit("/", 1)[-1]
+            local.mkdir()
+        report = validate_checkpoint(local, dataset_dir, expect=expect, **kwargs)
+    report["checkpoint"] = str(step_dir)
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.validate", description="Validate a trainforge checkpoint.")
+    p = argparse.ArgumentParser(prog="python -m trainer.validate", description="Validate trainforge checkpoints.")
     p.add_argument("--checkpoints", required=True, help="folder holding step-XXXXXXXX/ checkpoints")
-    p.add_argument("--step", type=int, help="validate this step (default: newest with a manifest)")
+    p.add_argument("--step", type=int, help="validate this step (policy newest; default: newest with a manifest)")
     p.add_argument("--dataset", required=True, help="prepared dataset folder (its validation split is evaluated)")
     p.add_argument("--report", required=True, help="where to write the JSON report")
+    p.add_argument("--policy", choices=POLICIES, default="newest", help="which checkpoint to choose")
+    p.add_argument("--expect-job-config", help="job config JSON the checkpoints must have been trained with")
+    p.add_argument("--expect-vocab-size", type=int, help="vocabulary size the checkpoints must have")
+    p.add_argument("--expect-world-size", type=int, help="world size the pipeline asks for (a difference is noted)")
+    p.add_argument("--quarantine", action="store_true",
+                   help="move damaged checkpoints to <checkpoints>/quarantine/ (never deletes)")
     p.add_argument("--max-eval-tokens", type=int, default=65536, help="cap on evaluated target tokens")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt of the greedy sample")
     p.add_argument("--sample-tokens", type=int, default=32, help="new tokens of the greedy sample (0: none)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     try:
-        step_dir = pick_checkpoint(args.checkpoints, args.step)
-        if step_dir is None:
-            report = {"format": REPORT_FORMAT, "ok": False, "checkpoint": None, "step": None,
-                      "checkpoint_digest": None, "metrics": {}, "sample": None,
-                      "checks": [{"name": "manifest", "ok": False,
-                                  "detail": f"no step-* folder with a manifest.json under {args.checkpoints}"}]}
-        else:
-            report = validate_checkpoint(step_dir, args.dataset, max_eval_tokens=args.max_eval_tokens,
-                                         prompt=args.prompt, max_new_tokens=args.sample_tokens,
-                                         device=args.device)
+        expect = (Expectations.from_job_config_file(args.expect_job_config, args.expect_vocab_size,
+                                                    args.expect_world_size) if args.expect_job_config
+                  else Expectations(vocab_size=args.expect_vocab_size, world_size=args.expect_world_size))
+        report = validate_checkpoints(args.checkpoints, args.dataset, args.policy, args.step, expect,
+                                      quarantine_damaged=args.quarantine, max_eval_tokens=args.max_eval_tokens,
+                                      prompt=args.prompt, max_new_tokens=args.sample_tokens, device=args.device)
     except ConfigError as err:  # includes DatasetError
         print(f"trainer.validate: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    except CheckpointError as err:  # quarantine failed: report what we know, fail
+        print(f"trainer.validate: {err}", file=sys.stderr)
+        return 1
     atomic_write_json(args.report, report)
     for c in report["checks"]:
         print(f"{'PASS' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}")
     if report["metrics"]:
         print("metrics: " + ", ".join(f"{k}={v}" for k, v in report["metrics"].items()))
+    for q in report["quarantined"]:
+        print(f"QUARANTINED {q['checkpoint']} -> {q['moved_to']}")
+    if len(report["candidates"]) > 1:
+        print(f"policy {report['policy']}: chose {report['checkpoint']} of {len(report['candidates'])} checkpoints")
     return 0 if report["ok"] else 1
 
 

@@ -366,6 +366,18 @@ class MlflowHook:
             final = self.client.get_model_version(name, str(ready.version))
         return {**_version_dict(final), "created": created}
 
+    def find_model_version(self, name: str, idempotency_key: str) -> dict[str, Any] | None:
+        """The usable version of ``name`` registered with ``idempotency_key`` (lowest), or None.
+
+        Lets a retry skip the export and upload when its version already exists.
+
+        Raises:
+            MlflowInvalidArgumentError: the key contains both ' and ".
+            MlflowRequestError: the server failed a call.
+        """
+        found = self._versions_with_key(name, idempotency_key)
+        return _version_dict(found[0]) if found else None
+
     def get_model_version_by_alias(self, name: str, alias: str) -> dict[str, Any] | None:
         """The version ``alias`` points at, or None when the model or the alias does not exist.
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from operators.spec.base import SpecModel
@@ -13,7 +15,33 @@ _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,255}$")
 _ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,254}$")
 
 
+GateMetric = Literal["val_bits_per_byte", "val_loss", "val_perplexity"]
+
+
+class GateSection(SpecModel):
+    """When a validated, registered version takes the ``champion`` alias (docs/registry.md)."""
+
+    enabled: bool = Field(
+        True, description="Compare each new version with the champion; false: never move champion."
+    )
+    metric: GateMetric = Field(
+        "val_bits_per_byte",
+        description="Lower is better. Models with different tokenizers are always compared by "
+        "val_bits_per_byte.",
+    )
+    min_improvement: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="Relative improvement over the champion needed to take the alias "
+        "(0.01 = 1% lower); 0 = any strict improvement.",
+    )
+
+
 class ValidationSection(SpecModel):
+    policy: Literal["newest", "best_val_loss"] = Field(
+        "newest",
+        description="Checkpoint validated: the newest one, or the lowest validation loss among "
+        "all valid ones.",
+    )
     max_val_loss: float | None = Field(None, gt=0, description="Fail when validation loss is above.")
     max_val_perplexity: float | None = Field(
         None, gt=1, description="Fail when validation perplexity is above."
@@ -24,12 +52,16 @@ class ValidationSection(SpecModel):
     eval_tokens: int = Field(65_536, ge=64, description="Validation tokens evaluated (at most).")
     sample_prompt: str = Field("ROMEO:", description="Prompt of the greedy sample in the report.")
     sample_tokens: int = Field(40, ge=0, le=1024, description="Tokens generated for the sample.")
+    gate: GateSection = Field(
+        default_factory=GateSection, description="Eval gate against the champion version."
+    )
 
 
 class RegistrySection(SpecModel):
     model_name: str = Field(description="MLflow registered model name.")
     aliases: list[str] = Field(
-        default_factory=lambda: ["challenger"], description="Aliases set on the new version."
+        default_factory=lambda: ["challenger"],
+        description="Aliases set on every new version; 'champion' is reserved for the eval gate.",
     )
     tags: dict[str, str] = Field(default_factory=dict, description="Tags on the model version.")
 
@@ -47,6 +79,11 @@ class RegistrySection(SpecModel):
     @classmethod
     def _aliases(cls, value: list[str]) -> list[str]:
         for alias in value:
+            if alias == "champion":
+                raise ValueError(
+                    "'champion' is moved only by the eval gate (validation.gate), never set on "
+                    "registration (got aliases " + repr(value) + "; remove 'champion')"
+                )
             if not _ALIAS.match(alias) or re.fullmatch(r"[vV]\d+|latest", alias):
                 raise ValueError(
                     f"not a valid MLflow alias (got {alias!r}; expected a name that starts with a "

@@ -13,7 +13,7 @@ from trainer import checkpoint as ckpt
 from trainer.fsutil import atomic_write_json, sha256_file
 from trainer.validate import main, pick_checkpoint, validate_checkpoint
 
-CHECK_NAMES = ["manifest", "file_hashes", "meta", "weights_load", "shapes", "finite", "eval", "sample"]
+CHECK_NAMES = ["manifest", "file_hashes", "meta", "consistency", "weights_load", "shapes", "finite", "eval", "sample"]
 
 
 def _copy_step(trained_run, tmp_path, step: int = 20):

@@ -1,0 +1,100 @@
+"""Example downstream DAG: the serving team's side of the hand-off, one per pipeline spec.
+
+When a pipeline's eval gate moves the ``champion`` alias, its ``register_model`` task emits an
+event for ``Asset("trainforge-model-<registered model name>")`` with extra ``{"name", "version",
+"alias": "champion", "model_uri", "previous_champion"}``. The DAG ``<pipeline>_model_handoff``
+below is scheduled on that asset: it loads ``models:/<name>@champion`` with MLflow (tracking URI
+from ``MLFLOW_TRACKING_URI``) and runs a short greedy generation from the pipeline's sample
+prompt — a smoke test a deployment step would follow.
+
+Parsing this file reads the specs (like ``trainforge_pipelines.py``) and imports no MLflow, no
+torch; a spec that does not load is skipped here (``trainforge_pipelines.py`` reports it).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from operators.dag_builder import spec_files
+from operators.registration import model_asset, model_asset_name
+from operators.spec.loader import SpecError, load_spec
+
+log = logging.getLogger("trainforge.handoff")
+
+
+def smoke_generate(model_name: str, prompt: str, max_new_tokens: int = 20,
+                   event_version: str | None = None) -> dict[str, Any]:
+    """Load ``models:/<model_name>@champion`` and generate greedily from ``prompt``.
+
+    Returns ``{"model_uri", "version", "event_version", "prompt", "text"}``; ``version`` is the
+    version ``champion`` points at now (it may have moved again since the event).
+
+    Raises:
+        RuntimeError: the generation is empty (the model does not work).
+        mlflow.exceptions.MlflowException: no champion, or the model cannot be loaded.
+    """
+    import mlflow
+    import mlflow.transformers
+
+    client = mlflow.MlflowClient()
+    version = client.get_model_version_by_alias(model_name, "champion").version
+    uri = f"models:/{model_name}@champion"
+    generator = mlflow.transformers.load_model(uri)
+    text = generator(prompt, max_new_tokens=max_new_tokens, do_sample=False)[0]["generated_text"]
+    if len(text) <= len(prompt):
+        raise RuntimeError(f"{uri} (v{version}) generated nothing after {prompt!r}")
+    if event_version is not None and str(event_version) != str(version):
+        log.warning("the event announced v%s, champion is now v%s: smoke-tested v%s",
+                    event_version, version, version)
+    return {"model_uri": uri, "version": str(version), "event_version": event_version,
+            "prompt": prompt, "text": text}
+
+
+def build_handoff_dag(dag_id: str, model_name: str, prompt: str):
+    """The example DAG for one registered model, scheduled on its champion asset."""
+    from airflow.sdk import DAG, task
+
+    asset = model_asset(model_name)
+    with DAG(
+        dag_id=dag_id,
+        description=f"Smoke-test {model_name}@champion whenever the eval gate moves it",
+        schedule=[asset],
+        start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+        catchup=False,
+        tags=["trainforge", "example", "handoff"],
+    ) as dag:
+
+        @task(task_id="smoke_generate")
+        def smoke(**context: Any) -> dict[str, Any]:
+            events = (context.get("triggering_asset_events") or {}).get(asset) or []
+            extra = dict(events[-1].extra or {}) if events else {}
+            log.info("triggered by %s event(s) of %s: %s", len(events),
+                     model_asset_name(model_name), extra)
+            result = smoke_generate(model_name, prompt, event_version=extra.get("version"))
+            log.info("%s v%s: %r", result["model_uri"], result["version"], result["text"])
+            return result
+
+        smoke()
+    return dag
+
+
+def _build_all() -> dict[str, Any]:
+    sources = os.environ.get("TRAINFORGE_PIPELINES")
+    paths = sources.split(os.pathsep) if sources else [Path(__file__).parent / "pipelines"]
+    dags: dict[str, Any] = {}
+    for path in spec_files(paths):
+        try:
+            spec = load_spec(path)
+        except (SpecError, OSError):
+            continue  # reported by trainforge_pipelines.py
+        dag_id = f"{spec.dag_id}_model_handoff"
+        dags[dag_id] = build_handoff_dag(dag_id, spec.registry.model_name,
+                                         spec.validation.sample_prompt)
+    return dags
+
+
+globals().update(_build_all())
