@@ -75,29 +75,86 @@ def build_dag(spec: PipelineSpec, spec_file: str = ""):
         dag_id=spec.dag_id,
         description=(p.description.strip().splitlines() or [""])[0][:200] or None,
         doc_md=p.description or None,
-        schedule=p.schedule,
+        schedule=_schedule(spec),
         start_date=start,
         catchup=p.catchup,
         max_active_runs=p.max_active_runs,
         tags=sorted({"trainforge", *p.tags}),
-        default_args={
-            "owner": p.owner,
-            "retries": p.retries,
-            "retry_delay": dt.timedelta(seconds=p.retry_delay),
-        },
+        default_args=_default_args(spec),
         params=build_params(spec),
     )
     with dag:
-        prepare = PrepareDataOperator(task_id="prepare_data", **common)
+        prepare = PrepareDataOperator(
+            task_id="prepare_data", outlets=[PrepareDataOperator.asset_for(spec)], **common
+        )
         train = TrainingLaunchOperator(
             task_id="train",
             execution_timeout=dt.timedelta(seconds=spec.training.fault.run_timeout + 600),
             **common,
         )
         validate = ValidateCheckpointOperator(task_id="validate_checkpoint", **common)
-        register = RegisterModelOperator(task_id="register_model", **common)
+        register = RegisterModelOperator(
+            task_id="register_model",
+            outlets=[RegisterModelOperator.champion_outlet(spec.registry.model_name)],
+            **common,
+        )
         prepare >> train >> validate >> register
+    _apply_task_settings(dag, spec)
     return dag
+
+
+def _schedule(spec: PipelineSpec) -> Any:
+    """The spec's schedule in Airflow's terms: cron/preset string, None, or asset condition."""
+    from operators.spec.pipeline import AssetSchedule
+
+    schedule = spec.pipeline.schedule
+    if not isinstance(schedule, AssetSchedule):
+        return schedule
+    from airflow.sdk import Asset
+
+    assets = [Asset(uri=uri, name=uri) for uri in schedule.assets]
+    if schedule.mode == "all":
+        return assets
+    condition = assets[0]
+    for asset in assets[1:]:
+        condition = condition | asset
+    return condition
+
+
+def _default_args(spec: PipelineSpec) -> dict[str, Any]:
+    p = spec.pipeline
+    args: dict[str, Any] = {
+        "owner": p.owner,
+        "retries": p.defaults.retries,
+        "retry_delay": dt.timedelta(seconds=p.defaults.retry_delay),
+    }
+    if p.defaults.execution_timeout:
+        args["execution_timeout"] = dt.timedelta(seconds=p.defaults.execution_timeout)
+    email = p.notifications.email
+    if email is not None:
+        from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+
+        subject = f"trainforge {spec.dag_id}: {{{{ ti.task_id }}}} {{{{ ti.state }}}}"
+        for outcome, key in (("failure", "on_failure_callback"), ("retry", "on_retry_callback"),
+                             ("success", "on_success_callback")):
+            if outcome in email.on:
+                args[key] = SmtpNotifier(to=list(email.to), subject=subject)
+    return args
+
+
+def _apply_task_settings(dag, spec: PipelineSpec) -> None:
+    """Per-task overrides of the pipeline defaults (``pipeline.tasks.<task_id>``)."""
+    overrides = spec.pipeline.tasks
+    for task in dag.tasks:
+        settings = getattr(overrides, task.task_id, None)
+        if settings is None:
+            continue
+        if settings.retries is not None:
+            task.retries = settings.retries
+        if settings.retry_delay is not None:
+            task.retry_delay = dt.timedelta(seconds=settings.retry_delay)
+        if settings.execution_timeout is not None:
+            task.execution_timeout = dt.timedelta(seconds=settings.execution_timeout)
 
 
 def spec_files(paths: str | Path | list) -> list[Path]:
