@@ -27,7 +27,8 @@ from operators.spec.model import PipelineSpec
 
 DAGS_FOLDER = Path(__file__).resolve().parent.parent / "dags"
 PLUGINS_FOLDER = Path(__file__).resolve().parent.parent / "plugins"
-_STRUCTLOG = re.compile(r"^\S+Z \[(?P<level>\w+)\s*\] (?P<event>.*?) \[(?P<logger>[\w.]+)\](?: loc=\S+)?")
+_STRUCTLOG = re.compile(r"^\S+Z \[(?P<level>\w+)\s*\] (?P<event>.*?) \[(?P<logger>[\w.]+)\] loc=")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b[\w.]*: \S")
 _TASK_START = re.compile(r"\[DAG TEST\] starting task_id=(\S+)")
 _TASK_END = re.compile(r"\[DAG TEST\] end task task_id=(\S+)")
 
@@ -40,7 +41,12 @@ def console_line(line: str) -> str | None:
     """
     match = _STRUCTLOG.match(line)
     if not match:
-        return line.rstrip() if line.startswith(("Traceback", "  File", "ERROR")) else None
+        # Of a traceback, only the exception lines: "package.SomeError: what went wrong".
+        if _EXCEPTION_LINE.match(line):
+            return f"    !! {line.rstrip()}"
+        if line.startswith("  - "):  # the bullet list of a trainforge failure message
+            return f"    !! {line.strip()}"
+        return None
     level, event, logger = match["level"], match["event"], match["logger"]
     if started := _TASK_START.search(event):
         return f"==> task {started[1]}"
