@@ -19,6 +19,19 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
 
 
+def _load_or_exit(file: Path):
+    """The spec in ``file``, or exit 1 with its errors (never a traceback for user mistakes)."""
+    from operators.spec import SpecError, load_spec
+
+    try:
+        return load_spec(file)
+    except SpecError as err:
+        typer.echo(str(err), err=True)
+    except OSError as err:
+        typer.echo(f"{file}: cannot read: {err.strerror or err}", err=True)
+    raise typer.Exit(1)
+
+
 @app.command()
 def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders.")) -> None:
     """Validate pipeline specs. Exit 0 when all are valid, 1 otherwise."""
@@ -36,9 +49,11 @@ def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders
             typer.echo(str(err), err=True)
         except OSError as err:
             bad += 1
-            typer.echo(f"{file}: cannot read: {err}", err=True)
+            typer.echo(f"{file}: cannot read: {err.strerror or err}", err=True)
         else:
             typer.echo(f"{file}: ok (dag_id {spec.dag_id})")
+    if not files:
+        typer.echo(f"no pipeline specs (*.yaml, *.yml) in {', '.join(map(str, paths))}", err=True)
     raise typer.Exit(1 if bad or not files else 0)
 
 
@@ -60,18 +75,16 @@ def schema(
 @app.command()
 def render(file: Path, engine: str = typer.Option(None, help="Engine to render for.")) -> None:
     """Dry run: the DAG's tasks and the exact request the engine would receive."""
-    from operators.backends import get_backend
+    from operators.backends import ENGINES, get_backend
     from operators.backends.base import JobIdentity
     from operators.jobconfig import build_training_job
     from operators.paths import checkpoint_root, resolve, trainforge_home
-    from operators.spec import SpecError, load_spec
 
-    try:
-        spec = load_spec(file)
-    except SpecError as err:
-        typer.echo(str(err), err=True)
-        raise typer.Exit(1) from None
+    spec = _load_or_exit(file)
     engine = engine or spec.training.engine
+    if engine not in ENGINES:
+        typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(ENGINES)})", err=True)
+        raise typer.Exit(1)
     identity = JobIdentity(spec.dag_id, "<run_id>", "train", 1)
     job = build_training_job(
         spec,
@@ -95,14 +108,9 @@ def run(
     summary_json: Path = typer.Option(None, help="Also write the summary as JSON here."),
 ) -> None:
     """Run one pipeline on this machine through `airflow dags test` and print a summary."""
-    from operators.spec import SpecError, load_spec
     from operators.runner import run_pipeline
 
-    try:
-        spec = load_spec(file)
-    except SpecError as err:
-        typer.echo(str(err), err=True)
-        raise typer.Exit(1) from None
+    spec = _load_or_exit(file)
     ok = run_pipeline(spec, file.absolute(), console=console, summary_json=summary_json)
     raise typer.Exit(0 if ok else 1)
 

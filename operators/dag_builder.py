@@ -130,6 +130,9 @@ def _default_args(spec: PipelineSpec) -> dict[str, Any]:
     }
     if p.defaults.execution_timeout:
         args["execution_timeout"] = dt.timedelta(seconds=p.defaults.execution_timeout)
+    from operators.callbacks import close_mlflow_run_on_failure
+
+    args["on_failure_callback"] = [close_mlflow_run_on_failure]
     email = p.notifications.email
     if email is not None:
         from airflow.providers.smtp.notifications.smtp import SmtpNotifier
@@ -138,7 +141,8 @@ def _default_args(spec: PipelineSpec) -> dict[str, Any]:
         for outcome, key in (("failure", "on_failure_callback"), ("retry", "on_retry_callback"),
                              ("success", "on_success_callback")):
             if outcome in email.on:
-                args[key] = SmtpNotifier(to=list(email.to), subject=subject)
+                notifier = SmtpNotifier(to=list(email.to), subject=subject)
+                args[key] = [*args.get(key, []), notifier]
     return args
 
 

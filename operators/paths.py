@@ -1,8 +1,9 @@
 """Where trainforge keeps runtime state, and how spec paths resolve.
 
 ``TRAINFORGE_HOME`` (environment) is the root of everything a pipeline writes locally: corpus
-cache, prepared datasets, job folders, checkpoints. The Makefile sets it to ``.trainforge/``
-inside the checkout; without it, ``~/.trainforge`` is used. Relative paths in a pipeline spec
+cache, prepared datasets, job folders, checkpoints. Without it, ``.trainforge/`` in the
+checkout is used when trainforge runs from a checkout (as ``make`` does), else
+``~/.trainforge``. Relative paths in a pipeline spec
 (``data.sources``, ``data.output_uri``, ``training.checkpoint.uri``) resolve against it.
 """
 
@@ -16,7 +17,12 @@ from pathlib import Path
 def trainforge_home() -> Path:
     """The runtime root (absolute)."""
     home = os.environ.get("TRAINFORGE_HOME")
-    return Path(home).expanduser().absolute() if home else Path.home() / ".trainforge"
+    if home:
+        return Path(home).expanduser().absolute()
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / "dags" / "pipelines").is_dir() and (checkout / "pyproject.toml").is_file():
+        return checkout / ".trainforge"
+    return Path.home() / ".trainforge"
 
 
 def resolve(path_or_uri: str) -> str:

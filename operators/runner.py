@@ -125,6 +125,42 @@ def _task_times(dag_id: str, run_id: str, env: dict[str, str]) -> dict[str, dict
     return times
 
 
+def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def cancel_running_jobs(home: Path, dag_id: str) -> list[str]:
+    """Cancel every still-running local job of ``dag_id`` (after the user interrupted a run)."""
+    from operators.backends.local import LocalBackend
+
+    backend = LocalBackend(home / "runs")
+    cancelled = []
+    for request in sorted((home / "runs").glob("*/request.json")):
+        try:
+            identity = json.loads(request.read_text()).get("identity", {})
+        except (OSError, json.JSONDecodeError):
+            continue
+        if identity.get("dag_id") != dag_id:
+            continue
+        handle = {"engine": "local", "key": request.parent.name, "job_dir": str(request.parent),
+                  "identity": identity}
+        if not backend.status(handle).state.terminal:
+            backend.cancel(handle, grace_s=15)
+            cancelled.append(request.parent.name)
+    return cancelled
+
+
 def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str, Any],
                     task_times: dict[str, Any]) -> dict[str, Any]:
     """What the run recorded in MLflow, gathered for the summary."""
@@ -201,9 +237,9 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         ("unigram-baseline perplexity", fmt(summary.get("unigram_perplexity"), ".2f")),
         ("validation bits per byte", fmt(summary.get("val_bits_per_byte"), ".3f")),
         ("checkpoint chosen", fmt(summary.get("checkpoint"))),
-        ("registered model", f"{fmt(summary.get('registered_model'))} "
-                             f"v{fmt(summary.get('model_version'))} "
-                             f"@{', @'.join(summary.get('aliases') or [])}"),
+        ("registered model", (f"{summary['registered_model']} v{summary.get('model_version')} "
+                              f"@{', @'.join(summary.get('aliases') or [])}")
+         if summary.get("registered_model") else "- (not registered)"),
         ("eval gate", f"{fmt(summary.get('gate_decision'))}: {fmt(summary.get('gate_reason'))}"
                       f" (champion is now v{fmt(summary.get('champion_after'))})"),
         ("MLflow run", fmt(summary.get("mlflow_run_url"))),
@@ -254,18 +290,26 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         log_path = log_dir / f"{spec.dag_id}-{dt.datetime.now():%Y%m%d-%H%M%S}.log"
         console.print(f"Running DAG {spec.dag_id} through `airflow dags test` "
                       f"(full log: {log_path})")
-        with open(log_path, "w", encoding="utf-8") as full_log:
+        with open(log_path, "w", encoding="utf-8", buffering=1) as full_log:
             proc = subprocess.Popen(
                 [str(Path(sys.executable).with_name("airflow")), "dags", "test", spec.dag_id],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                start_new_session=True,
             )
             assert proc.stdout is not None
-            for line in proc.stdout:
-                full_log.write(line)
-                shown = console_line(line)
-                if shown is not None:
-                    console.print(shown, markup=False, highlight=False, soft_wrap=True)
-            rc = proc.wait()
+            try:
+                for line in proc.stdout:
+                    full_log.write(line)
+                    shown = console_line(line)
+                    if shown is not None:
+                        console.print(shown, markup=False, highlight=False, soft_wrap=True)
+                rc = proc.wait()
+            except KeyboardInterrupt:
+                console.print("Interrupted: stopping Airflow and cancelling this pipeline's jobs")
+                _stop_group(proc)
+                cancelled = cancel_running_jobs(home, spec.dag_id)
+                console.print(f"Cancelled {len(cancelled)} running job(s): {', '.join(cancelled) or '-'}")
+                raise
         airflow_run = _latest_run(spec.dag_id, env)
         if airflow_run is None:
             console.print(f"[red]no DAG run recorded for {spec.dag_id} (airflow exit code {rc})[/]")

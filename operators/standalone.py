@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -32,17 +33,22 @@ def main(argv: list[str] | None = None) -> int:
 
     home = trainforge_home()
     env = airflow_env(home)
+    bin_dir = str(Path(sys.executable).parent)
     env.update({
+        # airflow standalone starts its parts by running `airflow` from PATH.
+        "PATH": os.pathsep.join([bin_dir, env.get("PATH", "")]),
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": str(args.airflow_port),
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+        # A small machine: a few task slots, not one LocalExecutor worker per core x 16.
+        "AIRFLOW__CORE__PARALLELISM": env.get("AIRFLOW__CORE__PARALLELISM", "4"),
     })
     with start_server(home / "mlflow", host="127.0.0.1", port=args.mlflow_port) as mlflow:
         env["MLFLOW_TRACKING_URI"] = mlflow.url
         print(f"MLflow UI:  {mlflow.url}", flush=True)
         print(f"Airflow UI: http://127.0.0.1:{args.airflow_port}  (user admin)", flush=True)
         proc = subprocess.Popen([str(Path(sys.executable).with_name("airflow")), "standalone"],
-                                env=env)
+                                env=env, start_new_session=True)
         password_file = Path(env["AIRFLOW_HOME"]) / "simple_auth_manager_passwords.json.generated"
         for _ in range(120):
             if password_file.exists() or proc.poll() is not None:
@@ -55,12 +61,36 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return proc.wait()
         except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            try:
-                return proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                return proc.wait()
+            return 0
+        finally:
+            _stop_tree(proc)
+
+
+def _stop_tree(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """Stop airflow standalone and everything it started (scheduler, triggerer, workers)."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        tree = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        _, tree = psutil.wait_procs(tree, timeout=grace_s / 2)
+        if not tree:
+            return
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 if __name__ == "__main__":

@@ -70,6 +70,25 @@ _Loader.yaml_implicit_resolvers = {
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
 
 
+class _NodeError(Exception):
+    """A node YAML can parse but not turn into plain data (a bad date, a list as a key)."""
+
+    def __init__(self, mark: yaml.Mark, path: tuple, message: str):
+        super().__init__(message)
+        self.line, self.column = mark.line + 1, mark.column + 1
+        self.path = ".".join(str(p) for p in path)
+        self.message = message
+
+
+def _construct(loader: _Loader, node: yaml.Node, path: tuple):
+    try:
+        value = loader.construct_object(node, deep=True)
+    except ValueError as err:  # e.g. 2026-13-45 read as a date
+        raise _NodeError(node.start_mark, path,
+                         f"YAML could not read {node.value!r}: {err} (quote it if it is text)")
+    return value
+
+
 def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: list, file: str):
     """Turn a composed YAML node into plain data, recording the position of every path.
 
@@ -82,7 +101,10 @@ def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: li
     if isinstance(node, yaml.MappingNode):
         out: dict[Any, Any] = {}
         for key_node, value_node in node.value:
-            key = loader.construct_object(key_node, deep=True)
+            key = _construct(loader, key_node, path)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise _NodeError(key_node.start_mark, path,
+                                 f"a key must be a plain name (got a {type(key).__name__})")
             if key in out:
                 first = marks[path + (key,)]
                 issues.append(
@@ -105,7 +127,7 @@ def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: li
         return [
             _walk(item, loader, path + (i,), marks, issues, file) for i, item in enumerate(node.value)
         ]
-    return loader.construct_object(node, deep=True)
+    return _construct(loader, node, path)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
@@ -170,9 +192,9 @@ def _did_you_mean(word: str, choices) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-def _yaml_hint(raw: str | None, given: Any) -> str:
-    """Why YAML may have produced ``given`` from the unquoted text ``raw``."""
-    if raw is None:
+def _yaml_hint(raw: str | None, given: Any, kind: str = "string_type") -> str:
+    """Why YAML may have produced ``given`` from the unquoted text ``raw`` (text fields only)."""
+    if raw is None or kind != "string_type" or given is None:
         return ""
     if isinstance(given, bool) and raw.lower() in _YAML_BOOL_WORDS:
         return f"; YAML reads unquoted {raw!r} as the boolean {given}: quote it ('{raw}') to keep text"
@@ -207,10 +229,10 @@ def _describe(error: dict, marks: dict | None = None) -> str:
         hint = _did_you_mean(given, choices) if len(choices) > 1 else ""
         return f"unknown value (got {given!r}; expected {expected}{hint})"
     if "(got " in message:
-        return message + _yaml_hint(raw, given)
+        return message + _yaml_hint(raw, given, kind)
     if isinstance(given, dict):
         return message
-    return f"{message} (got {given!r}{_yaml_hint(raw, given)})"
+    return f"{message} (got {given!r}{_yaml_hint(raw, given, kind)})"
 
 
 class _DuplicateKey(Exception):
@@ -237,7 +259,7 @@ def parse_spec_text(text: str, file: str = "<string>") -> PipelineSpec:
         data = yaml.load(text, Loader=_FastLoader)  # noqa: S506 - a SafeLoader subclass
         if isinstance(data, dict):
             return PipelineSpec.model_validate(data)
-    except (yaml.YAMLError, ValidationError, _DuplicateKey, TypeError):
+    except (yaml.YAMLError, ValidationError, _DuplicateKey, TypeError, ValueError):
         pass
     return _parse_with_positions(text, file)
 
@@ -260,7 +282,17 @@ def _parse_with_positions(text: str, file: str) -> PipelineSpec:
             raise SpecError([SpecIssue(file, 1, 1, "", "the file is empty (expected a mapping)")])
         marks: dict[tuple, yaml.Mark] = {}
         issues: list[SpecIssue] = []
-        data = _walk(root, loader, (), marks, issues, file)
+        try:
+            data = _walk(root, loader, (), marks, issues, file)
+        except yaml.MarkedYAMLError as err:  # e.g. merge keys (<<) and unknown tags
+            mark = err.problem_mark or err.context_mark
+            line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+            problem = err.problem or str(err)
+            if "merge" in problem:
+                problem += " (merge keys '<<' and anchors are not supported: write the values out)"
+            raise SpecError([SpecIssue(file, line, col, "", f"YAML error: {problem}")]) from None
+        except _NodeError as err:
+            raise SpecError([SpecIssue(file, err.line, err.column, err.path, err.message)]) from None
     finally:
         loader.dispose()
     if not isinstance(data, dict):
@@ -292,7 +324,15 @@ def load_spec(path: str | Path) -> PipelineSpec:
         OSError: the file cannot be read.
     """
     path = Path(path)
-    return parse_spec_text(path.read_text(encoding="utf-8"), file=str(path))
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise SpecError([SpecIssue(str(path), line, 1, "",
+                                   f"not UTF-8 text (byte {err.start}: {raw[err.start]:#04x}); "
+                                   f"save the file as UTF-8")]) from None
+    return parse_spec_text(text, file=str(path))
 
 
 def validate_overrides(spec: PipelineSpec, overrides: dict[str, Any]) -> PipelineSpec:

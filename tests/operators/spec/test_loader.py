@@ -170,3 +170,21 @@ def test_overrides_are_validated_by_the_same_model():
         validate_overrides(spec, {"training.optimization.max_steps": 0})
     with pytest.raises(SpecError, match="unknown field"):
         validate_overrides(spec, {"training.optimization.max_stepz": 3})
+
+
+@pytest.mark.parametrize("text,line,fragment", [
+    (_under("pipeline:\n", "  start_date: 2026-13-45\n"), 2, "month must be in 1..12"),
+    (MINIMAL + "? [a, b]\n: 1\n", 15, "a key must be a plain name"),
+    (MINIMAL.replace("model_name: tiny-llm", "<<: {model_name: tiny-llm}"), 14, "merge keys"),
+])
+def test_yaml_that_cannot_become_data_is_an_error_not_a_crash(text, line, fragment):
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text, "bad.yaml")
+    assert info.value.issues[0].line == line and fragment in str(info.value)
+
+
+def test_a_file_that_is_not_utf8_is_reported_with_its_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(MINIMAL.encode() + "owner: Jos\xe9\n".encode("latin-1"))
+    with pytest.raises(SpecError, match=r"latin1.yaml:15:1: not UTF-8 text"):
+        load_spec(path)

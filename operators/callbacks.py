@@ -1,0 +1,33 @@
+"""Task callbacks: keep the MLflow run's state honest when a task fails for good.
+
+A DAG run's MLflow run stays RUNNING while its tasks work; the last task ends it FINISHED. When a
+task fails with no retry left, :func:`close_mlflow_run_on_failure` ends the run FAILED, so no
+failed pipeline leaves a run RUNNING forever. It never raises: a callback must not hide the
+task's own error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def close_mlflow_run_on_failure(context: Any) -> None:
+    """``on_failure_callback``: end the DAG run's MLflow run with status FAILED."""
+    try:
+        from operators.hooks.mlflow import MlflowHook
+        from operators.spec.model import PipelineSpec
+
+        ti = context["ti"]
+        spec = PipelineSpec.model_validate(context["task"].spec)
+        hook = MlflowHook()
+        run_id = hook.find_run(spec.experiment_name, ti.dag_id, ti.run_id)
+        if run_id is None:
+            return
+        hook.set_tags(run_id, {"trainforge.failed_task": ti.task_id})
+        hook.end_run(run_id, "FAILED")
+        log.info("Ended MLflow run %s as FAILED (task %s failed)", run_id, ti.task_id)
+    except Exception:  # noqa: BLE001 - never mask the task's own failure
+        log.warning("could not mark the MLflow run FAILED", exc_info=True)
