@@ -1,5 +1,6 @@
 """Parse benchmark: 100 generated pipeline specs compiled by the DAG file, against a hand-written
-DAG file that builds the same 100 DAGs (same operators, same params) in Python, in the same run.
+DAG file that builds the same 100 DAGs (same operators, params, outlets and callbacks) in
+Python, in the same run.
 
     .venv/bin/python bench/parse_dags.py [--pipelines 100] [--repeats 5]
 
@@ -24,7 +25,8 @@ DEMO = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
 HAND_WRITTEN_HEADER = '''\
 import datetime as dt
 from airflow.sdk import DAG
-from airflow.sdk import Param
+from airflow.sdk import Asset, AssetAlias, Param
+from operators.callbacks import close_mlflow_run_on_failure
 from operators.prepare import PrepareDataOperator
 from operators.registration import RegisterModelOperator
 from operators.training import TrainingLaunchOperator
@@ -36,12 +38,15 @@ HAND_WRITTEN_DAG = '''
 spec_{i} = PipelineSpec.model_construct_from = None
 with DAG(dag_id="bench_{i}", schedule=None, start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
          catchup=False, max_active_runs=1, tags=["trainforge"], params={params},
-         default_args={{"owner": "trainforge", "retries": 1, "retry_delay": dt.timedelta(seconds=30)}}) as dag_{i}:
-    a = PrepareDataOperator(task_id="prepare_data", spec=SPEC, spec_file="bench_{i}.yaml")
+         default_args={{"owner": "trainforge", "retries": 1, "retry_delay": dt.timedelta(seconds=30),
+                       "on_failure_callback": [close_mlflow_run_on_failure]}}) as dag_{i}:
+    a = PrepareDataOperator(task_id="prepare_data", spec=SPEC, spec_file="bench_{i}.yaml",
+                            outlets=[Asset(uri=DATASET_URI, name=DATASET_URI)])
     b = TrainingLaunchOperator(task_id="train", spec=SPEC, spec_file="bench_{i}.yaml",
                                execution_timeout=dt.timedelta(seconds=4200))
     c = ValidateCheckpointOperator(task_id="validate_checkpoint", spec=SPEC, spec_file="bench_{i}.yaml")
-    d = RegisterModelOperator(task_id="register_model", spec=SPEC, spec_file="bench_{i}.yaml")
+    d = RegisterModelOperator(task_id="register_model", spec=SPEC, spec_file="bench_{i}.yaml",
+                              outlets=[AssetAlias(name=MODEL_ALIAS)])
     a >> b >> c >> d
 '''
 
@@ -65,7 +70,13 @@ def write_inputs(folder: Path, count: int) -> tuple[Path, Path]:
         + ")"
         for name, p in build_params(spec).items()
     ) + "}"
-    body = [HAND_WRITTEN_HEADER, f"SPEC = {spec.model_dump(mode='json')!r}\n"]
+    from operators.prepare import PrepareDataOperator
+    from operators.registration import RegisterModelOperator
+
+    dataset_asset = PrepareDataOperator.asset_for(spec)
+    model_alias = RegisterModelOperator.champion_outlet(spec.registry.model_name)
+    body = [HAND_WRITTEN_HEADER, f"SPEC = {spec.model_dump(mode='json')!r}\n",
+            f"DATASET_URI = {dataset_asset.uri!r}\nMODEL_ALIAS = {model_alias.name!r}\n"]
     body += [HAND_WRITTEN_DAG.format(i=i, params=params) for i in range(count)]
     hand.write_text("".join(body).replace("spec_{i} = PipelineSpec.model_construct_from = None\n", ""))
     return specs, hand
