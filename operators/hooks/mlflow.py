@@ -67,10 +67,14 @@ class MlflowHook:
 
     Args:
         tracking_uri: ``http(s)://host:port`` of the server; default ``$MLFLOW_TRACKING_URI``.
-        conn_id: an Airflow connection id (reserved; not implemented yet).
+        conn_id: an Airflow connection whose type is the scheme (``http``/``https``) and whose
+            host and port name the server, e.g. ``AIRFLOW_CONN_MLFLOW_DEFAULT=http://mlflow:5000``.
+            Used when ``tracking_uri`` is not given. Login and password are refused: MLflow
+            would need them in ``os.environ``, which this hook never writes.
 
     Raises (on first use, from ``tracking_uri``/``client``):
-        MlflowConfigError: no URI, a URI carrying credentials, or ``conn_id`` without a URI.
+        MlflowConfigError: no URI, a URI or connection carrying credentials, or an unknown
+            connection.
     """
 
     def __init__(self, tracking_uri: str | None = None, conn_id: str | None = None) -> None:
@@ -81,10 +85,7 @@ class MlflowHook:
     def tracking_uri(self) -> str:
         uri = self._tracking_uri_arg
         if uri is None and self.conn_id is not None:
-            raise MlflowConfigError(
-                f"MlflowHook(conn_id={self.conn_id!r}): reading Airflow connections is not "
-                "implemented yet; pass tracking_uri= or set MLFLOW_TRACKING_URI"
-            )
+            uri = self._uri_from_connection(self.conn_id)
         uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             raise MlflowConfigError(
@@ -98,6 +99,28 @@ class MlflowHook:
                 "remove user:password@ from it (credentials never go into URIs or os.environ)"
             )
         return uri
+
+    @staticmethod
+    def _uri_from_connection(conn_id: str) -> str:
+        from airflow.sdk import BaseHook
+
+        try:
+            conn = BaseHook.get_connection(conn_id)
+        except Exception as err:  # noqa: BLE001 - Airflow raises several types for "not found"
+            raise MlflowConfigError(
+                f"Airflow connection {conn_id!r} for MLflow could not be read: {err}"
+            ) from err
+        if conn.login or conn.password:
+            raise MlflowConfigError(
+                f"Airflow connection {conn_id!r} carries a login or password; MLflow would need "
+                "them in os.environ, which trainforge never writes: use an unauthenticated "
+                "endpoint or a proxy"
+            )
+        if not conn.host:
+            raise MlflowConfigError(f"Airflow connection {conn_id!r} has no host")
+        scheme = conn.conn_type if conn.conn_type in ("http", "https") else "http"
+        port = f":{conn.port}" if conn.port else ""
+        return f"{scheme}://{conn.host}{port}{('/' + conn.schema) if conn.schema else ''}"
 
     @cached_property
     def client(self) -> MlflowClient:

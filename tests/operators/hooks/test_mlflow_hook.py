@@ -43,16 +43,24 @@ def test_importing_the_hook_does_not_import_mlflow() -> None:
     [
         ({}, "no MLflow tracking URI"),
         ({"tracking_uri": "http://alice:s3cret@mlflow:5000"}, "carries credentials"),
-        ({"conn_id": "mlflow_default"}, "not implemented yet"),
+        ({"conn_id": "mlflow_missing"}, "could not be read"),
+        ({"conn_id": "mlflow_secret"}, "carries a login or password"),
     ],
 )
 def test_config_errors(
     monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, str], fragment: str
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_SECRET", "http://alice:s3cret@mlflow:5000")
     with pytest.raises(MlflowConfigError, match=fragment) as info:
         _ = MlflowHook(**kwargs).tracking_uri
     assert "s3cret" not in str(info.value)
+
+
+def test_tracking_uri_from_an_airflow_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_DEFAULT", "https://mlflow.internal:8443")
+    assert MlflowHook(conn_id="mlflow_default").tracking_uri == "https://mlflow.internal:8443"
 
 
 def test_tracking_uri_from_argument_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
