@@ -161,6 +161,11 @@ def cancel_running_jobs(home: Path, dag_id: str) -> list[str]:
     return cancelled
 
 
+def _count(value: float | None) -> int | None:
+    """MLflow stores every metric as a float; counts go back to integers."""
+    return None if value is None else int(round(value))
+
+
 def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str, Any],
                     task_times: dict[str, Any]) -> dict[str, Any]:
     """What the run recorded in MLflow, gathered for the summary."""
@@ -183,13 +188,13 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
         "mlflow_run_url": f"{tracking_uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}",
         "mlflow_run_status": run.info.status,
         "dataset_digest": tags.get("trainforge.dataset.digest"),
-        "dataset_reused": tags.get("trainforge.dataset.reused"),
-        "train_tokens": metrics.get("data/train_tokens"),
-        "validation_tokens": metrics.get("data/validation_tokens"),
-        "train_documents": metrics.get("data/train_documents"),
-        "validation_documents": metrics.get("data/validation_documents"),
-        "steps_trained": metrics.get("train/final_step"),
-        "tokens_trained": metrics.get("train/tokens_seen"),
+        "dataset_reused": tags.get("trainforge.dataset.reused") == "true",
+        "train_tokens": _count(metrics.get("data/train_tokens")),
+        "validation_tokens": _count(metrics.get("data/validation_tokens")),
+        "train_documents": _count(metrics.get("data/train_documents")),
+        "validation_documents": _count(metrics.get("data/validation_documents")),
+        "steps_trained": _count(metrics.get("train/final_step")),
+        "tokens_trained": _count(metrics.get("train/tokens_seen")),
         "final_train_loss": metrics.get("train/final_loss"),
         "val_loss": metrics.get("val/val_loss"),
         "val_perplexity": metrics.get("val/val_perplexity"),
@@ -224,7 +229,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     rows = [
         ("Airflow DAG run", f"{summary['airflow_run_id']} ({summary.get('state')})"),
         ("dataset digest", fmt(summary.get("dataset_digest"))
-         + (" (reused)" if summary.get("dataset_reused") == "true" else "")),
+         + (" (reused)" if summary.get("dataset_reused") else "")),
         ("tokens train / validation",
          f"{fmt(summary.get('train_tokens'), ',.0f')} / {fmt(summary.get('validation_tokens'), ',.0f')}"),
         ("documents train / validation",
@@ -289,7 +294,7 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         env["MLFLOW_TRACKING_URI"] = tracking_uri
         log_path = log_dir / f"{spec.dag_id}-{dt.datetime.now():%Y%m%d-%H%M%S}.log"
         console.print(f"Running DAG {spec.dag_id} through `airflow dags test` "
-                      f"(full log: {log_path})")
+                      f"(full log: {log_path})", soft_wrap=True)
         with open(log_path, "w", encoding="utf-8", buffering=1) as full_log:
             proc = subprocess.Popen(
                 [str(Path(sys.executable).with_name("airflow")), "dags", "test", spec.dag_id],

@@ -79,7 +79,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
             self.log.info("Re-attaching to existing job %s", handle["key"])
         else:
             handle = backend.submit(job)
-            self.log.info("Submitted %s job %s; checkpoints in %s", spec.training.engine,
+            self.log.info("Launched %s job %s; its checkpoints go to %s", spec.training.engine,
                           handle["key"], ckpt_dir)
         self._handle = handle
         self.mlflow_hook.set_tags(

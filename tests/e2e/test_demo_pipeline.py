@@ -53,7 +53,8 @@ def test_dag_run_succeeds_with_every_stage(demo_run):
         .joinpath(next(p.name for p in (demo_run[0] / "logs").iterdir()))
         .read_text()
     )
-    assert summary["steps_trained"] == 200
+    assert summary["steps_trained"] == 200 and isinstance(summary["steps_trained"], int)
+    assert summary["dataset_reused"] is False
 
 
 def test_model_learned_something_real(demo_run):
