@@ -73,10 +73,54 @@ def schema(
     print(published.reference_markdown() if markdown else published.schema_text(), end="")
 
 
+# What `render --engine kubernetes` fills in when the spec was written for another engine.
+# Shown on stderr, never silently: the request printed is what that spec *would* send once the
+# user sets these fields.
+_ENGINE_PLACEHOLDERS = {
+    "kubernetes": {
+        ("training", "resources", "image"): "registry.example.com/trainforge-trainer:0.1.0",
+        ("data", "output_uri"): "s3://your-bucket/datasets",
+        ("training", "checkpoint", "uri"): "s3://your-bucket/checkpoints",
+    },
+}
+
+
+def for_engine(spec, engine: str) -> tuple[object, list[str]]:
+    """``spec`` re-validated with ``training.engine`` set to ``engine``.
+
+    Other engines' blocks are dropped; fields the engine needs but the spec lacks get the
+    placeholders of :data:`_ENGINE_PLACEHOLDERS`. Returns the spec and one line per placeholder
+    used. Raises pydantic's ``ValidationError`` if the spec still does not fit the engine.
+    """
+    from operators.spec.model import PipelineSpec
+
+    if engine == spec.training.engine:
+        return spec, []
+    raw = spec.model_dump(mode="json")
+    raw["training"]["engine"] = engine
+    for block in ("local", "kubernetes", "ray"):
+        if block != engine:
+            raw["training"].pop(block, None)
+    used = []
+    for path, value in _ENGINE_PLACEHOLDERS.get(engine, {}).items():
+        *parents, leaf = path
+        node = raw
+        for key in parents:
+            node = node[key]
+        current = node.get(leaf)
+        if current is None or (path[-1] in ("output_uri", "uri")
+                               and not str(current).startswith("s3://")):
+            node[leaf] = value
+            used.append(f"{'.'.join(path)}: {value}")
+    return PipelineSpec.model_validate(raw), used
+
+
 @app.command()
 def render(file: Path, engine: str = typer.Option(None, help="Engine to render for.")) -> None:
     """Dry run: the DAG's tasks and the exact request the engine would receive."""
-    from operators.backends import ENGINES, get_backend
+    from pydantic import ValidationError
+
+    from operators.backends import ENGINES, backend_kwargs, get_backend
     from operators.backends.base import JobIdentity
     from operators.jobconfig import build_training_job
     from operators.paths import checkpoint_root, resolve, trainforge_home
@@ -84,19 +128,38 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
     spec = _load_or_exit(file)
     engine = engine or spec.training.engine
     if engine not in ENGINES:
-        typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(ENGINES)})", err=True)
+        from difflib import get_close_matches
+
+        close = get_close_matches(engine, ENGINES, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(ENGINES)}){hint}",
+                   err=True)
         raise typer.Exit(1)
+    try:
+        spec, placeholders = for_engine(spec, engine)
+    except ValidationError as err:
+        typer.echo(f"{file}: does not fit engine {engine!r}: "
+                   f"{err.errors()[0]['msg'].removeprefix('Value error, ')}", err=True)
+        raise typer.Exit(1)
+    if placeholders:
+        typer.echo(f"note: {file} is written for another engine; rendering for {engine!r} with "
+                   f"placeholders for what it lacks:", err=True)
+        for line in placeholders:
+            typer.echo(f"  training spec field {line}", err=True)
     identity = JobIdentity(spec.dag_id, "<run_id>", "train", 1)
     job = build_training_job(
         spec,
-        dataset_dir=str(Path(resolve(spec.data.output_uri)) / "<dataset digest>"),
+        dataset_dir=f"{resolve(spec.data.output_uri).rstrip('/')}/<dataset digest>",
         checkpoint_dir=checkpoint_root(spec.training.checkpoint.uri, spec.dag_id, "<run_id>"),
         identity=identity,
         env={"MLFLOW_TRACKING_URI": "<tracking uri>", "MLFLOW_RUN_ID": "<mlflow run id>"},
     )
-    backend = get_backend(engine, runs_root=str(trainforge_home() / "runs"))
+    backend = get_backend(
+        engine, **backend_kwargs(spec.training, runs_root=str(trainforge_home() / "runs"))
+    )
     out = {
         "dag_id": spec.dag_id,
+        "engine": engine,
         "tasks": ["prepare_data", "train", "validate_checkpoint", "register_model"],
         "train_request": backend.render(job),
     }

@@ -63,7 +63,9 @@ def render_job_config(
         },
         "logging": {"log_every_steps": spec.training.log_every_steps},
         "distributed": {
-            "backend": spec.training.local.distributed_backend,
+            # Cluster engines choose like 'auto': nccl with GPUs, gloo without.
+            "backend": (spec.training.local.distributed_backend
+                        if spec.training.engine == "local" else "auto"),
             "collective_timeout_s": spec.training.fault.collective_timeout,
         },
     }
@@ -86,4 +88,9 @@ def build_training_job(
         env=dict(env),
         max_restarts=spec.training.fault.max_restarts,
         threads_per_process=resources.cpus_per_process,
+        gpus_per_node=resources.gpus_per_node,
+        memory_gib=resources.memory_gib,
+        image=resources.image,
+        engine_options=spec.training.engine_block.model_dump(mode="json"),
+        max_runtime_s=float(spec.training.fault.run_timeout),
     )

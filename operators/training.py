@@ -51,8 +51,11 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         self.prepare_task_id = prepare_task_id
         self._handle: dict[str, Any] | None = None
 
-    def _backend_kwargs(self) -> dict[str, Any]:
-        return {"runs_root": str(trainforge_home() / "runs")}
+    @staticmethod
+    def _backend_kwargs(spec: Any) -> dict[str, Any]:
+        from operators.backends import backend_kwargs
+
+        return backend_kwargs(spec.training, runs_root=str(trainforge_home() / "runs"))
 
     def execute(self, context: Any) -> Any:
         from operators.backends import get_backend
@@ -73,7 +76,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         if tracking_uri:
             env["MLFLOW_TRACKING_URI"] = tracking_uri
         job = build_training_job(spec, prepared["dataset_dir"], ckpt_dir, identity, env)
-        backend = get_backend(spec.training.engine, **self._backend_kwargs())
+        backend = get_backend(spec.training.engine, **self._backend_kwargs(spec))
         handle = self._adoptable_job(backend, identity)
         if handle is not None:
             self.log.info("Re-attaching to existing job %s", handle["key"])
@@ -89,7 +92,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         self.defer(
             trigger=TrainingJobTrigger(
                 engine=spec.training.engine,
-                backend_kwargs=self._backend_kwargs(),
+                backend_kwargs=self._backend_kwargs(spec),
                 handle=handle,
                 poll_interval_s=spec.training.fault.poll_interval,
                 deadline_epoch_s=time.time() + spec.training.fault.run_timeout,
@@ -163,7 +166,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
                 "mlflow_run_id": mlflow_run_id,
             }
         if status == "timeout":
-            backend = get_backend(spec.training.engine, **self._backend_kwargs())
+            backend = get_backend(spec.training.engine, **self._backend_kwargs(spec))
             self.log.error("%s; cancelling the job", event["message"])
             backend.cancel(handle)
             fail_permanently(event["message"])
@@ -177,12 +180,12 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
     def on_kill(self) -> None:
         if self._handle is None:
             return
-        spec = self.spec
-        engine = spec["training"]["engine"]
-        if not spec["training"]["fault"].get("cancel_on_kill", True):
+        from operators.backends import get_backend
+        from operators.spec.model import PipelineSpec
+
+        spec = PipelineSpec.model_validate(self.spec)
+        if not spec.training.fault.cancel_on_kill:
             self.log.info("cancel_on_kill is false: leaving job %s running", self._handle["key"])
             return
-        from operators.backends import get_backend
-
         self.log.info("Task killed: cancelling job %s", self._handle["key"])
-        get_backend(engine, **self._backend_kwargs()).cancel(self._handle)
+        get_backend(spec.training.engine, **self._backend_kwargs(spec)).cancel(self._handle)

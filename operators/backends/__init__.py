@@ -1,6 +1,7 @@
 """Cluster engines behind one contract (:mod:`operators.backends.base`).
 
-Engine modules are imported only when used, so parsing a DAG never imports an engine's client.
+Engine modules are imported only when used, so parsing a DAG never imports an engine's client
+(``kubernetes``, ``ray``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 from operators.backends.base import Backend
 
-ENGINES = ("local",)
+ENGINES = ("local", "kubernetes", "ray")
 
 
 def get_backend(engine: str, **kwargs: Any) -> Backend:
@@ -22,4 +23,30 @@ def get_backend(engine: str, **kwargs: Any) -> Backend:
         from operators.backends.local import LocalBackend
 
         return LocalBackend(**kwargs)
+    if engine == "kubernetes":
+        from operators.backends.kubernetes import KubernetesBackend
+
+        return KubernetesBackend(**kwargs)
+    if engine == "ray":
+        from operators.backends.ray import RayBackend
+
+        return RayBackend(**kwargs)
+    raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+
+
+def backend_kwargs(training: Any, runs_root: str) -> dict[str, Any]:
+    """Plain keyword arguments of :func:`get_backend` for a spec's ``training`` section.
+
+    Only where and how to reach the engine (these travel inside the trigger); what to run is
+    in the :class:`~operators.backends.base.TrainingJob`.
+    """
+    engine = training.engine
+    if engine == "local":
+        return {"runs_root": runs_root}
+    block = training.engine_block
+    if engine == "kubernetes":
+        return {"namespace": block.namespace, "conn_id": block.connection_id,
+                "kubeconfig": block.kubeconfig, "context": block.context}
+    if engine == "ray":
+        return {"address": block.address, "conn_id": block.connection_id}
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")

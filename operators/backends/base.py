@@ -78,6 +78,13 @@ class TrainingJob:
         env: extra environment of every rank (MLflow tracking URI and run id, ...).
         max_restarts: torchrun elastic restarts of the whole group.
         threads_per_process: ``OMP_NUM_THREADS`` of each rank.
+        gpus_per_node: GPUs requested per machine (``nvidia.com/gpu`` on Kubernetes).
+        memory_gib: memory per machine in GiB, or None for the engine's default.
+        image: the trainer's container image (cluster engines), or None.
+        engine_options: the spec's block for this engine (``training.<engine>``) as plain data:
+            what the request carries besides size (queue, tolerations, runtime env, ...).
+        max_runtime_s: the longest the job may run (``fault.run_timeout``), seconds; engines
+            that support it enforce it on their side too (``activeDeadlineSeconds``).
     """
 
     identity: JobIdentity
@@ -88,6 +95,11 @@ class TrainingJob:
     env: dict[str, str] = field(default_factory=dict)
     max_restarts: int = 0
     threads_per_process: int = 1
+    gpus_per_node: int = 0
+    memory_gib: float | None = None
+    image: str | None = None
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    max_runtime_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from pydantic import Field, model_validator
 from operators.spec.base import SpecModel
 from operators.spec.data import DataSection
 from operators.spec.durations import DurationS
+from operators.spec.engines import KubernetesEngine, LocalEngine, RayEngine
 from operators.spec.pipeline import PipelineSection
 from operators.spec.registry import RegistrySection, ValidationSection
 
@@ -80,12 +81,6 @@ class ResourcesSection(SpecModel):
                 f"per GPU (got {self.processes_per_node} and {self.gpus_per_node})"
             )
         return self
-
-
-class LocalEngine(SpecModel):
-    distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="Collective backend; auto = nccl with GPUs, gloo on CPU."
-    )
 
 
 class FrameworkSection(SpecModel):
@@ -182,12 +177,17 @@ class FaultSection(SpecModel):
 
 
 class TrainingSection(SpecModel):
-    engine: Literal["local"] = Field(
-        "local", description="Where training runs. This version has the 'local' engine "
-        "(torchrun on the Airflow worker's machine)."
+    engine: Literal["local", "kubernetes", "ray"] = Field(
+        "local", description="Where training runs: 'local' (torchrun on the Airflow worker's "
+        "machine), 'kubernetes' (Kubeflow TrainJob or PyTorchJob) or 'ray' (Ray job API). The "
+        "block of the same name configures it."
     )
     resources: ResourcesSection = ResourcesSection()
     local: LocalEngine = LocalEngine()
+    kubernetes: KubernetesEngine | None = Field(
+        None, description="Kubernetes engine settings (engine: kubernetes)."
+    )
+    ray: RayEngine | None = Field(None, description="Ray engine settings (engine: ray).")
     optimization: OptimizationSection
     framework: FrameworkSection = FrameworkSection()
     checkpoint: CheckpointSection
@@ -195,15 +195,38 @@ class TrainingSection(SpecModel):
     log_every_steps: int = Field(10, ge=1, description="Metric and log-line interval in steps.")
 
     @property
+    def engine_block(self) -> SpecModel:
+        """The settings block of the chosen engine (defaults when the block is omitted)."""
+        if self.engine == "kubernetes":
+            return self.kubernetes or KubernetesEngine()
+        if self.engine == "ray":
+            return self.ray or RayEngine()
+        return self.local
+
+    @property
     def world_size(self) -> int:
         return self.resources.nodes * self.resources.processes_per_node
 
     @model_validator(mode="after")
     def _batch_and_interval(self) -> TrainingSection:
-        if self.engine == "local" and self.resources.nodes != 1:
+        for block in ("local", "kubernetes", "ray"):
+            given = getattr(self, block)
+            # a dumped-and-reloaded spec carries `kubernetes: null` and the default local block
+            if block != self.engine and given is not None and given != type(given)():
+                raise ValueError(
+                    f"the {block!r} block configures engine {block!r}, but engine is "
+                    f"{self.engine!r} (remove the block, or set engine: {block})"
+                )
+        if self.engine in ("local", "ray") and self.resources.nodes != 1:
             raise ValueError(
-                f"the local engine runs on one machine (got resources.nodes {self.resources.nodes}; "
-                f"expected 1)"
+                f"the {self.engine} engine runs one torchrun group on one machine (got "
+                f"resources.nodes {self.resources.nodes}; expected 1; use the kubernetes engine "
+                f"for several nodes)"
+            )
+        if self.engine == "kubernetes" and not self.resources.image:
+            raise ValueError(
+                "the kubernetes engine needs resources.image, the trainer's container image "
+                "(got none; expected e.g. 'ghcr.io/acme/trainforge-trainer:0.1.0')"
             )
         opt = self.optimization
         per_step = opt.micro_batch_size * self.world_size
@@ -246,6 +269,20 @@ class PipelineSpec(SpecModel):
     validation: ValidationSection = ValidationSection()
     registry: RegistrySection
     cost: CostSection = CostSection()
+
+    @model_validator(mode="after")
+    def _cluster_storage(self) -> PipelineSpec:
+        # Pods of a Kubernetes job do not share the Airflow worker's disk: the dataset and the
+        # checkpoints must live where every node can reach them.
+        if self.training.engine == "kubernetes":
+            for field, value in (("data.output_uri", self.data.output_uri),
+                                 ("training.checkpoint.uri", self.training.checkpoint.uri)):
+                if not value.startswith("s3://"):
+                    raise ValueError(
+                        f"{field} must be an s3:// URI with the kubernetes engine, where every "
+                        f"node can read it (got {value!r}; expected e.g. 's3://bucket/prefix')"
+                    )
+        return self
 
     @property
     def dag_id(self) -> str:

@@ -85,7 +85,7 @@ CASES = [
     (_under("training:\n", "  framework:\n    parallelism: fsdp\n    gradient_compression: powersgd\n"),
      "training.framework", 6, "does not apply to FSDP"),
     (_under("training:\n", "  resources:\n    nodes: 2\n"), "training", 5,
-     "the local engine runs on one machine"),
+     "the local engine runs one torchrun group on one machine"),
     (_under("training:\n", "  resources:\n    gpus_per_node: 4\n"), "training.resources", 6,
      "processes_per_node must equal gpus_per_node"),
     # durations

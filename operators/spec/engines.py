@@ -1,0 +1,162 @@
+"""Engine blocks of ``training``: one block per cluster engine, used when ``training.engine``
+names it.
+
+``local`` runs torchrun on the Airflow worker's machine; ``kubernetes`` submits a Kubeflow
+``TrainJob`` (trainer.kubeflow.org/v1alpha1) or a ``PyTorchJob`` (kubeflow.org/v1), optionally
+queued by Kueue; ``ray`` submits a Ray job (``ray.job_submission``) whose entrypoint is torchrun.
+
+Where to connect (connection id, kubeconfig, namespace, address) lives here; how big the job is
+lives in ``training.resources``, shared by every engine.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from operators.spec.base import SpecModel
+
+# RFC 1123 label (namespaces, queue names, secret names, priority classes).
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# RFC 1123 subdomain (ConfigMap and Secret names may contain dots).
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _dns(value: str, what: str, pattern: re.Pattern = _DNS_LABEL) -> str:
+    if not pattern.match(value):
+        raise ValueError(
+            f"{what} must be a lowercase DNS name: letters a-z, digits and '-', starting and "
+            f"ending with a letter or digit, at most 63 characters (got {value!r})"
+        )
+    return value
+
+
+class LocalEngine(SpecModel):
+    distributed_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Collective backend; auto = nccl with GPUs, gloo on CPU."
+    )
+
+
+class Toleration(SpecModel):
+    """A Kubernetes pod toleration (core/v1 Toleration)."""
+
+    key: str | None = Field(None, description="Taint key; empty with operator Exists matches all.")
+    operator: Literal["Equal", "Exists"] = Field("Equal", description="How key and value match.")
+    value: str | None = Field(None, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect matched; empty matches all effects."
+    )
+
+
+class SecretEnv(SpecModel):
+    """An environment variable of every rank read from a Kubernetes Secret (never inline)."""
+
+    name: str = Field(description="Environment variable name, e.g. AWS_ACCESS_KEY_ID.")
+    secret: str = Field(description="Secret name in the job's namespace.")
+    key: str = Field(description="Key inside the Secret.")
+
+    @field_validator("name")
+    @classmethod
+    def _env_name(cls, value: str) -> str:
+        if not _ENV_NAME.match(value):
+            raise ValueError(f"not an environment variable name (got {value!r}; expected "
+                             f"letters, digits and '_', not starting with a digit)")
+        return value
+
+    @field_validator("secret")
+    @classmethod
+    def _secret_name(cls, value: str) -> str:
+        return _dns(value, "secret", _DNS_SUBDOMAIN)
+
+
+class KubernetesEngine(SpecModel):
+    """Kubeflow training on Kubernetes. The cluster needs Kubeflow Trainer (``TrainJob``) or the
+    Kubeflow training operator (``PyTorchJob``), and Kueue when ``queue_name`` is set."""
+
+    api: Literal["trainjob", "pytorchjob"] = Field(
+        "trainjob", description="Custom resource to submit: Kubeflow Trainer's TrainJob "
+        "(trainer.kubeflow.org/v1alpha1) or the training operator's PyTorchJob (kubeflow.org/v1)."
+    )
+    connection_id: str | None = Field(
+        None, description="Airflow connection (Kubernetes provider type) holding the cluster "
+        "credentials; default: the kubeconfig below, or in-cluster configuration."
+    )
+    kubeconfig: str | None = Field(None, description="Path of a kubeconfig file.")
+    context: str | None = Field(None, description="kubeconfig context; default its current one.")
+    namespace: str = Field("default", description="Namespace of the job and its ConfigMap.")
+    runtime: str = Field(
+        "torch-distributed", description="TrainJob only: the ClusterTrainingRuntime referenced."
+    )
+    queue_name: str | None = Field(
+        None, description="Kueue LocalQueue; the job is created suspended and Kueue admits the "
+        "whole gang at once."
+    )
+    priority_class: str | None = Field(None, description="PriorityClass of the pods.")
+    service_account: str | None = Field(None, description="ServiceAccount of the pods.")
+    node_selector: dict[str, str] = Field({}, description="Node labels the pods must match.")
+    tolerations: list[Toleration] = Field([], description="Taints the pods tolerate.")
+    shm_size_gib: float = Field(
+        2.0, gt=0, le=1024, description="Size of the memory-backed /dev/shm (data loader "
+        "workers), GiB."
+    )
+    secret_env: list[SecretEnv] = Field(
+        [], description="Environment of every rank read from Secrets (S3, registry credentials)."
+    )
+    image_pull_secrets: list[str] = Field([], description="Secrets for pulling the image.")
+    run_as_user: int = Field(1000, ge=1, description="Non-root UID of the trainer containers.")
+
+    @field_validator("namespace", "queue_name", "priority_class", "service_account", "runtime")
+    @classmethod
+    def _dns_fields(cls, value: str | None, info) -> str | None:
+        return None if value is None else _dns(value, info.field_name)
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _pull_secrets(cls, value: list[str]) -> list[str]:
+        return [_dns(v, "image_pull_secrets", _DNS_SUBDOMAIN) for v in value]
+
+
+class RayEngine(SpecModel):
+    """A Ray cluster's job API. The cluster needs Ray (a RayCluster from KubeRay, or ``ray start
+    --head``) with the trainforge packages importable, or a ``working_dir`` to upload."""
+
+    address: str = Field(
+        "http://127.0.0.1:8265", description="Ray dashboard address (job submission API)."
+    )
+    connection_id: str | None = Field(
+        None, description="Airflow connection whose host (and port) is the dashboard address; "
+        "overrides address."
+    )
+    working_dir: str | None = Field(
+        None, description="Local folder uploaded as the job's runtime_env working_dir; default: "
+        "none (the cluster already has trainforge installed)."
+    )
+    pip: list[str] = Field([], description="Extra pip requirements of the job's runtime_env.")
+    env_vars: dict[str, str] = Field({}, description="Extra environment of the job.")
+    entrypoint_num_cpus: float = Field(
+        0.0, ge=0, description="CPUs reserved for the entrypoint; default: the job's ranks x "
+        "resources.cpus_per_process."
+    )
+    entrypoint_num_gpus: float = Field(
+        0.0, ge=0, description="GPUs reserved for the entrypoint; default: "
+        "resources.gpus_per_node."
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        if not re.match(r"^(https?|ray)://[^/\s]+", value):
+            raise ValueError(f"not a Ray address (got {value!r}; expected e.g. "
+                             f"'http://127.0.0.1:8265')")
+        return value.rstrip("/")
+
+    @field_validator("env_vars")
+    @classmethod
+    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"not an environment variable name (got {name!r})")
+        return value
