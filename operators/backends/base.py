@@ -85,6 +85,9 @@ class TrainingJob:
             what the request carries besides size (queue, tolerations, runtime env, ...).
         max_runtime_s: the longest the job may run (``fault.run_timeout``), seconds; engines
             that support it enforce it on their side too (``activeDeadlineSeconds``).
+        startup_timeout_s: the longest the job may wait to be admitted and start
+            (``fault.startup_timeout``), seconds; engines with a queue fail the job after it with
+            the engine's own reason and delete what they created. None: no limit.
     """
 
     identity: JobIdentity
@@ -100,6 +103,7 @@ class TrainingJob:
     image: str | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)
     max_runtime_s: float | None = None
+    startup_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,12 @@ class LogChunk:
 
 
 JobHandle = dict[str, Any]
-"""A JSON-able reference to a submitted job: ``{"engine": ..., "key": ..., ...}``."""
+"""A JSON-able reference to a submitted job: ``{"engine": ..., "key": ..., ...}``.
+
+Optional key ``submitted_at_epoch_s`` (UNIX seconds): when the job was created on the engine. The
+operator counts ``fault.run_timeout`` from it, so a retry that adopts an earlier job does not
+reset the job's clock; without it the clock starts when the operator gets the handle.
+"""
 
 
 class Backend(abc.ABC):

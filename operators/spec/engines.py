@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from operators.spec.base import SpecModel
 
@@ -23,6 +23,9 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # RFC 1123 subdomain (ConfigMap and Secret names may contain dots).
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Environment every rank gets from the engine and the train task (docs/contracts.md).
+_ENGINE_ENV = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TRAINFORGE_RESULT_FILE",
+                         "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"})
 
 
 def _dns(value: str, what: str, pattern: re.Pattern = _DNS_LABEL) -> str:
@@ -94,7 +97,11 @@ class KubernetesEngine(SpecModel):
         None, description="Kueue LocalQueue; the job is created suspended and Kueue admits the "
         "whole gang at once."
     )
-    priority_class: str | None = Field(None, description="PriorityClass of the pods.")
+    priority_class: str | None = Field(
+        None, description="Priority: PyTorchJob sets the pods' PriorityClass; TrainJob (whose "
+        "pods take it from the runtime) labels the job kueue.x-k8s.io/priority-class, a Kueue "
+        "WorkloadPriorityClass, and needs queue_name."
+    )
     service_account: str | None = Field(None, description="ServiceAccount of the pods.")
     node_selector: dict[str, str] = Field({}, description="Node labels the pods must match.")
     tolerations: list[Toleration] = Field([], description="Taints the pods tolerate.")
@@ -117,6 +124,29 @@ class KubernetesEngine(SpecModel):
     @classmethod
     def _pull_secrets(cls, value: list[str]) -> list[str]:
         return [_dns(v, "image_pull_secrets", _DNS_SUBDOMAIN) for v in value]
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_names(cls, value: list[SecretEnv]) -> list[SecretEnv]:
+        names = [item.name for item in value]
+        for name in names:
+            if name in _ENGINE_ENV:
+                raise ValueError(f"secret_env may not set {name}: the engine sets it (expected "
+                                 f"names other than {', '.join(sorted(_ENGINE_ENV))})")
+            if names.count(name) > 1:
+                raise ValueError(f"secret_env names {name} more than once (expected each "
+                                 f"variable once)")
+        return value
+
+    @model_validator(mode="after")
+    def _trainjob_priority(self) -> KubernetesEngine:
+        if self.api == "trainjob" and self.priority_class and not self.queue_name:
+            raise ValueError(
+                f"priority_class {self.priority_class!r} with api 'trainjob' is a Kueue "
+                f"WorkloadPriorityClass and needs queue_name (got none); set queue_name, or use "
+                f"api 'pytorchjob' for a pod PriorityClass"
+            )
+        return self
 
 
 class RayEngine(SpecModel):
