@@ -9,6 +9,8 @@ from mlflow_setup.errors import (
     MlflowSetupError,
     ServerStartError,
     ServerStopError,
+    StoreArgumentError,
+    StoreUnreachableError,
 )
 from mlflow_setup.server import (
     ServerConfig,
@@ -30,6 +32,8 @@ __all__ = [
     "ServerHandle",
     "ServerStartError",
     "ServerStopError",
+    "StoreArgumentError",
+    "StoreUnreachableError",
     "bootstrap",
     "build_server_command",
     "start_server",

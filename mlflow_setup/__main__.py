@@ -1,13 +1,16 @@
 """Command line of mlflow_setup.
 
     python -m mlflow_setup serve --home DIR [--host H] [--port P]   # foreground (containers)
+        [--backend-store-uri sqlite:///PATH.db | postgresql://USER:PASSWORD@HOST:PORT/DB]
+        [--artifacts-destination DIR | s3://BUCKET/PREFIX]   # S3 endpoint: MLFLOW_S3_ENDPOINT_URL
     python -m mlflow_setup start --home DIR [--port 0]               # background; prints URL
     python -m mlflow_setup stop --home DIR
     python -m mlflow_setup wait --url URL --timeout-s 60
     python -m mlflow_setup bootstrap --tracking-uri URL --experiment NAME \
         --registered-model NAME[=DESCRIPTION]
 
-Exit codes: 0 ok, 1 the server failed (message on stderr), 2 bad arguments.
+Exit codes: 0 ok, 1 the server failed or a store cannot be reached (message on stderr),
+2 bad arguments (including a store URI of an unsupported scheme).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 from pathlib import Path
 
 from mlflow_setup.bootstrap import bootstrap
-from mlflow_setup.errors import MlflowSetupError
+from mlflow_setup.errors import MlflowSetupError, StoreArgumentError
 from mlflow_setup.server import (
     ServerConfig,
     build_server_command,
@@ -30,6 +33,7 @@ from mlflow_setup.server import (
     stop_server,
     wait_healthy,
 )
+from mlflow_setup.stores import check_stores
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -39,9 +43,15 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", default=5000, type=int, help="port (default 5000; 0 = any free)")
     parser.add_argument(
-        "--backend-store-uri", default=None, help="default sqlite:///HOME/mlflow.db"
+        "--backend-store-uri", default=None,
+        help="sqlite:///PATH.db or postgresql://USER:PASSWORD@HOST:PORT/DB "
+        "(default sqlite:///HOME/mlflow.db)",
     )
-    parser.add_argument("--artifacts-destination", default=None, help="default HOME/artifacts")
+    parser.add_argument(
+        "--artifacts-destination", default=None,
+        help="folder or s3://BUCKET/PREFIX, proxied by the server (default HOME/artifacts; "
+        "S3 endpoint from MLFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL)",
+    )
     parser.add_argument("--workers", default=1, type=int, help="uvicorn workers (default 1)")
     parser.add_argument(
         "--allowed-hosts",
@@ -89,13 +99,14 @@ def _serve(args: argparse.Namespace) -> None:
         workers=args.workers,
         allowed_hosts=args.allowed_hosts,
     )
+    check_stores(config.store_uri, config.artifacts_uri)
     if "://" not in config.artifacts_uri:
         Path(config.artifacts_uri).mkdir(parents=True, exist_ok=True)
     port = args.port or free_port(args.host)
     argv = build_server_command(config, port)
     print(client_url(args.host, port), flush=True)
     os.chdir(home)
-    os.execve(argv[0], argv, server_env(os.environ))
+    os.execve(argv[0], argv, server_env(os.environ, config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             ]
             result = bootstrap(args.tracking_uri, args.experiment, models)
             print(" ".join(f"{k}={v}" for k, v in result.experiment_ids.items()), flush=True)
+    except StoreArgumentError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except MlflowSetupError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

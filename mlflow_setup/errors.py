@@ -53,3 +53,23 @@ class ServerStopError(MlflowSetupError):
             f"MLflow server process group {pid} was still alive {waited_s:.1f} s after SIGTERM "
             f"and SIGKILL; inspect it with `ps -g {pid}`"
         )
+
+
+class StoreArgumentError(MlflowSetupError, ValueError):
+    """A backend store URI or artifact destination of an unsupported scheme or shape."""
+
+    def __init__(self, option: str, value: str, expected: str) -> None:
+        self.option = option
+        self.value = value  # passwords already replaced by ***
+        self.expected = expected
+        super().__init__(f"{option} {value!r}: expected {expected}")
+
+
+class StoreUnreachableError(MlflowSetupError):
+    """The backend store database or the artifact bucket did not answer or refused access."""
+
+    def __init__(self, uri: str, reason: str) -> None:
+        self.uri = uri  # passwords already replaced by ***
+        self.reason = reason
+        super().__init__(f"cannot reach {uri}: {reason}; check the host, port, database or "
+                         "bucket name and the credentials")

@@ -2,7 +2,8 @@
 
 The server is ``mlflow server`` (uvicorn, one worker) with a SQLite backend store in
 ``<home>/mlflow.db`` and artifacts proxied by the server (``--serve-artifacts``) into
-``<home>/artifacts``; both can be overridden (e.g. ``postgresql://...`` and ``s3://bucket``).
+``<home>/artifacts``; both can be overridden (``postgresql://...`` and ``s3://bucket/prefix``:
+mlflow_setup.stores, which checks them before a start and keeps passwords out of argv and files).
 
 Files in ``home``:
 
@@ -37,6 +38,7 @@ from typing import Any
 import psutil
 
 from mlflow_setup.errors import HealthTimeoutError, ServerStartError, ServerStopError
+from mlflow_setup.stores import check_stores, driver_uri, has_password, redact
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,15 @@ class ServerConfig:
 
 
 def build_server_command(config: ServerConfig, port: int) -> list[str]:
-    """Pure: the exact argv of the server process for ``config`` listening on ``port``."""
+    """Pure: the exact argv of the server process for ``config`` listening on ``port``.
+
+    A backend store URI with a password is left out: `server_env` passes it in
+    ``MLFLOW_BACKEND_STORE_URI`` instead (a command line is visible to every local user).
+    """
+    store = [] if has_password(config.store_uri) else ["--backend-store-uri", driver_uri(config.store_uri)]
     argv = [
         sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", config.store_uri,
+        *store,
         "--serve-artifacts",
         "--artifacts-destination", config.artifacts_uri,
         "--host", config.host,
@@ -92,9 +99,13 @@ def build_server_command(config: ServerConfig, port: int) -> list[str]:
     return argv
 
 
-def server_env(base: Mapping[str, str]) -> dict[str, str]:
-    """Pure: the server's environment, ``base`` plus defaults that ``base`` does not set."""
-    return {**_SERVER_ENV_DEFAULTS, **base}
+def server_env(base: Mapping[str, str], config: ServerConfig | None = None) -> dict[str, str]:
+    """Pure: the server's environment, ``base`` plus defaults that ``base`` does not set, plus
+    ``MLFLOW_BACKEND_STORE_URI`` when ``config``'s store URI holds a password."""
+    env = {**_SERVER_ENV_DEFAULTS, **base}
+    if config is not None and has_password(config.store_uri):
+        env["MLFLOW_BACKEND_STORE_URI"] = driver_uri(config.store_uri)
+    return env
 
 
 def client_url(host: str, port: int) -> str:
@@ -241,6 +252,8 @@ def start_server(
     (any port when ``port=0``) and stores, that server is reused (``handle.reused``).
 
     Raises:
+        StoreArgumentError: the backend store or artifact destination has a bad scheme.
+        StoreUnreachableError: a PostgreSQL database or S3 bucket did not answer.
         ServerStartError: a different server of this home is running, the port is taken, or
             the process exited early (message has the log tail).
         HealthTimeoutError: not healthy within ``timeout_s`` seconds (the process is stopped).
@@ -256,6 +269,7 @@ def start_server(
         workers=workers,
         allowed_hosts=allowed_hosts,
     )
+    check_stores(config.store_uri, config.artifacts_uri, connect=False)
     if "://" not in config.artifacts_uri:
         Path(config.artifacts_uri).mkdir(parents=True, exist_ok=True)
     with _home_lock(home_path):
@@ -297,7 +311,7 @@ def stop_server(home: str | os.PathLike[str], grace_s: float = 10.0) -> bool:
 def _reuse(
     config: ServerConfig, record: dict[str, Any], timeout_s: float, interval_s: float
 ) -> ServerHandle:
-    wanted = {"host": config.host, "backend_store_uri": config.store_uri}
+    wanted = {"host": config.host, "backend_store_uri": redact(config.store_uri)}
     if config.port != 0:
         wanted["port"] = config.port
     mismatched = {k: (record.get(k), v) for k, v in wanted.items() if record.get(k) != v}
@@ -316,6 +330,7 @@ def _reuse(
 
 
 def _launch(config: ServerConfig, timeout_s: float, interval_s: float) -> ServerHandle:
+    check_stores(config.store_uri, config.artifacts_uri)  # a wrong database fails here, fast
     port = config.port or free_port(config.host)
     if _port_in_use(config.host, port):
         raise ServerStartError(
@@ -334,7 +349,7 @@ def _launch(config: ServerConfig, timeout_s: float, interval_s: float) -> Server
             stdout=log_fh,
             stderr=subprocess.STDOUT,
             cwd=config.home,
-            env=server_env(os.environ),
+            env=server_env(os.environ, config),
             start_new_session=True,  # own process group: stop() signals the whole tree
         )
     record = {
@@ -343,7 +358,7 @@ def _launch(config: ServerConfig, timeout_s: float, interval_s: float) -> Server
         "url": url,
         "host": config.host,
         "port": port,
-        "backend_store_uri": config.store_uri,
+        "backend_store_uri": redact(config.store_uri),
         "artifacts_destination": config.artifacts_uri,
         "log_file": str(log_path),
         "argv": argv,

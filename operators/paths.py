@@ -41,6 +41,22 @@ def safe_segment(text: str) -> str:
 def checkpoint_root(spec_uri: str, dag_id: str, run_id: str) -> str:
     """Checkpoint folder of one DAG run: ``<checkpoint.uri>/<dag_id>/<run_id>``.
 
-    Shared by every try of the ``train`` task, so a retry resumes from the newest valid one.
+    A local ``checkpoint.uri`` resolves against ``TRAINFORGE_HOME``; an ``s3://bucket/prefix``
+    one stays a URI (``s3://bucket/prefix/<dag_id>/<run_id>``). Shared by every try of the
+    ``train`` task, so a retry resumes from the newest valid one.
     """
-    return str(Path(resolve(spec_uri)) / safe_segment(dag_id) / safe_segment(run_id))
+    root = resolve(spec_uri)
+    if root.startswith("s3://"):
+        return "/".join([root.rstrip("/"), safe_segment(dag_id), safe_segment(run_id)])
+    return str(Path(root) / safe_segment(dag_id) / safe_segment(run_id))
+
+
+def dataset_location(prepared: dict) -> str:
+    """What the trainer, validator and exporter read: the ``s3://.../<digest>`` URI of a dataset
+    prepared into S3 (readable from any machine: cluster pods, Ray workers), else its local folder.
+
+    ``prepared`` is the XCom of ``prepare_data`` (``dataset_dir``, ``dataset_uri``). Every task
+    of a run uses this one value: it is part of the job config, whose digest the validator checks.
+    """
+    uri = prepared.get("dataset_uri") or ""
+    return uri.rstrip("/") if uri.startswith("s3://") else prepared["dataset_dir"]

@@ -51,6 +51,13 @@ def _on_s3(path: Any) -> bool:
     return isinstance(path, str) and path.startswith("s3://")
 
 
+def join(root: str | Path, name: str) -> str:
+    """``root/name`` as a string, keeping an ``s3://`` URI intact (``Path`` would eat a slash)."""
+    if _on_s3(root):
+        return f"{str(root).rstrip('/')}/{name}"
+    return str(Path(root) / name)
+
+
 def step_dir_name(step: int) -> str:
     """``step-00000100`` for step 100 (eight digits, zero-padded)."""
     return f"step-{step:08d}"

@@ -2,10 +2,18 @@
 
 Credentials come from boto3's standard chain (environment, ``~/.aws``, instance or pod role);
 the endpoint of an S3-compatible store from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``.
-Every request is retried by botocore's ``standard`` mode (`MAX_ATTEMPTS` attempts, exponential
-back-off with jitter, on throttling such as ``503 SlowDown``, 5xx and connection errors), with
-`CONNECT_TIMEOUT_S` / `READ_TIMEOUT_S` per attempt. Files above `MULTIPART_BYTES` go up and
-down in multipart transfers of `MULTIPART_BYTES` parts, each part a request retried on its own.
+
+Retries: every request is retried by botocore's `RETRY_MODE` (``standard``) mode, up to
+`MAX_ATTEMPTS` attempts in all, on throttling answers (``503 SlowDown``, ``429``, throttling
+error codes), other 5xx answers and connection errors. The wait before attempt ``i + 1`` is
+``rand(0, 1) * min(scale * 2**i, 20 s)`` with ``scale`` 1 s after throttling and 50 ms otherwise
+(botocore.retries.standard.ExponentialBackoff: truncated binary exponential back-off with full
+jitter), so 8 attempts wait at most about 1 + 2 + 4 + 8 + 16 + 20 + 20 s. ``adaptive`` mode
+would add a client-side token bucket that slows every later request of the process once it was
+throttled; it suits clients that flood a bucket with small requests, not a checkpoint's few
+large ones, so ``standard`` is used. Each attempt has `CONNECT_TIMEOUT_S` / `READ_TIMEOUT_S`. Files above
+`MULTIPART_BYTES` go up and down in multipart transfers of `MULTIPART_BYTES` parts, each part a
+request retried on its own.
 
 S3 has no rename: a checkpoint exists once its ``manifest.json`` object is written, which is
 why the manifest is always uploaded last (trainer.checkpoint_s3).
@@ -24,7 +32,8 @@ from trainer.errors import CheckpointError
 
 CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_S = 60
-MAX_ATTEMPTS = 8
+RETRY_MODE = "standard"  # botocore retry mode (module doc)
+MAX_ATTEMPTS = 8  # attempts per request, the first included
 MULTIPART_BYTES = 8 << 20
 HASH_CHUNK_BYTES = 4 << 20
 _URI = re.compile(r"^s3://([^/]+)/?(.*)$")
@@ -71,7 +80,7 @@ def client() -> Any:
             from botocore.config import Config
 
             config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                            retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"})
+                            retries={"total_max_attempts": MAX_ATTEMPTS, "mode": RETRY_MODE})
             _CLIENTS[endpoint] = boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
         return _CLIENTS[endpoint]
 

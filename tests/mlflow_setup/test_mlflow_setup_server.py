@@ -65,7 +65,7 @@ def test_build_server_command_overrides(tmp_path: Path) -> None:
         allowed_hosts="mlflow,mlflow:5000",
     )
     argv = build_server_command(config, port=5000)
-    assert argv[argv.index("--backend-store-uri") + 1] == "postgresql://db/mlflow"
+    assert argv[argv.index("--backend-store-uri") + 1] == "postgresql+psycopg2://db/mlflow"  # installed driver
     assert argv[argv.index("--artifacts-destination") + 1] == "s3://bucket/mlflow"
     assert argv[argv.index("--allowed-hosts") + 1] == "mlflow,mlflow:5000"
 
@@ -132,9 +132,12 @@ def test_start_refuses_a_port_in_use(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_start_reports_an_early_exit_with_the_log_tail(tmp_path: Path) -> None:
+    # A well-formed URI the server cannot open: its "folder" is a regular file.
+    (tmp_path / "not-a-folder").write_text("")
+    store = f"sqlite:///{tmp_path}/not-a-folder/mlflow.db"
     with pytest.raises(ServerStartError, match="exited with code") as info:
-        start_server(tmp_path, port=0, backend_store_uri="bogus-scheme://nowhere", timeout_s=60)
-    assert "bogus-scheme" in info.value.log_tail
+        start_server(tmp_path, port=0, backend_store_uri=store, timeout_s=60)
+    assert "not-a-folder" in info.value.log_tail
     assert not (tmp_path / PID_FILE_NAME).exists()
 
 

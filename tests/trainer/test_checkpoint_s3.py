@@ -79,45 +79,59 @@ def test_tampering_partial_uploads_and_retention(bucket):
     assert [s for s, _ in ckpt.list_step_dirs(root)] == [20, 30, 40]  # newer than the newest valid: kept
 
 
-def test_multipart_upload_survives_503_slowdown(bucket, calls):
-    """botocore's retries against injected throttling: the first two UploadPart requests and the
-    manifest's PutObject get a 503 SlowDown answer from a client-side hook instead of the server."""
-    from botocore.awsrequest import AWSResponse
-
-    failures = {"UploadPart": 2, "PutObject": 1}
-    seen_503: list[str] = []
-
-    class Body:
-        def stream(self):
-            yield b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-
-    def throttle(request, event_name, **_):
-        operation_name = event_name.rsplit(".", 1)[-1]
-        if failures.get(operation_name, 0) and (operation_name != "PutObject" or request.url.endswith("manifest.json")):
-            failures[operation_name] -= 1
-            seen_503.append(operation_name)
-            return AWSResponse(request.url, 503, {}, Body())
-        return None
-
-    events = s3.client().meta.events
-    events.register("before-send.s3", throttle)
-    try:
-        uri = _write(f"{bucket}/runs/c", 10, values=3 * (1 << 20))  # 12 MiB of weights: 2 parts
-    finally:
-        events.unregister("before-send.s3", throttle)
-    assert sorted(seen_503) == ["PutObject", "UploadPart", "UploadPart"]
-    ops = [op for op, key in calls if key.endswith(ckpt.WEIGHTS)]
-    assert ops.count("CreateMultipartUpload") == 1 and ops.count("UploadPart") == 2
+def test_multipart_upload_survives_server_side_503_slowdown(bucket, throttling_s3_proxy, monkeypatch):
+    """Real HTTP 503 SlowDown answers from a throttling proxy in front of the S3 server: the
+    first two UploadPart requests of the weights and the manifest's PutObject are refused, and
+    botocore's retries (trainer.s3.RETRY_MODE, MAX_ATTEMPTS) send them again after a back-off."""
+    proxy = throttling_s3_proxy
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    assert s3.client().meta.endpoint_url == proxy.url
+    assert s3.client().meta.config.retries == {"total_max_attempts": s3.MAX_ATTEMPTS, "mode": s3.RETRY_MODE}
+    proxy.throttle("UploadPart", 2)
+    proxy.throttle("PutObject", 1, key_suffix="/" + ckpt.MANIFEST)
+    uri = _write(f"{bucket}/runs/c", 10, values=3 * (1 << 20))  # 12 MiB of weights: 2 parts
+    weights_key = s3.split(f"{uri}/{ckpt.WEIGHTS}")[1]
+    manifest_key = s3.split(f"{uri}/{ckpt.MANIFEST}")[1]
+    assert sorted(proxy.throttled()) == [("PutObject", manifest_key), ("UploadPart", weights_key),
+                                         ("UploadPart", weights_key)]
+    parts = [status for op, key, status in proxy.log if op == "UploadPart" and key == weights_key]
+    assert parts.count(503) == 2 and parts.count(200) == 2  # each refused part was sent again
+    manifest = [status for op, key, status in proxy.log if op == "PutObject" and key == manifest_key]
+    assert manifest == [503, 200]
+    writes = [key.rsplit("/", 1)[-1] for op, key, status in proxy.log
+              if op in ("PutObject", "CompleteMultipartUpload") and status == 200]
+    assert writes[-1] == ckpt.MANIFEST  # still the commit point, after the retries
     assert ckpt.verify(uri) == []
 
 
-def test_listing_and_deleting_more_than_1000_objects(bucket):
+def test_listing_more_than_1000_objects_survives_server_side_503_slowdown(bucket, throttling_s3_proxy, monkeypatch):
     prefix = f"{bucket}/many"
-    with ThreadPoolExecutor(16) as pool:
+    with ThreadPoolExecutor(16) as pool:  # written straight to the server (moto endpoint)
         list(pool.map(lambda i: s3.put_bytes(f"{prefix}/step-{i:08d}/x", b"."), range(1003)))
+    proxy = throttling_s3_proxy
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    proxy.throttle("ListObjectsV2", 1, query_has="continuation-token")  # the second page
+    proxy.throttle("ListObjectsV2", 1)  # the first page
     assert len(list(s3.list_keys(prefix + "/"))) == 1003
+    listed = [status for op, _, status in proxy.log if op == "ListObjectsV2"]
+    assert listed == [503, 200, 503, 200]
+    proxy.throttle("ListObjectsV2", 1)
     assert len(checkpoint_s3.list_step_dirs(prefix)) == 1003  # delimiter listing, all pages
+    proxy.throttle("DeleteObjects", 1)
     assert s3.delete_prefix(prefix) == 1003 and list(s3.list_keys(prefix + "/")) == []
+    assert [op for op, _ in proxy.throttled()].count("DeleteObjects") == 1
+
+
+def test_s3_error_after_the_last_attempt_names_the_object(bucket, throttling_s3_proxy, monkeypatch):
+    proxy = throttling_s3_proxy
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setattr(s3, "MAX_ATTEMPTS", 2)
+    s3._CLIENTS.pop(proxy.url, None)
+    proxy.throttle("PutObject", 2)
+    with pytest.raises(s3.S3Error, match=rf"S3 put {bucket}/x/meta.json failed: SlowDown \(HTTP 503\)"):
+        s3.put_bytes(f"{bucket}/x/meta.json", b"{}")
+    s3._CLIENTS.pop(proxy.url, None)
+    assert [status for op, _, status in proxy.log if op == "PutObject"] == [503, 503]
 
 
 def test_validator_quarantines_on_s3_and_export_reads_from_s3(bucket, trained_run, dataset_dir, tmp_path):
