@@ -4,6 +4,13 @@ One spec gives one DAG with four tasks::
 
     prepare_data >> train >> validate_checkpoint >> register_model
 
+or, with ``stages`` (operators/spec/stages.py, docs/stages.md), one training task per stage,
+``train_<name>``, wired by ``depends_on``: the stages without dependencies start after
+``prepare_data``, and the leaves (stages no other stage depends on) all feed
+``validate_checkpoint``, which picks the best valid leaf checkpoint for ``register_model``::
+
+    prepare_data >> train_pretrain >> train_finetune >> validate_checkpoint >> register_model
+
 Cheap at parse time: reads YAML and builds operators; imports no torch, no MLflow, no engine
 client. The tunable training fields become typed DAG ``params`` so the Airflow trigger form can
 override them; the operators validate overrides with the spec model when the run starts.
@@ -19,6 +26,7 @@ from typing import Any
 from operators.base import TUNABLE_PARAMS
 from operators.spec.loader import SpecError, SpecIssue, load_spec
 from operators.spec.model import PipelineSpec
+from operators.spec.stages import leaf_stages, resolve_stages
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +95,33 @@ def build_dag(spec: PipelineSpec, spec_file: str = ""):
         prepare = PrepareDataOperator(
             task_id="prepare_data", outlets=[PrepareDataOperator.asset_for(spec)], **common
         )
-        train = TrainingLaunchOperator(
-            task_id="train",
-            execution_timeout=dt.timedelta(seconds=spec.training.fault.run_timeout + 600),
+        stages = resolve_stages(spec)
+        trains = {
+            stage.name: TrainingLaunchOperator(
+                task_id=stage.task_id,
+                stage=stage.name,
+                execution_timeout=dt.timedelta(seconds=stage.training.fault.run_timeout + 600),
+                **common,
+            )
+            for stage in stages
+        }
+        leaves = leaf_stages(stages)
+        validate = ValidateCheckpointOperator(
+            task_id="validate_checkpoint",
+            train_task_id=leaves[0].task_id,
+            leaf_stages=[leaf.name for leaf in leaves] if spec.stages else None,
             **common,
         )
-        validate = ValidateCheckpointOperator(task_id="validate_checkpoint", **common)
         register = RegisterModelOperator(
             task_id="register_model",
             outlets=[RegisterModelOperator.champion_outlet(spec.registry.model_name)],
             **common,
         )
-        prepare >> train >> validate >> register
+        for stage in stages:
+            upstream = [trains[name] for name in stage.depends_on] or [prepare]
+            upstream >> trains[stage.name]
+        [trains[leaf.name] for leaf in leaves] >> validate
+        validate >> register
     _apply_task_settings(dag, spec)
     return dag
 
@@ -147,10 +170,13 @@ def _default_args(spec: PipelineSpec) -> dict[str, Any]:
 
 
 def _apply_task_settings(dag, spec: PipelineSpec) -> None:
-    """Per-task overrides of the pipeline defaults (``pipeline.tasks.<task_id>``)."""
+    """Per-task overrides of the pipeline defaults (``pipeline.tasks.<task_id>``);
+    ``pipeline.tasks.train`` applies to every stage's training task."""
     overrides = spec.pipeline.tasks
+    stage_tasks = {stage.task_id for stage in resolve_stages(spec)}
     for task in dag.tasks:
-        settings = getattr(overrides, task.task_id, None)
+        name = "train" if task.task_id in stage_tasks else task.task_id
+        settings = getattr(overrides, name, None)
         if settings is None:
             continue
         if settings.retries is not None:

@@ -1,4 +1,5 @@
-"""The DAG file and builder: four tasks, typed params, broken specs isolated, cheap parsing."""
+"""The DAG file and builder: four tasks (one training task per stage), typed params, broken specs
+isolated, cheap parsing."""
 
 from __future__ import annotations
 
@@ -60,8 +61,9 @@ def test_dag_file_warns_per_yaml_file_and_line_and_imports_nothing_heavy(tmp_pat
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "TRAINFORGE_PIPELINES": str(tmp_path)}, timeout=120)
     assert "DAGS ['shakespeare_llm']" in out.stdout, out.stderr[-3000:]
-    model_line = DEMO.read_text().splitlines().index("model:") + 1
-    assert f"WARN [('bad.yaml', {model_line})]" in out.stdout
+    # the warning points at the line of the mistake: the field the cross-field rule names
+    heads_line = DEMO.read_text().splitlines().index("  num_heads: 6") + 1
+    assert f"WARN [('bad.yaml', {heads_line})]" in out.stdout
     assert "HEAVY []" in out.stdout
 
 
@@ -79,3 +81,100 @@ def test_bad_trigger_params_fail_the_first_task_before_anything_runs(override, f
     params = {**{"max_steps": 300, "micro_batch_size": 8}, **override}
     with pytest.raises(AirflowFailException, match=fragment):
         op.resolved_spec({"params": params})
+
+
+STAGED_TAIL = {
+    "chain": """\
+stages:
+  - name: pretrain
+    training:
+      optimization: {max_steps: 100}
+      fault: {run_timeout: 2h}
+  - name: finetune
+    depends_on: [pretrain]
+    init_from: pretrain
+    training:
+      optimization: {max_steps: 50, learning_rate: 1e-4, warmup_steps: 5}
+      checkpoint: {interval_steps: 25}
+""",
+    "sweep": """\
+stages:
+  - name: lr_high
+    training:
+      optimization: {learning_rate: 6e-3}
+  - name: lr_low
+    training:
+      optimization: {learning_rate: 1e-3}
+""",
+}
+
+
+def _staged(kind: str):
+    from operators.spec import parse_spec_text
+
+    return parse_spec_text(DEMO.read_text() + STAGED_TAIL[kind], f"{kind}.yaml")
+
+
+def _edges(dag) -> set[tuple[str, str]]:
+    return {(t.task_id, d) for t in dag.tasks for d in t.downstream_task_ids}
+
+
+def test_a_two_stage_chain_trains_one_task_per_stage_in_order():
+    dag = build_dag(_staged("chain"), "chain.yaml")
+    assert [t.task_id for t in dag.topological_sort()] == [
+        "prepare_data", "train_pretrain", "train_finetune", "validate_checkpoint",
+        "register_model"]
+    assert _edges(dag) == {("prepare_data", "train_pretrain"),
+                           ("train_pretrain", "train_finetune"),
+                           ("train_finetune", "validate_checkpoint"),
+                           ("validate_checkpoint", "register_model")}
+    pretrain, finetune = dag.get_task("train_pretrain"), dag.get_task("train_finetune")
+    assert (pretrain.stage, finetune.stage) == ("pretrain", "finetune")
+    # each stage's own run_timeout (+10 minutes) bounds its task
+    assert pretrain.execution_timeout.total_seconds() == 2 * 3600 + 600
+    assert finetune.execution_timeout.total_seconds() == 3600 + 600
+    validate = dag.get_task("validate_checkpoint")
+    assert validate.leaf_stages == ["finetune"]
+
+
+def test_a_two_variant_sweep_runs_side_by_side_and_validates_both_leaves():
+    dag = build_dag(_staged("sweep"), "sweep.yaml")
+    assert _edges(dag) == {("prepare_data", "train_lr_high"), ("prepare_data", "train_lr_low"),
+                           ("train_lr_high", "validate_checkpoint"),
+                           ("train_lr_low", "validate_checkpoint"),
+                           ("validate_checkpoint", "register_model")}
+    assert dag.get_task("validate_checkpoint").leaf_stages == ["lr_high", "lr_low"]
+    assert "train" not in dag.task_ids
+    # trigger-form params stay those of the top-level training
+    assert dag.params["learning_rate"] == pytest.approx(3e-3)
+
+
+def test_a_stage_task_resolves_its_merged_training_with_trigger_params():
+    dag = build_dag(_staged("chain"), "chain.yaml")
+    params = {"learning_rate": 2e-3, "max_steps": 300}
+    pretrain = dag.get_task("train_pretrain").resolved_spec({"params": params})
+    finetune = dag.get_task("train_finetune").resolved_spec({"params": params})
+    assert pretrain.training.optimization.learning_rate == pytest.approx(2e-3)  # inherited
+    assert pretrain.training.optimization.max_steps == 100  # the stage's own
+    assert finetune.training.optimization.learning_rate == pytest.approx(1e-4)
+    assert finetune.training.optimization.max_steps == 50
+
+
+def test_pipeline_task_settings_of_train_apply_to_every_stage_task():
+    text = DEMO.read_text().replace(
+        "pipeline:\n", "pipeline:\n  tasks:\n    train:\n      retries: 4\n", 1)
+    from operators.spec import parse_spec_text
+
+    dag = build_dag(parse_spec_text(text + STAGED_TAIL["sweep"], "s.yaml"), "s.yaml")
+    assert dag.get_task("train_lr_high").retries == dag.get_task("train_lr_low").retries == 4
+
+
+def test_validation_picks_the_valid_leaf_with_the_lowest_validation_loss():
+    from operators.validation import best_leaf
+
+    results = [{"stage": "a", "metrics": {"val_loss": 2.5}},
+               {"stage": "b", "metrics": {"val_loss": 2.1}},
+               {"stage": "c", "metrics": {"val_loss": 2.1}}]
+    assert best_leaf(results)["stage"] == "b"  # a tie goes to the stage declared first
+    assert best_leaf([results[0]])["stage"] == "a"
+    assert best_leaf([]) is None
