@@ -1,12 +1,19 @@
 """Every pipeline spec in ``dags/pipelines/`` becomes one Airflow DAG.
 
-``TRAINFORGE_PIPELINES`` (an ``os.pathsep``-separated list of spec files or folders) replaces
-the default folder; ``trainforge run FILE`` uses it to load one spec of the user's own.
+A spec with its own generated DAG file next to it (``<name>.py``, written by
+``python -m operators.dag_files dags/pipelines``) is compiled by that file, so that a broken spec
+is that file's import error in Airflow (``airflow dags list-import-errors``, the UI's import
+errors) while every other pipeline still loads. This file compiles the specs without one.
 
-A spec that does not validate never stops the other pipelines from loading: it is skipped, and
-each of its errors is logged and raised as a warning attributed to the YAML file and line, which
-Airflow lists with this file's import warnings. Nothing heavy is imported here (no torch, no
-MLflow).
+``TRAINFORGE_PIPELINES`` (an ``os.pathsep``-separated list of spec files or folders) replaces
+the default folder, and this file then compiles every spec it names (the per-spec files define
+nothing); ``trainforge run FILE`` uses it to load one spec of the user's own.
+
+A spec compiled here that does not validate never stops the other pipelines from loading: it
+is skipped, and each of its errors is logged and raised as a warning attributed to the YAML file
+and line, which Airflow lists with this file's import warnings. Nothing heavy is imported here
+(no torch, no MLflow). Valid specs are cached as validated JSON (operators.dag_files
+``enable_spec_cache``), so a re-parse does not read unchanged YAML again.
 """
 
 from __future__ import annotations
@@ -16,13 +23,18 @@ import os
 import warnings
 from pathlib import Path
 
-from operators.dag_builder import build_dags
+from operators.dag_builder import build_dags, spec_files
+from operators.dag_files import enable_spec_cache, has_companion
 
 _log = logging.getLogger("trainforge.dags")
+enable_spec_cache()
 
 _sources = os.environ.get("TRAINFORGE_PIPELINES")
-_paths = _sources.split(os.pathsep) if _sources else [Path(__file__).parent / "pipelines"]
-_dags, _errors = build_dags(_paths)
+if _sources:
+    _files = spec_files(_sources.split(os.pathsep))
+else:
+    _files = [p for p in spec_files(Path(__file__).parent / "pipelines") if not has_companion(p)]
+_dags, _errors = build_dags(_files)
 for _file, _error in _errors.items():
     _log.error("trainforge: pipeline %s was not loaded:\n%s", _file, _error)
     for _issue in getattr(_error, "issues", None) or [None]:

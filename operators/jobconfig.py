@@ -14,10 +14,40 @@ from operators.spec.model import PipelineSpec
 JOB_FORMAT = "trainforge.job/v1"
 
 
+def init_block(checkpoint: str, source: str) -> dict[str, str]:
+    """The job config's ``init`` section: start from these weights (fresh optimizer).
+
+    Args:
+        checkpoint: a folder or ``s3://`` prefix holding either a trainer checkpoint
+            (``step-XXXXXXXX/`` with its manifest) or a Hugging Face model folder
+            (``config.json`` + ``model.safetensors``, what registration uploads).
+        source: where it came from, for logs and checkpoint metadata: ``models:/<name>/<version>``
+            (a registered model) or ``stage:<name>`` (another stage of the pipeline).
+    """
+    return {"checkpoint": checkpoint, "source": source}
+
+
 def render_job_config(
+    spec: PipelineSpec, dataset_dir: str, checkpoint_dir: str, identity: JobIdentity,
+    init: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The JSON job config the trainer reads. Batch sizes count sequences.
+
+    ``init`` (see :func:`init_block`) starts training from existing weights when the run has no
+    checkpoint of its own; ``model.config_overrides`` appears only when the spec sets some, so
+    configs of specs without them are unchanged.
+    """
+    config = _render(spec, dataset_dir, checkpoint_dir, identity)
+    if spec.model.config_overrides:
+        config["model"]["config_overrides"] = dict(sorted(spec.model.config_overrides.items()))
+    if init is not None:
+        config["init"] = init_block(init["checkpoint"], init["source"])
+    return config
+
+
+def _render(
     spec: PipelineSpec, dataset_dir: str, checkpoint_dir: str, identity: JobIdentity
 ) -> dict[str, Any]:
-    """The JSON job config the trainer reads. Batch sizes count sequences."""
     model = spec.model
     opt = spec.training.optimization
     return {
@@ -77,12 +107,24 @@ def build_training_job(
     checkpoint_dir: str,
     identity: JobIdentity,
     env: dict[str, str],
+    init: dict[str, str] | None = None,
+    secret_env: dict[str, str] | None = None,
+    secret_env_source: str = "",
 ) -> TrainingJob:
-    """The engine-neutral job for the spec's training section."""
+    """The engine-neutral job for the spec's training section (``init``: see
+    :func:`render_job_config`).
+
+    The spec's S3 endpoint (``storage.endpoint_url`` or ``data.s3_endpoint_url``) reaches every
+    rank as ``AWS_ENDPOINT_URL_S3`` (``env`` may override it). ``secret_env`` (S3 keys of the
+    Airflow connection ``storage.aws_conn_id``, from ``secret_env_source``) is never part of
+    a rendered request: see ``TrainingJob.secret_env``.
+    """
     resources = spec.training.resources
+    endpoint = spec.s3_endpoint_url
+    env = {**({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}), **env}
     return TrainingJob(
         identity=identity,
-        config=render_job_config(spec, dataset_dir, checkpoint_dir, identity),
+        config=render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init),
         nodes=resources.nodes,
         processes_per_node=resources.processes_per_node,
         env=dict(env),
@@ -93,4 +135,7 @@ def build_training_job(
         image=resources.image,
         engine_options=spec.training.engine_block.model_dump(mode="json"),
         max_runtime_s=float(spec.training.fault.run_timeout),
+        startup_timeout_s=float(spec.training.fault.startup_timeout),
+        secret_env=dict(secret_env or {}),
+        secret_env_source=secret_env_source,
     )

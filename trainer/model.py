@@ -4,15 +4,38 @@
 `transformers.LlamaConfig`; `build_model` instantiates `LlamaForCausalLM` with fresh weights
 (initialised from torch's global RNG, so seed first). The same function serves the trainer, the
 validator and the exporter, so the three always agree on parameter names and shapes.
+
+`load_initial_weights` starts a run from existing weights (the job config's ``init`` section):
+a trainer checkpoint (another stage's) or a Hugging Face model folder (a registered model).
 """
 
 from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainer.config import ModelConfig
+from trainer.errors import CheckpointError, ConfigError
+
+log = logging.getLogger(__name__)
+
+#: LlamaConfig keys `llama_config` sets from first-class fields; an override may not touch them
+#: (the spec refuses them first: operators/spec/llama_keys.py).
+FIRST_CLASS_KEYS = frozenset({
+    "attention_dropout", "bos_token_id", "eos_token_id", "hidden_size", "intermediate_size",
+    "max_position_embeddings", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
+    "pad_token_id", "rope_parameters", "rope_theta", "tie_word_embeddings", "use_cache", "vocab_size",
+})
+#: What must agree between a model and the weights it is initialised from.
+ARCHITECTURE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+                     "hidden_act", "attention_bias", "mlp_bias", "rms_norm_eps", "rope_theta")
 
 
 def llama_config(model: ModelConfig, vocab_size: int, eos_id: int, max_positions: int) -> LlamaConfig:
@@ -23,7 +46,17 @@ def llama_config(model: ModelConfig, vocab_size: int, eos_id: int, max_positions
         eos_id: used as the EOS, BOS and padding id (the datasets have one special token).
         max_positions: ``data.sequence_length``; rotary embeddings extrapolate past it but
             the model was never trained there.
+
+    ``model.config_overrides`` are passed on as further keyword arguments.
+
+    Raises:
+        ConfigError: an override names a key LlamaConfig does not have, or one set above.
     """
+    known = LlamaConfig().to_dict()
+    for key in model.config_overrides:
+        if key in FIRST_CLASS_KEYS or key not in known:
+            raise ConfigError(f"model.config_overrides.{key}: not a LlamaConfig key an override may "
+                              f"set (first-class keys come from the model section; unknown keys are refused)")
     return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=model.hidden_size,
@@ -39,6 +72,7 @@ def llama_config(model: ModelConfig, vocab_size: int, eos_id: int, max_positions
         eos_token_id=eos_id,
         pad_token_id=eos_id,
         use_cache=False,
+        **model.config_overrides,
     )
 
 
@@ -127,3 +161,142 @@ def check_weights(expected: dict[str, torch.Size], tied: set[str], tensors: dict
         shapes = ", ".join(f"{n}: {tuple(tensors[n].shape)} vs model {tuple(expected[n])}" for n in wrong[:5])
         raise ValueError(f"weights do not match the model: missing {missing[:5]}, unknown {unknown[:5]}, "
                          f"shape mismatch [{shapes}]")
+
+
+def architecture_differences(model: LlamaConfig, source: LlamaConfig) -> list[str]:
+    """``"key: model X, source Y"`` for each of `ARCHITECTURE_KEYS` on which two configs differ."""
+    def value(config: LlamaConfig, key: str) -> Any:
+        if key == "rope_theta":
+            return (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+        if key == "head_dim":  # None means hidden_size // num_attention_heads
+            return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return getattr(config, key, None)
+
+    return [f"{key}: model {value(model, key)!r}, source {value(source, key)!r}"
+            for key in ARCHITECTURE_KEYS if value(model, key) != value(source, key)]
+
+
+def load_initial_weights(model: LlamaForCausalLM, location: str, tokenizer_path: str | Path,
+                         tokenizer_sha256: str) -> str:
+    """Copy the weights at ``location`` into ``model`` (unsharded, before DDP/FSDP); nothing else.
+
+    The optimizer, scheduler, step count and RNG state are not taken: training starts at step 0
+    with a fresh optimizer. ``location`` (a local folder or an ``s3://`` prefix) is one of:
+
+    * a trainer checkpoint ``step-XXXXXXXX/`` (verified against its manifest first);
+    * a checkpoint root holding ``step-*`` folders: its newest valid one;
+    * a Hugging Face model folder: ``config.json`` and ``model*.safetensors`` (what model
+      registration uploads; ``trainer.export`` writes the same names as ``build_model``).
+
+    The source must have ``model``'s architecture (`ARCHITECTURE_KEYS`) and the dataset's
+    tokenizer (``tokenizer_path`` / ``tokenizer_sha256``: the same file, or the same vocabulary).
+
+    Returns:
+        the folder or URI the weights were read from.
+    Raises:
+        ConfigError: architecture or tokenizer differ (exit 78: a retry cannot fix it).
+        CheckpointError: nothing loadable at ``location``, or it does not verify.
+    """
+    from trainer import checkpoint as ckpt
+    from trainer.s3 import is_s3
+
+    with tempfile.TemporaryDirectory(prefix="trainforge-init-") as tmp:
+        if is_s3(location) and not _s3_has(location, ckpt.MANIFEST) and _s3_has(location, "config.json"):
+            local: str | Path = _download_prefix(location, Path(tmp))
+        else:
+            local = location if is_s3(location) else Path(location)
+        if _has(local, "config.json") and not _has(local, ckpt.MANIFEST):
+            source, tensors, vocab_ok = _hf_folder(Path(local), tokenizer_path, tokenizer_sha256)
+            where = location
+        else:
+            where, source, tensors, vocab_ok = _trainer_checkpoint(local, tokenizer_sha256)
+    problems = architecture_differences(model.config, source)
+    if problems:
+        raise ConfigError(f"init {where}: its architecture differs from the job config's model "
+                          f"({'; '.join(problems)}): set the spec's model fields to the source's values")
+    if not vocab_ok:
+        raise ConfigError(f"init {where}: trained with another tokenizer than the dataset's "
+                          f"({tokenizer_path}): encode the data with the source's tokenizer")
+    try:
+        load_weights(model, tensors)
+    except ValueError as err:
+        raise CheckpointError(f"init {where}: {err}") from err
+    log.info("initialised the weights from %s (optimizer and step start fresh)", where)
+    return str(where)
+
+
+def _has(folder: str | Path, name: str) -> bool:
+    from trainer.s3 import is_s3
+
+    return _s3_has(str(folder), name) if is_s3(folder) else (Path(folder) / name).is_file()
+
+
+def _s3_has(prefix: str, name: str) -> bool:
+    from trainer import s3
+
+    return s3.size_of(s3.join(prefix, name)) is not None
+
+
+def _download_prefix(prefix: str, dest: Path) -> Path:
+    """The files directly under an ``s3://`` prefix (an HF model folder), downloaded to ``dest``."""
+    from trainer import s3
+
+    base = prefix.rstrip("/") + "/"
+    bucket, _ = s3.split(base)
+    for key in s3.list_keys(base):
+        name = key[len(s3.split(base)[1]):]
+        if name and "/" not in name:
+            s3.download_file(f"s3://{bucket}/{key}", dest / name)
+    return dest
+
+
+def _same_vocabulary(path_a: str | Path, path_b: str | Path) -> bool:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path_a)).get_vocab() == Tokenizer.from_file(str(path_b)).get_vocab()
+
+
+def _hf_folder(folder: Path, tokenizer_path: str | Path, tokenizer_sha256: str
+               ) -> tuple[LlamaConfig, dict[str, torch.Tensor], bool]:
+    import safetensors.torch
+
+    from trainer.fsutil import sha256_file
+
+    files = sorted(folder.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"init {folder}: config.json but no model*.safetensors weights")
+    try:
+        source = LlamaConfig.from_json_file(str(folder / "config.json"))
+        tensors: dict[str, torch.Tensor] = {}
+        for file in files:
+            tensors.update(safetensors.torch.load_file(file, device="cpu"))
+    except Exception as err:  # JSON and safetensors each raise their own types
+        raise CheckpointError(f"init {folder}: cannot read the model ({type(err).__name__}: {err})") from err
+    tok = folder / "tokenizer.json"
+    vocab_ok = tok.is_file() and (sha256_file(tok) == tokenizer_sha256 or _same_vocabulary(tok, tokenizer_path))
+    return source, tensors, vocab_ok
+
+
+def _trainer_checkpoint(location: str | Path, tokenizer_sha256: str
+                        ) -> tuple[str, LlamaConfig, dict[str, torch.Tensor], bool]:
+    from trainer import checkpoint as ckpt
+    from trainer.config import parse_job_config
+
+    step_dir: Any = location
+    if not _has(location, ckpt.MANIFEST):
+        step_dir = ckpt.newest_valid(location)
+        if step_dir is None:
+            raise CheckpointError(f"init {location}: neither a checkpoint (manifest.json), a folder of valid "
+                                  f"step-* checkpoints, nor a model folder (config.json)")
+    problems = ckpt.verify(step_dir)
+    if problems:
+        raise CheckpointError(f"init {step_dir} does not verify: {'; '.join(problems)}")
+    c = ckpt.load_checkpoint(step_dir)
+    try:
+        saved = parse_job_config(c.meta["job_config"])
+        dataset = c.meta["dataset"]
+        source = llama_config(saved.model, int(dataset["vocab_size"]), int(dataset["eos_id"]),
+                              saved.data.sequence_length)
+    except (KeyError, TypeError, ValueError, ConfigError) as err:
+        raise CheckpointError(f"init {step_dir}: meta.json has no usable job_config/dataset ({err})") from err
+    return str(step_dir), source, c.weights, dataset.get("tokenizer_sha256") == tokenizer_sha256

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from operators.spec.base import SpecModel
+from operators.spec.base import SpecModel, field_errors
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
 _S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
@@ -60,10 +60,10 @@ class CleaningSection(SpecModel):
     @model_validator(mode="after")
     def _lengths(self) -> CleaningSection:
         if self.max_document_chars < self.min_document_chars:
-            raise ValueError(
-                f"max_document_chars must be >= min_document_chars (got "
-                f"{self.max_document_chars} < {self.min_document_chars})"
-            )
+            raise field_errors(CleaningSection, (
+                ("max_document_chars",), f"max_document_chars must be >= min_document_chars (got "
+                f"{self.max_document_chars} < {self.min_document_chars})",
+                self.max_document_chars, ("min_document_chars",)))
         return self
 
 
@@ -158,6 +158,55 @@ class DataSection(SpecModel):
         return _check_location(value, "output_uri")
 
     @field_validator("s3_endpoint_url")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not _ENDPOINT.match(value):
+            raise ValueError(f"an endpoint is http(s)://host[:port] without user or password "
+                             f"(got {value!r})")
+        return value
+
+
+#: An Airflow connection id: letters, digits, '_', '-' and '.'.
+_CONN_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,249}$")
+
+
+def same_endpoint(a: str | None, b: str | None) -> bool:
+    """Whether two endpoint URLs name the same server (a trailing ``/`` and the case of the
+    scheme and host do not count). ``None`` matches anything."""
+    if a is None or b is None:
+        return True
+    return a.rstrip("/").lower() == b.rstrip("/").lower()
+
+
+class StorageSection(SpecModel):
+    """How every S3 client of the pipeline reaches S3 (docs/storage.md). Credentials never go
+    in a spec: they come from the Airflow connection named here, else boto3's standard chain."""
+
+    aws_conn_id: str | None = Field(
+        None, description="Airflow connection of type 'aws' whose login (access key id), "
+        "password (secret access key) and extra (region_name, endpoint_url, aws_session_token) "
+        "data preparation, the local and ray trainers, validation and registration use for S3. "
+        "Not allowed with the kubernetes and slurm engines (use training.kubernetes.secret_env "
+        "or the cluster's own credentials). null: boto3's standard chain (environment, ~/.aws, "
+        "instance or pod role)."
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (e.g. http://minio:9000) for every S3 client "
+        "of the pipeline, the trainer's ranks included (AWS_ENDPOINT_URL_S3). Same meaning as "
+        "data.s3_endpoint_url; give it in one place, or the same value in both. null: the "
+        "connection's endpoint_url, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS."
+    )
+
+    @field_validator("aws_conn_id")
+    @classmethod
+    def _conn_id(cls, value: str | None) -> str | None:
+        if value is not None and not _CONN_ID.match(value):
+            raise ValueError(f"not an Airflow connection id (got {value!r}; expected letters, "
+                             f"digits, '_', '-' and '.', e.g. 'aws_default'; credentials never "
+                             f"go in the spec)")
+        return value
+
+    @field_validator("endpoint_url")
     @classmethod
     def _endpoint(cls, value: str | None) -> str | None:
         if value is not None and not _ENDPOINT.match(value):

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from operators.spec.base import BOOL_FOR_NUMBER, CROSS_FIELD, WrongScalar
 from operators.spec.model import PipelineSpec
 
 _FLOAT = re.compile(
@@ -84,6 +85,9 @@ def _construct(loader: _Loader, node: yaml.Node, path: tuple):
     try:
         value = loader.construct_object(node, deep=True)
     except ValueError as err:  # e.g. 2026-13-45 read as a date
+        if node.tag == "tag:yaml.org,2002:timestamp":
+            raise _NodeError(node.start_mark, path,
+                             f"not a valid date (got {node.value!r}: {err}; expected YYYY-MM-DD)")
         raise _NodeError(node.start_mark, path,
                          f"YAML could not read {node.value!r}: {err} (quote it if it is text)")
     return value
@@ -127,7 +131,12 @@ def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: li
         return [
             _walk(item, loader, path + (i,), marks, issues, file) for i, item in enumerate(node.value)
         ]
-    return _construct(loader, node, path)
+    try:
+        return _construct(loader, node, path)
+    except _NodeError as err:  # e.g. a bad date: report it, keep reading the rest of the file
+        issues.append(SpecIssue(file, err.line, err.column, err.path, err.message))
+        marks[("node_error",) + path] = True
+        return None
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
@@ -146,8 +155,19 @@ def _data_loc(loc: tuple, marks: dict) -> tuple:
     return tuple(kept)
 
 
-def _position(marks: dict, loc: tuple) -> tuple[int, int]:
-    """Line and column (1-based) of the deepest recorded prefix of a pydantic error location."""
+def _position(marks: dict, loc: tuple, error: dict | None = None) -> tuple[int, int]:
+    """Line and column (1-based) of the deepest recorded prefix of a pydantic error location.
+
+    A cross-field error (:func:`operators.spec.base.field_errors`) about a field the file does
+    not write points at its ``fallback`` field instead (e.g. ``training.engine``).
+    """
+    ctx = (error or {}).get("ctx") or {}
+    if error is not None and error.get("type") == CROSS_FIELD and loc not in marks:
+        relative, fallback = ctx.get("relative_loc", ()), ctx.get("fallback", ())
+        if fallback and tuple(loc[len(loc) - len(relative):]) == tuple(relative):
+            mark = marks.get(tuple(loc[:len(loc) - len(relative)]) + tuple(fallback))
+            if mark is not None:
+                return mark.line + 1, mark.column + 1
     for cut in range(len(loc), -1, -1):
         mark = marks.get(tuple(loc[:cut]))
         if mark is not None:
@@ -193,7 +213,11 @@ def _did_you_mean(word: str, choices) -> str:
 
 
 def _yaml_hint(raw: str | None, given: Any, kind: str = "string_type") -> str:
-    """Why YAML may have produced ``given`` from the unquoted text ``raw`` (text fields only)."""
+    """Why YAML may have produced ``given`` from the unquoted text ``raw``: text fields given a
+    number or boolean, number fields given a boolean (``retries: yes``)."""
+    if kind == BOOL_FOR_NUMBER and raw is not None and raw.lower() in _YAML_BOOL_WORDS:
+        return (f"; YAML reads unquoted {raw!r} as the boolean {given}: write a number "
+                f"(e.g. 1 or 0)")
     if raw is None or kind != "string_type" or given is None:
         return ""
     if isinstance(given, bool) and raw.lower() in _YAML_BOOL_WORDS:
@@ -214,6 +238,9 @@ def _describe(error: dict, marks: dict | None = None) -> str:
     message = re.sub(r"^(Value error|Assertion failed), ", "", message)
     kind = error["type"]
     given = error.get("input")
+    if isinstance(given, WrongScalar):  # a boolean for a number, or a non-boolean for a boolean
+        kind = BOOL_FOR_NUMBER if given.expected == "number" else kind
+        return given.message() + _yaml_hint(raw, given.value, kind)
     if kind == "extra_forbidden":
         model = _model_at(loc)
         allowed = sorted(model.model_fields) if model is not None else []
@@ -228,6 +255,8 @@ def _describe(error: dict, marks: dict | None = None) -> str:
         choices = [c.strip().strip("'") for c in expected.replace(" or ", ", ").split(",")]
         hint = _did_you_mean(given, choices) if len(choices) > 1 else ""
         return f"unknown value (got {given!r}; expected {expected}{hint})"
+    if kind.startswith("date_"):  # a quoted date pydantic cannot parse
+        return f"not a valid date (got {given!r}; expected YYYY-MM-DD)"
     if "(got " in message:
         return message + _yaml_hint(raw, given, kind)
     if isinstance(given, dict):
@@ -304,7 +333,10 @@ def _parse_with_positions(text: str, file: str) -> PipelineSpec:
     except ValidationError as err:
         for e in err.errors():
             e["loc"] = _data_loc(tuple(e["loc"]), marks)
-            line, col = _position(marks, e["loc"])
+            if any(("node_error",) + tuple(e["loc"][:cut]) in marks
+                   for cut in range(len(e["loc"]) + 1)):
+                continue  # already reported: YAML could not read the value
+            line, col = _position(marks, e["loc"], e)
             path = ".".join(str(p) for p in e["loc"])
             issue = SpecIssue(file, line, col, path, _describe(e, marks))
             if issue not in issues:
@@ -316,8 +348,81 @@ def _parse_with_positions(text: str, file: str) -> PipelineSpec:
     return spec
 
 
+_cache_dir: Path | None = None
+
+
+def enable_cache(folder: str | Path | None) -> None:
+    """Keep each valid spec, as validated JSON, in ``folder`` (None: no cache, the default).
+
+    The DAG files parse every spec again each time Airflow re-parses them, in a fresh process;
+    reading the YAML (with positions) is most of the cost. A cache entry is used only when its
+    key matches: the SHA-256 of the file's bytes and :func:`code_version` (the spec model's
+    source files), so an edited spec or an upgraded model is always read again. Only valid
+    specs are cached: errors are always found by the careful path, with their positions. A
+    cached spec is validated again by the same model (cheap: JSON in, no YAML).
+    """
+    global _cache_dir
+    _cache_dir = Path(folder) if folder is not None else None
+
+
+_code_version: str | None = None
+
+
+def code_version() -> str:
+    """A digest of the spec model's source files (name, size, mtime) and pydantic's version."""
+    global _code_version
+    if _code_version is None:
+        import hashlib
+
+        import pydantic
+
+        digest = hashlib.sha256(pydantic.VERSION.encode())
+        for source in sorted(Path(__file__).parent.glob("*.py")):
+            stat = source.stat()
+            digest.update(f"{source.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+        _code_version = digest.hexdigest()[:16]
+    return _code_version
+
+
+def _cache_entry(path: Path) -> Path | None:
+    if _cache_dir is None:
+        return None
+    import hashlib
+
+    return _cache_dir / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".json")
+
+
+def _from_cache(entry: Path | None, key: str) -> PipelineSpec | None:
+    if entry is None:
+        return None
+    import json
+
+    try:
+        cached = json.loads(entry.read_bytes())
+        if cached.get("key") == key:
+            return PipelineSpec.model_validate(cached["spec"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError):
+        pass  # missing, unreadable or outdated: the careful path decides
+    return None
+
+
+def _to_cache(entry: Path | None, key: str, spec: PipelineSpec) -> None:
+    if entry is None:
+        return
+    import json
+    import os
+
+    tmp = entry.with_name(f".{entry.name}.tmp-{os.getpid()}")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"key": key, "spec": spec.model_dump(mode="json")}))
+        os.replace(tmp, entry)  # atomic: readers see the old entry or the new one
+    except OSError:  # a read-only or full disk only costs speed
+        tmp.unlink(missing_ok=True)
+
+
 def load_spec(path: str | Path) -> PipelineSpec:
-    """Read and validate one pipeline file.
+    """Read and validate one pipeline file (see :func:`enable_cache` for the optional cache).
 
     Raises:
         SpecError: the file is not valid; every problem is listed with file, line and column.
@@ -325,13 +430,31 @@ def load_spec(path: str | Path) -> PipelineSpec:
     """
     path = Path(path)
     raw = path.read_bytes()
+    entry = _cache_entry(path)
+    if entry is not None:
+        import hashlib
+
+        key = f"{hashlib.sha256(raw).hexdigest()}:{code_version()}"
+        cached = _from_cache(entry, key)
+        if cached is not None:
+            return cached
+        spec = _load_bytes(raw, path)
+        _to_cache(entry, key, spec)
+        return spec
+    return _load_bytes(raw, path)
+
+
+def _load_bytes(raw: bytes, path: Path) -> PipelineSpec:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
+        line_start = raw.rfind(b"\n", 0, err.start) + 1
         line = raw[: err.start].count(b"\n") + 1
-        raise SpecError([SpecIssue(str(path), line, 1, "",
-                                   f"not UTF-8 text (byte {err.start}: {raw[err.start]:#04x}); "
-                                   f"save the file as UTF-8")]) from None
+        # the column counts characters, like YAML's own marks: decode the valid part of the line
+        column = len(raw[line_start: err.start].decode("utf-8", errors="replace")) + 1
+        raise SpecError([SpecIssue(str(path), line, column, "",
+                                   f"not UTF-8 text (got byte {raw[err.start]:#04x} at offset "
+                                   f"{err.start}; expected UTF-8): save the file as UTF-8")]) from None
     return parse_spec_text(text, file=str(path))
 
 

@@ -10,17 +10,27 @@ Units are in field names or descriptions: ``*_s`` seconds (written as durations,
 
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from operators.spec.base import SpecModel
-from operators.spec.data import DataSection
+from operators.spec.base import SpecModel, field_errors
+from operators.spec.llama_keys import FIRST_CLASS, FIRST_CLASS_ALIASES, OVERRIDABLE
+from operators.spec.data import _MODELS, _S3, _SCHEME, DataSection, StorageSection, same_endpoint
 from operators.spec.durations import DurationS
-from operators.spec.engines import KubernetesEngine, LocalEngine, RayEngine
+from operators.spec.engines import KubernetesEngine, LocalEngine, RayEngine, SlurmEngine
 from operators.spec.pipeline import PipelineSection
 from operators.spec.registry import RegistrySection, ValidationSection
+from operators.spec.stages import check_stages, stage_model
 
+
+
+def _json_type(value: object) -> str:
+    """The JSON type name of a scalar: null, bool, int, float or str."""
+    if value is None:
+        return "null"
+    return {bool: "bool", int: "int", float: "float", str: "str"}[type(value)]
 
 
 class ModelSection(SpecModel):
@@ -37,19 +47,63 @@ class ModelSection(SpecModel):
     rope_theta: float = Field(10_000.0, gt=0, description="RoPE base.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Attention dropout probability.")
     tie_word_embeddings: bool = Field(True, description="Share input and output embeddings.")
+    config_overrides: dict[str, bool | int | float | str | None] = Field(
+        {}, description="Further transformers LlamaConfig keys, e.g. {rms_norm_eps: 1e-5, "
+        "attention_bias: true}: " + ", ".join(sorted(OVERRIDABLE)) + ". Keys set by the fields "
+        "above (hidden_size, rope_theta, ...) or by the dataset (vocab_size) are refused.",
+        json_schema_extra={"propertyNames": {"enum": sorted(OVERRIDABLE)}},
+    )
+    init_from: str | None = Field(
+        None, description="Continue training a registered model: 'models:/<name>@<alias>' or "
+        "'models:/<name>/<version>'. Its weights start the run (a fresh optimizer); the fields "
+        "above must describe its architecture, and data.tokenizer.source must be the same URI "
+        "(its tokenizer). A checkpoint of the run's own takes precedence on a retry. null: "
+        "random initialisation."
+    )
+
+    @field_validator("init_from")
+    @classmethod
+    def _registered_model(cls, value: str | None) -> str | None:
+        if value is not None and not _MODELS.match(value):
+            raise ValueError(f"not a registered model URI (got {value!r}; expected "
+                             f"'models:/<name>@<alias>' or 'models:/<name>/<version>')")
+        return value
+
+    @field_validator("config_overrides")
+    @classmethod
+    def _known_config_keys(cls, value: dict) -> dict:
+        errors = []
+        for key, given in value.items():
+            if key in FIRST_CLASS or key in FIRST_CLASS_ALIASES:
+                source = FIRST_CLASS.get(key) or FIRST_CLASS_ALIASES[key]
+                errors.append(((key,), f"{key} is set by {source}, not by an override (got "
+                               f"{given!r}; expected it there)", given, ()))
+            elif key not in OVERRIDABLE:
+                close = difflib.get_close_matches(key, list(OVERRIDABLE), n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else (
+                    "expected one of: " + ", ".join(sorted(OVERRIDABLE)))
+                errors.append(((key,), f"not a LlamaConfig key trainforge lets you set (got "
+                               f"{key!r}; {hint})", key, ()))
+            elif _json_type(given) not in OVERRIDABLE[key] and not (
+                    _json_type(given) == "int" and "float" in OVERRIDABLE[key]):
+                errors.append(((key,), f"wrong type for {key} (got {given!r}; expected "
+                               f"{' or '.join(OVERRIDABLE[key])})", given, ()))
+        if errors:
+            raise field_errors(ModelSection, *errors)
+        return value
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSection:
         if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size must be divisible by num_heads (got {self.hidden_size} and "
-                f"{self.num_heads})"
-            )
+            raise field_errors(ModelSection, (
+                ("num_heads",), f"hidden_size must be divisible by num_heads (got hidden_size "
+                f"{self.hidden_size} and num_heads {self.num_heads})", self.num_heads,
+                ("hidden_size",)))
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
-            raise ValueError(
-                f"num_heads must be divisible by num_kv_heads (got {self.num_heads} and {kv})"
-            )
+            raise field_errors(ModelSection, (
+                ("num_kv_heads",), f"num_heads must be divisible by num_kv_heads (got "
+                f"{self.num_heads} and {kv})", kv, ("num_heads",)))
         return self
 
     @property
@@ -76,10 +130,10 @@ class ResourcesSection(SpecModel):
     @model_validator(mode="after")
     def _gpus(self) -> ResourcesSection:
         if self.gpus_per_node and self.processes_per_node != self.gpus_per_node:
-            raise ValueError(
-                f"processes_per_node must equal gpus_per_node when GPUs are requested, one rank "
-                f"per GPU (got {self.processes_per_node} and {self.gpus_per_node})"
-            )
+            raise field_errors(ResourcesSection, (
+                ("processes_per_node",), f"processes_per_node must equal gpus_per_node when GPUs "
+                f"are requested, one rank per GPU (got {self.processes_per_node} and "
+                f"{self.gpus_per_node})", self.processes_per_node, ("gpus_per_node",)))
         return self
 
 
@@ -101,10 +155,10 @@ class FrameworkSection(SpecModel):
     @model_validator(mode="after")
     def _combination(self) -> FrameworkSection:
         if self.parallelism == "fsdp" and self.gradient_compression != "none":
-            raise ValueError(
-                f"gradient_compression is a DDP communication hook and does not apply to FSDP "
-                f"(got {self.gradient_compression!r} with parallelism 'fsdp'; expected 'none')"
-            )
+            raise field_errors(FrameworkSection, (
+                ("gradient_compression",), f"gradient_compression is a DDP communication hook "
+                f"and does not apply to FSDP (got {self.gradient_compression!r} with parallelism "
+                f"'fsdp'; expected 'none')", self.gradient_compression, ("parallelism",)))
         return self
 
 
@@ -130,21 +184,20 @@ class OptimizationSection(SpecModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> OptimizationSection:
+        errors = []
         if self.micro_batch_size > self.global_batch_size:
-            raise ValueError(
-                f"micro_batch_size may not exceed global_batch_size (got "
-                f"{self.micro_batch_size} > {self.global_batch_size})"
-            )
+            errors.append((("micro_batch_size",), f"micro_batch_size may not exceed "
+                           f"global_batch_size (got {self.micro_batch_size} > "
+                           f"{self.global_batch_size})", self.micro_batch_size, ()))
         if self.warmup_steps >= self.max_steps:
-            raise ValueError(
-                f"warmup_steps must be below max_steps (got {self.warmup_steps} >= "
-                f"{self.max_steps})"
-            )
+            errors.append((("warmup_steps",), f"warmup_steps must be below max_steps (got "
+                           f"{self.warmup_steps} >= {self.max_steps})", self.warmup_steps, ()))
         if self.min_learning_rate is not None and self.min_learning_rate > self.learning_rate:
-            raise ValueError(
-                f"min_learning_rate must not exceed learning_rate (got "
-                f"{self.min_learning_rate} > {self.learning_rate})"
-            )
+            errors.append((("min_learning_rate",), f"min_learning_rate must not exceed "
+                           f"learning_rate (got {self.min_learning_rate} > {self.learning_rate})",
+                           self.min_learning_rate, ()))
+        if errors:
+            raise field_errors(OptimizationSection, *errors)
         return self
 
     @property
@@ -159,8 +212,19 @@ class CheckpointSection(SpecModel):
     keep_last: int = Field(3, ge=1, description="Checkpoints kept; the newest valid is never deleted.")
     uri: str = Field(
         "checkpoints",
-        description="Root of checkpoint folders; a run writes under <uri>/<dag_id>/<run_id>/.",
+        description="Root of checkpoint folders; a run writes under <uri>/<dag_id>/<run_id>/. A "
+        "local folder (relative to TRAINFORGE_HOME) or s3://bucket/prefix (manifest uploaded last).",
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str) -> str:
+        if _SCHEME.match(value) and not _S3.match(value):
+            raise ValueError(f"checkpoint uri must be a local folder or an s3://bucket/prefix URI "
+                             f"(got {value!r}; expected e.g. 'checkpoints' or "
+                             f"'s3://my-bucket/checkpoints'; bucket: 3-63 lower-case letters, "
+                             f"digits, '.' or '-')")
+        return value
 
 
 class FaultSection(SpecModel):
@@ -177,10 +241,10 @@ class FaultSection(SpecModel):
 
 
 class TrainingSection(SpecModel):
-    engine: Literal["local", "kubernetes", "ray"] = Field(
+    engine: Literal["local", "kubernetes", "ray", "slurm"] = Field(
         "local", description="Where training runs: 'local' (torchrun on the Airflow worker's "
-        "machine), 'kubernetes' (Kubeflow TrainJob or PyTorchJob) or 'ray' (Ray job API). The "
-        "block of the same name configures it."
+        "machine), 'kubernetes' (Kubeflow TrainJob or PyTorchJob), 'ray' (Ray job API) or 'slurm' "
+        "(sbatch on a Slurm cluster). The block of the same name configures it."
     )
     resources: ResourcesSection = ResourcesSection()
     local: LocalEngine = LocalEngine()
@@ -188,6 +252,7 @@ class TrainingSection(SpecModel):
         None, description="Kubernetes engine settings (engine: kubernetes)."
     )
     ray: RayEngine | None = Field(None, description="Ray engine settings (engine: ray).")
+    slurm: SlurmEngine | None = Field(None, description="Slurm engine settings (engine: slurm).")
     optimization: OptimizationSection
     framework: FrameworkSection = FrameworkSection()
     checkpoint: CheckpointSection
@@ -201,6 +266,8 @@ class TrainingSection(SpecModel):
             return self.kubernetes or KubernetesEngine()
         if self.engine == "ray":
             return self.ray or RayEngine()
+        if self.engine == "slurm":
+            return self.slurm or SlurmEngine()
         return self.local
 
     @property
@@ -209,38 +276,36 @@ class TrainingSection(SpecModel):
 
     @model_validator(mode="after")
     def _batch_and_interval(self) -> TrainingSection:
-        for block in ("local", "kubernetes", "ray"):
+        errors = []
+        for block in ("local", "kubernetes", "ray", "slurm"):
             given = getattr(self, block)
             # a dumped-and-reloaded spec carries `kubernetes: null` and the default local block
             if block != self.engine and given is not None and given != type(given)():
-                raise ValueError(
-                    f"the {block!r} block configures engine {block!r}, but engine is "
-                    f"{self.engine!r} (remove the block, or set engine: {block})"
-                )
+                errors.append(((block,), f"the {block!r} block configures engine {block!r}, but "
+                               f"engine is {self.engine!r} (remove the block, or set engine: "
+                               f"{block})", None, ()))
         if self.engine in ("local", "ray") and self.resources.nodes != 1:
-            raise ValueError(
-                f"the {self.engine} engine runs one torchrun group on one machine (got "
-                f"resources.nodes {self.resources.nodes}; expected 1; use the kubernetes engine "
-                f"for several nodes)"
-            )
+            errors.append((("resources", "nodes"), f"the {self.engine} engine runs one torchrun "
+                           f"group on one machine (got resources.nodes {self.resources.nodes}; "
+                           f"expected 1; use the kubernetes or slurm engine for several nodes)",
+                           self.resources.nodes, ("engine",)))
         if self.engine == "kubernetes" and not self.resources.image:
-            raise ValueError(
-                "the kubernetes engine needs resources.image, the trainer's container image "
-                "(got none; expected e.g. 'ghcr.io/acme/trainforge-trainer:0.1.0')"
-            )
+            errors.append((("resources", "image"), "the kubernetes engine needs resources.image, "
+                           "the trainer's container image (got none; expected e.g. "
+                           "'ghcr.io/acme/trainforge-trainer:0.1.0')", None, ("engine",)))
         opt = self.optimization
         per_step = opt.micro_batch_size * self.world_size
         if opt.global_batch_size % per_step:
-            raise ValueError(
-                f"optimization.global_batch_size must be divisible by micro_batch_size x world "
-                f"size (got {opt.global_batch_size}; {opt.micro_batch_size} x {self.world_size} "
-                f"= {per_step})"
-            )
+            errors.append((("optimization", "global_batch_size"), f"global_batch_size must be "
+                           f"divisible by micro_batch_size x world size (got "
+                           f"{opt.global_batch_size}; {opt.micro_batch_size} x {self.world_size} "
+                           f"= {per_step})", opt.global_batch_size, ()))
         if self.checkpoint.interval_steps > opt.max_steps:
-            raise ValueError(
-                f"checkpoint.interval_steps must fit in optimization.max_steps (got "
-                f"{self.checkpoint.interval_steps} > {opt.max_steps})"
-            )
+            errors.append((("checkpoint", "interval_steps"), f"interval_steps must fit in "
+                           f"optimization.max_steps (got {self.checkpoint.interval_steps} > "
+                           f"{opt.max_steps})", self.checkpoint.interval_steps, ()))
+        if errors:
+            raise field_errors(TrainingSection, *errors)
         return self
 
 
@@ -259,6 +324,9 @@ class CostSection(SpecModel):
     )
 
 
+StageSpec = stage_model(TrainingSection)  # one entry of `stages` (operators/spec/stages.py)
+
+
 class PipelineSpec(SpecModel):
     """One pipeline: data prep → training → checkpoint validation → model registration."""
 
@@ -269,19 +337,88 @@ class PipelineSpec(SpecModel):
     validation: ValidationSection = ValidationSection()
     registry: RegistrySection
     cost: CostSection = CostSection()
+    storage: StorageSection = StorageSection()
+    stages: list[StageSpec] | None = Field(  # type: ignore[valid-type]
+        None, min_length=1,
+        description="Several training stages (docs/stages.md): continued pre-training then "
+        "fine-tuning, or variants side by side. Each entry has name, depends_on, init_from and "
+        "training (overrides deep-merged over the top-level training); its task id is "
+        "train_<name>. Unset: one stage, task id train.",
+    )
+
+    @field_validator("stages", mode="wrap")
+    @classmethod
+    def _stages(cls, value, handler, info):
+        # Declared after `training` and `data`: their validated values are in info.data (absent
+        # when they are invalid themselves; their own errors are reported then).
+        if value is not None:
+            check_stages(value, StageSpec, info.data.get("training"), info.data.get("data"),
+                         TrainingSection)
+        return handler(value)
 
     @model_validator(mode="after")
     def _cluster_storage(self) -> PipelineSpec:
         # Pods of a Kubernetes job do not share the Airflow worker's disk: the dataset and the
         # checkpoints must live where every node can reach them.
         if self.training.engine == "kubernetes":
-            for field, value in (("data.output_uri", self.data.output_uri),
-                                 ("training.checkpoint.uri", self.training.checkpoint.uri)):
-                if not value.startswith("s3://"):
-                    raise ValueError(
-                        f"{field} must be an s3:// URI with the kubernetes engine, where every "
-                        f"node can read it (got {value!r}; expected e.g. 's3://bucket/prefix')"
-                    )
+            errors = [
+                (loc, f"{'.'.join(loc)} must be an s3:// URI with the kubernetes engine, where "
+                 f"every node can read it (got {value!r}; expected e.g. 's3://bucket/prefix')",
+                 value, ("training", "engine"))
+                for loc, value in ((("data", "output_uri"), self.data.output_uri),
+                                   (("training", "checkpoint", "uri"),
+                                    self.training.checkpoint.uri))
+                if not value.startswith("s3://")
+            ]
+            if errors:
+                raise field_errors(PipelineSpec, *errors)
+        return self
+
+    @model_validator(mode="after")
+    def _s3_access(self) -> PipelineSpec:
+        # One endpoint for every S3 client; connection secrets only where they stay in memory.
+        errors = []
+        given = self.data.s3_endpoint_url
+        if not same_endpoint(given, self.storage.endpoint_url):
+            errors.append((("storage", "endpoint_url"), f"storage.endpoint_url and "
+                           f"data.s3_endpoint_url name different S3 endpoints (got "
+                           f"{self.storage.endpoint_url!r} and {given!r}; expected one of them, "
+                           f"or the same URL in both)", self.storage.endpoint_url, ()))
+        if self.storage.aws_conn_id is not None:
+            from operators.spec.stages import resolve_stages
+
+            engines = {stage.training.engine for stage in resolve_stages(self)}
+            for engine in sorted(engines & {"kubernetes", "slurm"}):
+                remedy = ("give the ranks credentials through training.kubernetes.secret_env "
+                          "(a Kubernetes Secret) or a service-account role"
+                          if engine == "kubernetes" else
+                          "give the nodes credentials of their own (instance role, ~/.aws, or "
+                          "training.slurm.setup reading them from a protected file)")
+                errors.append((("storage", "aws_conn_id"), f"storage.aws_conn_id cannot be used "
+                               f"with the {engine} engine: its secrets would be written into the "
+                               f"{'job manifest' if engine == 'kubernetes' else 'batch script'} "
+                               f"(got {self.storage.aws_conn_id!r}; expected null: {remedy})",
+                               self.storage.aws_conn_id, ()))
+        if errors:
+            raise field_errors(PipelineSpec, *errors)
+        return self
+
+    @property
+    def s3_endpoint_url(self) -> str | None:
+        """The S3 endpoint the spec names (``storage.endpoint_url``, else
+        ``data.s3_endpoint_url``), or None."""
+        return self.storage.endpoint_url or self.data.s3_endpoint_url
+
+    @model_validator(mode="after")
+    def _init_keeps_tokenizer(self) -> PipelineSpec:
+        # Continued training must see the token ids the registered model was trained on.
+        init = self.model.init_from
+        if init is not None and self.data.tokenizer.source != init:
+            raise field_errors(PipelineSpec, (
+                ("data", "tokenizer", "source"), f"model.init_from continues {init}, so the "
+                f"data must be encoded with its tokenizer (got data.tokenizer.source "
+                f"{self.data.tokenizer.source!r}; expected {init!r})",
+                self.data.tokenizer.source, ("model", "init_from")))
         return self
 
     @property

@@ -83,11 +83,12 @@ CASES = [
     (_under("training:\n", "  framework:\n    precision: fp8\n"),
      "training.framework.precision", 7, "expected 'fp32', 'bf16' or 'fp16'"),
     (_under("training:\n", "  framework:\n    parallelism: fsdp\n    gradient_compression: powersgd\n"),
-     "training.framework", 6, "does not apply to FSDP"),
-    (_under("training:\n", "  resources:\n    nodes: 2\n"), "training", 5,
+     "training.framework.gradient_compression", 8, "does not apply to FSDP"),
+    (_under("training:\n", "  resources:\n    nodes: 2\n"), "training.resources.nodes", 7,
      "the local engine runs one torchrun group on one machine"),
-    (_under("training:\n", "  resources:\n    gpus_per_node: 4\n"), "training.resources", 6,
-     "processes_per_node must equal gpus_per_node"),
+    # a cross-field error about a field left at its default points at the field that clashes
+    (_under("training:\n", "  resources:\n    gpus_per_node: 4\n"),
+     "training.resources.processes_per_node", 7, "processes_per_node must equal gpus_per_node"),
     # durations
     (_under("pipeline:\n", "  defaults:\n    retry_delay: 30\n"),
      "pipeline.defaults.retry_delay", 3, "got 30"),
@@ -109,13 +110,23 @@ CASES = [
     (_replace("name: tiny", "name: tiny llm"), "pipeline.name", 2, "not a valid dag_id"),
     # cross-field rules
     (_replace("global_batch_size: 4", "global_batch_size: 6"),
-     "training", 5, "divisible by micro_batch_size x world size"),
+     "training.optimization.global_batch_size", 8, "divisible by micro_batch_size x world size"),
     (_replace("interval_steps: 5", "interval_steps: 50"),
-     "training", 5, "must fit in optimization.max_steps"),
-    (_replace("micro_batch_size: 2", "micro_batch_size: 8"), "training.optimization", 6,
-     "may not exceed global_batch_size"),
-    (_under("    max_steps: 10\n", "    warmup_steps: 10\n"), "training.optimization", 6,
-     "warmup_steps must be below max_steps"),
+     "training.checkpoint.interval_steps", 12, "must fit in optimization.max_steps"),
+    (_replace("micro_batch_size: 2", "micro_batch_size: 8"),
+     "training.optimization.micro_batch_size", 9, "may not exceed global_batch_size"),
+    (_under("    max_steps: 10\n", "    warmup_steps: 10\n"),
+     "training.optimization.warmup_steps", 8, "warmup_steps must be below max_steps"),
+    (_under("training:\n", "  ray:\n    address: http://head:8265\n"), "training.ray", 6,
+     "the 'ray' block configures engine 'ray', but engine is 'local'"),
+    (_under("training:\n", "  engine: kubernetes\n"), "training.resources.image", 6,
+     "the kubernetes engine needs resources.image"),
+    (_under("training:\n", "  engine: kubernetes\n  resources:\n    image: trainer:1\n"),
+     "data.output_uri", 6, "must be an s3:// URI with the kubernetes engine"),
+    (MINIMAL + "model:\n  hidden_size: 256\n  num_heads: 3\n", "model.num_heads", 17,
+     "hidden_size must be divisible by num_heads"),
+    (_under("data:\n", "  cleaning:\n    min_document_chars: 50\n    max_document_chars: 10\n"),
+     "data.cleaning.max_document_chars", 6, "must be >= min_document_chars"),
     (_under("pipeline:\n", "  notifications:\n    email:\n      to: [ops]\n"),
      "pipeline.notifications.email.to", 4, "not an email address"),
     (_replace("  checkpoint:\n    interval_steps: 5\n",
@@ -133,6 +144,17 @@ CASES = [
      "YAML reads unquoted 'no' as the boolean False"),
     (_under("pipeline:\n", "  owner: 1.10\n"), "pipeline.owner", 2,
      "read the unquoted '1.10' as float"),
+    # a YAML boolean is never a number (lax pydantic would make `yes` one retry)
+    (_under("pipeline:\n", "  defaults:\n    retries: yes\n"), "pipeline.defaults.retries", 3,
+     "expected a number, not a boolean (got True); YAML reads unquoted 'yes' as the boolean"),
+    (_under("pipeline:\n", "  tasks:\n    train:\n      retries: off\n"),
+     "pipeline.tasks.train.retries", 4, "YAML reads unquoted 'off' as the boolean False"),
+    (_under("pipeline:\n", "  catchup: 1\n"), "pipeline.catchup", 2,
+     "expected true or false (got 1)"),
+    (_replace("learning_rate: 1e-3", "learning_rate: on"),
+     "training.optimization.learning_rate", 10, "expected a number, not a boolean"),
+    (_under("pipeline:\n", "  start_date: 2026/01/01\n"), "pipeline.start_date", 2,
+     "not a valid date (got '2026/01/01'; expected YYYY-MM-DD)"),
 ]
 
 
@@ -170,10 +192,13 @@ def test_overrides_are_validated_by_the_same_model():
         validate_overrides(spec, {"training.optimization.max_steps": 0})
     with pytest.raises(SpecError, match="unknown field"):
         validate_overrides(spec, {"training.optimization.max_stepz": 3})
+    with pytest.raises(SpecError, match="max_steps: expected a number, not a boolean"):
+        validate_overrides(spec, {"training.optimization.max_steps": True})
 
 
 @pytest.mark.parametrize("text,line,fragment", [
-    (_under("pipeline:\n", "  start_date: 2026-13-45\n"), 2, "month must be in 1..12"),
+    (_under("pipeline:\n", "  start_date: 2026-13-45\n"), 2,
+     "not a valid date (got '2026-13-45': month must be in 1..12; expected YYYY-MM-DD)"),
     (MINIMAL + "? [a, b]\n: 1\n", 15, "a key must be a plain name"),
     (MINIMAL.replace("model_name: tiny-llm", "<<: {model_name: tiny-llm}"), 14, "merge keys"),
 ])
@@ -186,5 +211,15 @@ def test_yaml_that_cannot_become_data_is_an_error_not_a_crash(text, line, fragme
 def test_a_file_that_is_not_utf8_is_reported_with_its_line(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes(MINIMAL.encode() + "owner: Jos\xe9\n".encode("latin-1"))
-    with pytest.raises(SpecError, match=r"latin1.yaml:15:1: not UTF-8 text"):
+    # line 15, column 11: the byte after "owner: Jos"
+    with pytest.raises(SpecError, match=r"latin1.yaml:15:11: not UTF-8 text \(got byte 0xe9"):
         load_spec(path)
+
+
+def test_a_value_yaml_cannot_read_does_not_hide_the_other_errors():
+    text = _under("pipeline:\n", "  start_date: 2026-02-30\n  defaults:\n    retries: yes\n")
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text, "bad.yaml")
+    assert [(i.path, i.line) for i in info.value.issues] == [
+        ("pipeline.start_date", 2), ("pipeline.defaults.retries", 4)]
+    assert "day is out of range for month; expected YYYY-MM-DD" in info.value.issues[0].message

@@ -1,0 +1,66 @@
+"""The job config's ``init`` section: training starts from existing weights, nothing else.
+
+One single-process run of the trainer each: the session's ``trained_run`` (20 steps) provides
+the weights; a new run in a fresh checkpoint folder starts from them. With a learning rate of
+1e-12 the one step taken moves no fp32 weight measurably, so the new run's checkpoint holds the
+initial weights: they must equal the source's, where a random start would be far away.
+"""
+
+from __future__ import annotations
+
+import json
+
+import safetensors.torch
+import torch
+
+from trainer import checkpoint as ckpt
+
+
+def _init_job(tools, tmp_path, dataset_dir, source, **sections):
+    job = tools.make_job(dataset_dir, tmp_path / "ck", **sections)
+    job["init"] = {"checkpoint": str(source), "source": "stage:pretrain"}
+    return tools.write_job(tmp_path / "job.json", job)
+
+
+def test_a_run_starts_from_the_init_weights_with_a_fresh_optimizer(tmp_path, dataset_dir, tools,
+                                                                     trained_run):
+    source = trained_run["checkpoints"] / ckpt.step_dir_name(20)
+    job = _init_job(tools, tmp_path, dataset_dir, source,
+                    optim={"max_steps": 1, "warmup_steps": 0, "learning_rate": 1e-12,
+                           "min_learning_rate": 0.0, "weight_decay": 0.0},
+                    checkpoint={"interval_steps": 1})
+    proc = tools.run_trainer(job, tmp_path / "result.json")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"initialised the weights from {source}" in proc.stdout
+    expected = safetensors.torch.load_file(source / ckpt.WEIGHTS)
+    got = safetensors.torch.load_file(tmp_path / "ck" / ckpt.step_dir_name(1) / ckpt.WEIGHTS)
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.allclose(got[name], tensor, rtol=0, atol=1e-9), name
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["final_step"] == 1  # step 0 + one step: neither step nor optimizer were taken
+    state = torch.load(tmp_path / "ck" / ckpt.step_dir_name(1) / ckpt.OPTIMIZER, weights_only=True)
+    assert all(int(s["step"]) == 1 for s in state["state"].values())
+
+
+def test_another_architecture_fails_as_a_bad_config(tmp_path, dataset_dir, tools, trained_run):
+    source = trained_run["checkpoints"] / ckpt.step_dir_name(20)
+    job = _init_job(tools, tmp_path, dataset_dir, source, model={"num_layers": 3},
+                    optim={"max_steps": 1, "warmup_steps": 0})
+    proc = tools.run_trainer(job, tmp_path / "result.json")
+    assert proc.returncode == 78, proc.stdout[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert "num_hidden_layers: model 3, source 2" in result["message"]
+
+
+def test_a_checkpoint_of_its_own_wins_over_init(tmp_path, dataset_dir, tools, trained_run):
+    own = tmp_path / "ck"
+    own.mkdir()
+    import shutil
+
+    shutil.copytree(trained_run["checkpoints"] / ckpt.step_dir_name(10), own / ckpt.step_dir_name(10))
+    job = _init_job(tools, tmp_path, dataset_dir, tmp_path / "no-such-weights",
+                    optim={"max_steps": 11})
+    proc = tools.run_trainer(job, tmp_path / "result.json")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "resuming from" in proc.stdout and "initialised the weights" not in proc.stdout
