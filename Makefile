@@ -6,6 +6,8 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 SPEC ?= dags/pipelines/shakespeare_llm.yaml
+# ENGINE=ray runs the demo on a Ray cluster (a local head on loopback unless RAY_ADDRESS answers).
+ENGINE ?=
 PYTEST_ARGS ?=
 
 export TRAINFORGE_HOME ?= $(CURDIR)/.trainforge
@@ -15,6 +17,7 @@ export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
 
 help:
 	@echo "make demo     run the demo pipeline end to end through Airflow (about 10 minutes)"
+	@echo "              (make demo ENGINE=ray: the same on a local Ray head)"
 	@echo "make test     run the test suite"
 	@echo "make airflow  Airflow UI (airflow standalone) and MLflow UI on loopback"
 	@echo "make mlflow   MLflow UI alone on http://127.0.0.1:5000 (the demo's store)"
@@ -35,7 +38,8 @@ corpus: venv
 	$(PY) -m operators.data.corpus fetch --dest "$(TRAINFORGE_HOME)/corpus/shakespeare"
 
 demo: venv corpus
-	$(VENV)/bin/trainforge run $(SPEC) --summary-json "$(TRAINFORGE_HOME)/last-demo-summary.json"
+	$(VENV)/bin/trainforge run $(SPEC) $(if $(ENGINE),--engine $(ENGINE)) \
+		--summary-json "$(TRAINFORGE_HOME)/last-demo-summary.json"
 
 test: venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

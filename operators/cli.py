@@ -146,23 +146,42 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
                    f"placeholders for what it lacks:", err=True)
         for line in placeholders:
             typer.echo(f"  training spec field {line}", err=True)
-    identity = JobIdentity(spec.dag_id, "<run_id>", "train", 1)
-    job = build_training_job(
-        spec,
-        dataset_dir=f"{resolve(spec.data.output_uri).rstrip('/')}/<dataset digest>",
-        checkpoint_dir=checkpoint_root(spec.training.checkpoint.uri, spec.dag_id, "<run_id>"),
-        identity=identity,
-        env={"MLFLOW_TRACKING_URI": "<tracking uri>", "MLFLOW_RUN_ID": "<mlflow run id>"},
-    )
-    backend = get_backend(
-        engine, **backend_kwargs(spec.training, runs_root=str(trainforge_home() / "runs"))
-    )
+    from operators.jobconfig import init_block
+    from operators.spec.stages import resolve_stages, stage_folder
+
+    requests = {}
+    stages = resolve_stages(spec)
+    for stage in stages:  # one training task per stage (docs/stages.md); `train` without stages
+        identity = JobIdentity(spec.dag_id, "<run_id>", stage.task_id, 1)
+        init = None
+        if stage.init_from:
+            init = init_block(f"<final checkpoint of {stage.init_task_id}>",
+                              f"stage:{stage.init_from}")
+        job = build_training_job(
+            spec.model_copy(update={"training": stage.training}),
+            dataset_dir=f"{resolve(spec.data.output_uri).rstrip('/')}/<dataset digest>",
+            checkpoint_dir=stage_folder(
+                checkpoint_root(stage.training.checkpoint.uri, spec.dag_id, "<run_id>"),
+                stage.name),
+            identity=identity,
+            env={"MLFLOW_TRACKING_URI": "<tracking uri>",
+                 "MLFLOW_RUN_ID": f"<mlflow run id{' of stage ' + stage.name if stage.name else ''}>"},
+            init=init,
+        )
+        backend = get_backend(
+            stage.training.engine,
+            **backend_kwargs(stage.training, runs_root=str(trainforge_home() / "runs")),
+        )
+        requests[stage.task_id] = backend.render(job)
     out = {
         "dag_id": spec.dag_id,
         "engine": engine,
-        "tasks": ["prepare_data", "train", "validate_checkpoint", "register_model"],
-        "train_request": backend.render(job),
+        "tasks": ["prepare_data", *requests, "validate_checkpoint", "register_model"],
     }
+    if spec.stages:
+        out["train_requests"] = requests
+    else:
+        out["train_request"] = requests["train"]
     print(json.dumps(out, indent=2))
 
 
@@ -170,12 +189,20 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
 def run(
     file: Path,
     summary_json: Path = typer.Option(None, help="Also write the summary as JSON here."),
+    engine: str = typer.Option(
+        None, help="Run on this engine instead of the spec's (ray: a local Ray head is started "
+        "unless RAY_ADDRESS or the spec's address answers)."),
 ) -> None:
     """Run one pipeline on this machine through `airflow dags test` and print a summary."""
+    from operators.backends import ENGINES
     from operators.runner import run_pipeline
 
+    if engine is not None and engine not in ENGINES:
+        typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(ENGINES)})", err=True)
+        raise typer.Exit(1)
     spec = _load_or_exit(file)
-    ok = run_pipeline(spec, file.absolute(), console=console, summary_json=summary_json)
+    ok = run_pipeline(spec, file.absolute(), console=console, summary_json=summary_json,
+                      engine=engine)
     raise typer.Exit(0 if ok else 1)
 
 

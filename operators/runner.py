@@ -4,6 +4,12 @@ Steps: prepare ``AIRFLOW_HOME`` (inside ``TRAINFORGE_HOME``, SQLite metadata DB)
 tracking server on loopback unless ``MLFLOW_TRACKING_URI`` is already set (stopped at the end,
 also on failure), run ``airflow dags test <dag_id>``, then read back what the run recorded —
 Airflow's task states and the MLflow run — and print a summary.
+
+With ``engine`` (``trainforge run SPEC --engine ray``) the spec is run on another engine: a
+derived spec with ``training.engine`` switched is written to ``TRAINFORGE_HOME/specs/`` and run
+instead. For ``ray``, a local Ray head is started on loopback for the run (and stopped at the
+end, also on failure) unless ``RAY_API_SERVER_ADDRESS``, ``RAY_ADDRESS`` or the spec's
+``training.ray.address`` already answers the Ray job API.
 """
 
 from __future__ import annotations
@@ -214,7 +220,37 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
         "champion_after": tags.get("trainforge.gate.champion_after"),
         "params_logged": len(params),
     })
+    _stage_summary(spec, summary, metrics, tags)
     return summary
+
+
+def _stage_summary(spec: PipelineSpec, summary: dict[str, Any], metrics: dict[str, float],
+                   tags: dict[str, str]) -> None:
+    """With ``stages`` (docs/stages.md): one entry per training stage, totals over the stages,
+    and the leaf stage whose checkpoint was chosen."""
+    from operators.spec.stages import resolve_stages
+
+    names = [s.name for s in resolve_stages(spec) if s.name]
+    if not names:
+        return
+    per = {name: {"steps_trained": _count(metrics.get(f"train/{name}/final_step")),
+                  "tokens_trained": _count(metrics.get(f"train/{name}/tokens_seen")),
+                  "final_train_loss": metrics.get(f"train/{name}/final_loss"),
+                  "val_loss": metrics.get(f"val/{name}/val_loss")} for name in names}
+    chosen = tags.get("trainforge.validation.stage")
+    usage: dict[str, float] = {}
+    for key, value in metrics.items():  # accounting/<stage>/<what>: summed over the stages
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "accounting" and parts[1] in per:
+            usage[parts[2]] = usage.get(parts[2], 0.0) + value
+    summary.update({
+        "training_stages": per,
+        "chosen_stage": chosen,
+        "steps_trained": sum(p["steps_trained"] or 0 for p in per.values()),
+        "tokens_trained": sum(p["tokens_trained"] or 0 for p in per.values()),
+        "final_train_loss": per.get(chosen or "", {}).get("final_train_loss"),
+        "accounting": usage,
+    })
 
 
 def print_summary(summary: dict[str, Any], console: Console) -> None:
@@ -255,6 +291,12 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
                      f"{usage.get('gpu_hours', 0):.4f} GPU-h, {usage.get('cpu_core_hours', 0):.4f} "
                      f"CPU-core-h, {usage.get('energy_kwh', 0):.4f} kWh, "
                      f"{usage.get('cost', 0):.4f} {summary.get('currency', '')}"))
+    for name, info in (summary.get("training_stages") or {}).items():
+        chosen = " (chosen)" if name == summary.get("chosen_stage") else ""
+        rows.append((f"training stage {name}",
+                     f"{fmt(info.get('steps_trained'))} steps, final train loss "
+                     f"{fmt(info.get('final_train_loss'), '.4f')}, validation loss "
+                     f"{fmt(info.get('val_loss'), '.4f')}{chosen}"))
     for task, info in (summary.get("stages") or {}).items():
         rows.append((f"stage {task}", f"{info.get('state')} in {fmt(info.get('seconds'), '.1f')} s"))
     for what, value in rows:
@@ -262,10 +304,104 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     console.print(table)
 
 
+def derived_spec(spec: PipelineSpec, engine: str, ray_address: str | None = None) -> PipelineSpec:
+    """``spec`` with ``training.engine`` switched to ``engine`` (and the Ray address set).
+
+    Raises:
+        ValueError: the spec does not fit the engine without made-up values (e.g. the
+            kubernetes engine needs a container image the spec does not name).
+    """
+    from operators.cli import for_engine
+
+    switched, placeholders = for_engine(spec, engine)
+    if placeholders:
+        raise ValueError(f"the spec lacks what engine {engine!r} needs: "
+                         f"{'; '.join(placeholders)} (set these fields in the spec)")
+    if ray_address and switched.training.engine == "ray":
+        raw = switched.model_dump(mode="json")
+        raw["training"]["ray"] = {**(raw["training"].get("ray") or {}), "address": ray_address}
+        switched = PipelineSpec.model_validate(raw)
+    return switched
+
+
+def write_spec(spec: PipelineSpec, path: Path) -> Path:
+    """Write ``spec`` as YAML to ``path`` (atomically); the loader reads it back unchanged."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("# Derived by `trainforge run --engine`; edit the original spec instead.\n"
+                   + yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    os.replace(tmp, path)
+    return path
+
+
+def ray_cluster(spec: PipelineSpec, stack: contextlib.ExitStack, console: Console,
+                env: dict[str, str]) -> str | None:
+    """The job API address the run uses: one that answers, else a local head started here.
+
+    A head started here is stopped when ``stack`` closes; ``RAY_ADDRESS`` and
+    ``RAY_API_SERVER_ADDRESS`` are then removed from ``env`` (Ray's client would prefer them).
+    None when the spec names an Airflow connection (used as it is).
+    """
+    import shutil
+    import tempfile
+
+    from operators.backends.ray_head import LocalRayHead, job_api_ready
+
+    block = spec.training.engine_block
+    if block.connection_id:
+        return None
+    for address in (os.environ.get("RAY_API_SERVER_ADDRESS"), os.environ.get("RAY_ADDRESS"),
+                    block.address):
+        if address and address.startswith(("http://", "https://")) and job_api_ready(address):
+            console.print(f"Ray cluster: {address}")
+            return address.rstrip("/")
+    resources = spec.training.resources
+    cpus = max(os.cpu_count() or 1, resources.processes_per_node * resources.cpus_per_process)
+    # Short: Ray's socket paths below it must stay under 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="tf-ray-")
+    stack.callback(shutil.rmtree, temp_dir, True)
+    console.print(f"Starting a Ray head on loopback ({cpus} CPUs; temp dir {temp_dir})")
+    head = stack.enter_context(LocalRayHead(temp_dir, num_cpus=cpus))
+    stack.callback(console.print, f"Stopping the Ray head on {head.address}")
+    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        env.pop(name, None)
+    console.print(f"Ray head: {head.address} (job API and dashboard; stopped at the end)")
+    return head.address
+
+
+def cancel_ray_jobs(address: str, dag_id: str) -> list[str]:
+    """Stop every unfinished Ray job of ``dag_id`` on ``address`` (after an interrupted run)."""
+    from operators.backends.ray import RayBackend
+
+    backend = RayBackend(address=address)
+    cancelled = []
+    for info in backend._client().list_jobs():
+        meta = info.metadata or {}
+        if meta.get("trainforge.dag_id") != dag_id or info.status.is_terminal():
+            continue
+        backend.cancel({"submission_id": info.submission_id, "key": meta.get("trainforge.key")},
+                       grace_s=15)
+        cancelled.append(info.submission_id)
+    return cancelled
+
+
 def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
-                 summary_json: Path | None = None) -> bool:
-    """Run ``spec`` through ``airflow dags test``; print and return whether the run succeeded."""
+                 summary_json: Path | None = None, engine: str | None = None) -> bool:
+    """Run ``spec`` through ``airflow dags test``; print and return whether the run succeeded.
+
+    ``engine``: run on this engine instead of the spec's (see the module docstring).
+    """
     home = trainforge_home()
+    if engine and engine != spec.training.engine:
+        try:
+            spec = derived_spec(spec, engine)
+        except ValueError as err:
+            console.print(f"[red]{spec_file}: cannot run on engine {engine!r}: {err}[/]")
+            return False
+        spec_file = home / "specs" / f"{spec_file.stem}.{engine}.yaml"
+        console.print(f"Engine {engine}: running the derived spec {spec_file}")
     env = airflow_env(home, [spec_file])
     log_dir = home / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -292,6 +428,22 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
             tracking_uri = server.url
             console.print(f"MLflow tracking server: {tracking_uri}")
         env["MLFLOW_TRACKING_URI"] = tracking_uri
+        ray_address = None
+        if spec.training.engine == "ray":
+            from operators.backends.ray_head import RayHeadError
+
+            try:
+                ray_address = ray_cluster(spec, stack, console, env)
+            except RayHeadError as err:
+                console.print(f"could not start a local Ray head: {err}", markup=False)
+                return False
+            if ray_address and ray_address != spec.training.engine_block.address:
+                spec = derived_spec(spec, "ray", ray_address)
+                stem = spec_file.stem.removesuffix(".ray")
+                spec_file = home / "specs" / f"{stem}.ray.yaml"
+        if spec_file.parent == home / "specs":
+            write_spec(spec, spec_file)
+            env["TRAINFORGE_PIPELINES"] = str(spec_file)
         log_path = log_dir / f"{spec.dag_id}-{dt.datetime.now():%Y%m%d-%H%M%S}.log"
         console.print(f"Running DAG {spec.dag_id} through `airflow dags test` "
                       f"(full log: {log_path})", soft_wrap=True)
@@ -313,6 +465,8 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
                 console.print("Interrupted: stopping Airflow and cancelling this pipeline's jobs")
                 _stop_group(proc)
                 cancelled = cancel_running_jobs(home, spec.dag_id)
+                if ray_address:
+                    cancelled += cancel_ray_jobs(ray_address, spec.dag_id)
                 console.print(f"Cancelled {len(cancelled)} running job(s): {', '.join(cancelled) or '-'}")
                 raise
         airflow_run = _latest_run(spec.dag_id, env)

@@ -1,0 +1,36 @@
+"""The ``ray_head`` fixture: a real Ray head on loopback for the test session.
+
+Registered in tests/conftest.py. Started on first use (``ray start --head`` on 127.0.0.1, free
+ports, a short temporary folder, 2 logical CPUs, a 200 MB object store) and stopped at the end
+of the session, also when tests fail; the teardown fails the session if a process of the head
+had to be killed forcefully or survives.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def ray_head() -> Iterator[object]:
+    """A started :class:`operators.backends.ray_head.LocalRayHead`; ``.address`` is the job API."""
+    import psutil
+
+    from operators.backends.ray_head import LocalRayHead
+
+    # Ray's socket paths must stay under 107 bytes: pytest's tmp_path is often too deep.
+    temp_dir = tempfile.mkdtemp(prefix="tf-ray-")
+    head = LocalRayHead(temp_dir, num_cpus=2, object_store_mib=200)
+    try:
+        head.start()
+        yield head
+    finally:
+        head.stop()
+        leftovers = [p for p in head._processes() if p.is_running()
+                     and p.status() != psutil.STATUS_ZOMBIE]
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not leftovers, f"Ray processes left after stopping the head: {leftovers}"
