@@ -84,8 +84,30 @@ def prepare_settings(spec: PipelineSpec, tokenizer_uri: str | None = None):
         shard_tokens=data.shard_tokens,
         encode_workers=data.encode_workers,
         memory_budget_mib=data.memory_budget_mib,
-        s3_endpoint_url=data.s3_endpoint_url,
+        s3_endpoint_url=spec.s3_endpoint_url,
     )
+
+
+def connection_s3_client(spec: PipelineSpec) -> Any:
+    """The data step's S3 client with the keys of Airflow connection ``storage.aws_conn_id``
+    (operators.hooks.s3), or None without one (the data step then makes its own client on
+    boto3's standard chain and the spec's endpoint).
+
+    Raises:
+        AirflowFailException: the connection cannot be used (missing, wrong type, incomplete,
+            or its endpoint differs from the spec's); the message names the connection id.
+    """
+    if spec.storage.aws_conn_id is None:
+        return None
+    from operators.data import s3
+    from operators.hooks.s3 import S3ConnectionError, S3Hook
+
+    hook = S3Hook.for_spec(spec)
+    try:
+        return s3.make_client(hook.endpoint_url, session=hook.session())
+    except S3ConnectionError as err:
+        fail_permanently(f"data preparation for {spec.dag_id}: {err}")
+        raise  # unreachable
 
 
 def _tokenizer_location(source: str | None) -> str | None:
@@ -216,7 +238,7 @@ class PrepareDataOperator(TrainforgeStageOperator):
             prepared = prepare_dataset(
                 prepare_settings(spec, tokenizer_uri), output,
                 staging_root=staging_root(output) if output.startswith("s3://") else None,
-                log=self.log)
+                log=self.log, s3_client=connection_s3_client(spec))
         except DataPrepError as err:
             fail_permanently(f"data preparation for {spec.dag_id} failed: {err}")
             raise  # unreachable

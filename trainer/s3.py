@@ -1,7 +1,11 @@
 """S3 access for checkpoints (boto3): bounded timeouts, retries with back-off, multipart transfers.
 
 Credentials come from boto3's standard chain (environment, ``~/.aws``, instance or pod role);
-the endpoint of an S3-compatible store from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``.
+the endpoint of an S3-compatible store from ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``. The
+``train`` task sets ``AWS_ENDPOINT_URL_S3`` from the spec's endpoint on every engine and, with
+the ``local`` and ``ray`` engines, puts the keys of the spec's Airflow connection
+(``storage.aws_conn_id``) into the ranks' environment; so do the validation and registration
+tasks for the validator and the exporter. This module never sees Airflow.
 
 Retries: every request is retried by botocore's `RETRY_MODE` (``standard``) mode, up to
 `MAX_ATTEMPTS` attempts in all, on throttling answers (``503 SlowDown``, ``429``, throttling

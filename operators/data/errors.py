@@ -114,8 +114,10 @@ class SourceAccessError(DataPrepError):
         self.detail = detail
         super().__init__(
             f"cannot {operation} {uri!r}: {detail}; "
-            + (remedy or "check the URI, the credentials (standard AWS chain: environment, "
-               "~/.aws, instance role) and the endpoint (AWS_ENDPOINT_URL or data.s3_endpoint_url)")
+            + (remedy or "check the URI, the credentials (the Airflow connection "
+               "storage.aws_conn_id, else the standard AWS chain: environment, ~/.aws, instance "
+               "role) and the endpoint (storage.endpoint_url, data.s3_endpoint_url or "
+               "AWS_ENDPOINT_URL)")
         )
 
 

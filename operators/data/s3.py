@@ -1,8 +1,9 @@
 """S3 access for data preparation, with boto3 only: list (paginated), streamed and ranged reads
 that pin the object version by ETag, and uploads.
 
-Credentials come from boto3's standard chain (environment, ``~/.aws``, instance or pod role),
-never from the spec. The endpoint is ``endpoint_url`` when given (the spec's
+Credentials come from the session :func:`make_client` is given (the Airflow connection named by
+``storage.aws_conn_id``), else boto3's standard chain (environment, ``~/.aws``, instance or pod
+role); never from the spec. The endpoint is ``endpoint_url`` when given (the spec's
 ``data.s3_endpoint_url``), else boto3's own ``AWS_ENDPOINT_URL`` handling, else AWS.
 
 Every read passes ``IfMatch=<ETag seen when listing>``: an object replaced while the dataset is
@@ -50,14 +51,19 @@ def split_uri(uri: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
-def make_client(endpoint_url: str | None = None) -> Any:
-    """A boto3 S3 client with bounded timeouts and retries (see the module doc)."""
+def make_client(endpoint_url: str | None = None, session: Any = None) -> Any:
+    """A boto3 S3 client with bounded timeouts and retries (see the module doc).
+
+    ``session``: a ``boto3.session.Session`` holding the credentials to use (an Airflow
+    connection's, ``operators.hooks.s3``); default a new one on boto3's standard chain.
+    """
     import boto3
     from botocore.config import Config
 
     config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
                     retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"})
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
+    session = session if session is not None else boto3.session.Session()
+    return session.client("s3", endpoint_url=endpoint_url, config=config)
 
 
 @dataclass(frozen=True)

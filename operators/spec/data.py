@@ -1,7 +1,8 @@
 """The ``data`` section of a pipeline spec: sources and formats, cleaning, tokenizer, encoding.
 
 Relative paths resolve against ``TRAINFORGE_HOME`` (see :mod:`operators.paths`). Every option,
-with examples, is in docs/data.md. Credentials never go here: S3 access uses the standard AWS
+with examples, is in docs/data.md. Credentials never go here: S3 access uses the Airflow
+connection named by ``storage.aws_conn_id`` (:class:`StorageSection`), else the standard AWS
 chain (environment, ``~/.aws``, instance or pod role).
 """
 
@@ -179,8 +180,7 @@ def same_endpoint(a: str | None, b: str | None) -> bool:
 
 
 class StorageSection(SpecModel):
-    """How every S3 client of the pipeline reaches S3 (docs/storage.md). Credentials never go
-    in a spec: they come from the Airflow connection named here, else boto3's standard chain."""
+    """How every S3 client reaches S3 (docs/storage.md); credentials never go in a spec."""
 
     aws_conn_id: str | None = Field(
         None, description="Airflow connection of type 'aws' whose login (access key id), "
