@@ -98,7 +98,9 @@ def for_engine(spec, engine: str) -> tuple[object, list[str]]:
         return spec, []
     raw = spec.model_dump(mode="json")
     raw["training"]["engine"] = engine
-    for block in ("local", "kubernetes", "ray"):
+    from operators.backends import ENGINES
+
+    for block in ENGINES:
         if block != engine:
             raw["training"].pop(block, None)
     used = []

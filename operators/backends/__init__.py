@@ -1,7 +1,7 @@
 """Cluster engines behind one contract (:mod:`operators.backends.base`).
 
 Engine modules are imported only when used, so parsing a DAG never imports an engine's client
-(``kubernetes``, ``ray``).
+(``kubernetes``, ``ray``) or looks for an engine's tools (``sbatch``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from operators.backends.base import Backend
 
-ENGINES = ("local", "kubernetes", "ray")
+ENGINES = ("local", "kubernetes", "ray", "slurm")
 
 
 def get_backend(engine: str, **kwargs: Any) -> Backend:
@@ -31,6 +31,10 @@ def get_backend(engine: str, **kwargs: Any) -> Backend:
         from operators.backends.ray import RayBackend
 
         return RayBackend(**kwargs)
+    if engine == "slurm":
+        from operators.backends.slurm import SlurmBackend
+
+        return SlurmBackend(**kwargs)
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
 
 
@@ -49,4 +53,10 @@ def backend_kwargs(training: Any, runs_root: str) -> dict[str, Any]:
                 "kubeconfig": block.kubeconfig, "context": block.context}
     if engine == "ray":
         return {"address": block.address, "conn_id": block.connection_id}
+    if engine == "slurm":
+        from operators.paths import resolve
+
+        # Job folders live on the file system shared with the compute nodes.
+        return {"runs_root": resolve(block.job_root) if block.job_root else runs_root,
+                "bin_dir": block.bin_dir}
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")

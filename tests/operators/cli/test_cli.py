@@ -15,7 +15,7 @@ from operators.cli import app
 ROOT = Path(__file__).resolve().parents[3]
 PIPELINES = sorted((ROOT / "dags" / "pipelines").glob("*.yaml"))
 GOLDEN = Path(__file__).resolve().parent / "golden"
-ENGINES = ["local", "kubernetes", "ray"]
+from operators.backends import ENGINES  # noqa: E402 - every engine that exists
 
 runner = CliRunner()
 
