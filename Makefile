@@ -45,6 +45,7 @@ test: venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 airflow: venv
+	$(PY) -m operators.dag_files dags/pipelines
 	$(PY) -m operators.standalone
 
 # Regenerate the committed JSON Schema and spec reference after changing the spec model.

@@ -368,6 +368,9 @@ def _launch(config: ServerConfig, timeout_s: float, interval_s: float) -> Server
     try:
         wait_healthy(url, timeout_s, interval_s, log_file=log_path, process=process)
     except ServerExitedError:
+        # The `mlflow server` process is gone, but its uvicorn workers share its process group
+        # and may outlive it: stop whatever is left so nothing is orphaned.
+        _terminate_group(process.pid, 5.0, process)
         _remove_pid_file(config.home, process.pid)
         raise
     except BaseException:
