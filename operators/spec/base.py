@@ -50,6 +50,8 @@ class SpecModel(BaseModel):
     Booleans and numbers do not stand in for each other: pydantic's lax mode turns ``true``
     into ``1`` (so ``retries: yes`` would silently be one retry) and ``1`` into ``true``. Every
     number field refuses a boolean and every boolean field refuses anything but true/false.
+    Nor does text stand in for a number: lax mode reads ``"300"`` as 300, which the published
+    JSON Schema (``type: integer``) rejects, so editors and the loader would disagree.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
@@ -73,15 +75,27 @@ class SpecModel(BaseModel):
                 if name in cls._numbers:
                     wrong = wrong or dict(data)
                     wrong[name] = WrongScalar(value, "number")
+            elif type(value) is str and name in cls._numbers and _is_number_text(value):
+                wrong = wrong or dict(data)
+                wrong[name] = WrongScalar(value, "unquoted number")
             elif name in cls._bools and value is not None:
                 wrong = wrong or dict(data)
                 wrong[name] = WrongScalar(value, "bool")
         return data if wrong is None else wrong
 
 
+def _is_number_text(text: str) -> bool:
+    """Whether pydantic's lax mode would read ``text`` as a number (``"300"``, ``" 1e-4 "``)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 class WrongScalar:
-    """Stands in for a boolean given to a number field, or a non-boolean given to a boolean
-    field, so that pydantic rejects it with the field's own location while every other field
+    """Stands in for a boolean or quoted number given to a number field, or a non-boolean given
+    to a boolean field, so that pydantic rejects it with the field's own location while every other field
     is still checked. The loader turns the error into "expected a number, not a boolean".
     """
 
@@ -97,6 +111,9 @@ class WrongScalar:
         """The one-line text of the error."""
         if self.expected == "number":
             return f"expected a number, not a boolean (got {self.value})"
+        if self.expected == "unquoted number":
+            return (f"a quoted number is text; write {self.value.strip()} without quotes "
+                    f"(got {self.value!r}; expected a number)")
         return f"expected true or false (got {self.value!r})"
 
 

@@ -29,6 +29,41 @@ _ENGINE_ENV = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TRAINFORGE_RESU
                          "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"})
 
 
+# Names of variables that hold credentials. The spec is committed and rendered verbatim into
+# job requests, so credentials never come from it (README: "Credentials").
+_CREDENTIAL_NAMES = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
+_CREDENTIAL_WORDS = frozenset({"PASSWORD", "PASSWD", "PASSPHRASE", "SECRET", "TOKEN",
+                               "CREDENTIAL", "CREDENTIALS", "APIKEY"})
+
+
+def is_credential_name(name: str) -> bool:
+    """Whether an environment variable named ``name`` carries a credential: the AWS key
+    variables, a ``_``-separated word such as PASSWORD, SECRET or TOKEN (``HF_TOKEN``, not
+    ``TOKENIZERS_PARALLELISM``), or a name ending in ``_KEY`` or ``_KEY_ID`` (``WANDB_API_KEY``)."""
+    upper = name.upper()
+    words = upper.split("_")
+    return (upper in _CREDENTIAL_NAMES or any(w in _CREDENTIAL_WORDS for w in words)
+            or words[-1] == "KEY" or upper.endswith("_KEY_ID"))
+
+
+def _check_env_vars(value: dict[str, str], engine: str, remedy: str,
+                    engine_env: frozenset = frozenset()) -> dict[str, str]:
+    """The checks every engine's ``env_vars`` gets (names, no credentials, none of
+    ``engine_env``); raises ValueError naming the first bad name."""
+    for name in value:
+        if not _ENV_NAME.match(name):
+            raise ValueError(f"not an environment variable name (got {name!r}; expected letters, "
+                             f"digits and '_', not starting with a digit)")
+        if name in engine_env:
+            raise ValueError(f"env_vars may not set {name}: the engine sets it (expected "
+                             f"names other than {', '.join(sorted(engine_env))})")
+        if is_credential_name(name):
+            raise ValueError(f"env_vars may not carry credentials: the spec is rendered verbatim "
+                             f"into the {engine} job (got {name}; expected no secret in the spec: "
+                             f"{remedy})")
+    return value
+
+
 def _dns(value: str, what: str, pattern: re.Pattern = _DNS_LABEL) -> str:
     if not pattern.match(value):
         raise ValueError(
@@ -166,7 +201,11 @@ class RayEngine(SpecModel):
         "none (the cluster already has trainforge installed)."
     )
     pip: list[str] = Field([], description="Extra pip requirements of the job's runtime_env.")
-    env_vars: dict[str, str] = Field({}, description="Extra environment of the job.")
+    env_vars: dict[str, str] = Field(
+        {}, description="Extra environment of the job. No credentials: names such as "
+        "AWS_SECRET_ACCESS_KEY, HF_TOKEN, *_PASSWORD or *_API_KEY are refused (S3 access comes "
+        "from storage.aws_conn_id)."
+    )
     entrypoint_num_cpus: float = Field(
         0.0, ge=0, description="CPUs reserved for the entrypoint; default: the job's ranks x "
         "resources.cpus_per_process."
@@ -187,10 +226,8 @@ class RayEngine(SpecModel):
     @field_validator("env_vars")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
-            if not _ENV_NAME.match(name):
-                raise ValueError(f"not an environment variable name (got {name!r})")
-        return value
+        return _check_env_vars(value, "Ray", "S3 credentials come from storage.aws_conn_id, "
+                               "others from the Ray cluster's own environment or secrets")
 
 
 # Slurm names (partitions, accounts, QOS, reservations, GPU types): no spaces, quotes or shell
@@ -238,7 +275,11 @@ class SlurmEngine(SpecModel):
         [], description="Shell lines run by the batch script before launching, e.g. 'module "
         "load cuda/12.4' or 'source /shared/venvs/trainforge/bin/activate'."
     )
-    env_vars: dict[str, str] = Field({}, description="Extra environment of every rank.")
+    env_vars: dict[str, str] = Field(
+        {}, description="Extra environment of every rank. No credentials: names such as "
+        "AWS_SECRET_ACCESS_KEY, HF_TOKEN, *_PASSWORD or *_API_KEY are refused (give the nodes "
+        "their own credentials)."
+    )
     rendezvous_port: int | None = Field(
         None, ge=1024, le=65535, description="TCP port of torchrun's c10d rendezvous on the "
         "job's first node; default 29500 + (Slurm job id mod 10000), so jobs sharing a node "
@@ -284,10 +325,6 @@ class SlurmEngine(SpecModel):
     @field_validator("env_vars")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
-            if not _ENV_NAME.match(name):
-                raise ValueError(f"not an environment variable name (got {name!r})")
-            if name in _ENGINE_ENV:
-                raise ValueError(f"env_vars may not set {name}: the engine sets it (expected "
-                                 f"names other than {', '.join(sorted(_ENGINE_ENV))})")
-        return value
+        return _check_env_vars(value, "Slurm", "give the nodes credentials of their own "
+                               "(instance role, ~/.aws), or read them in training.slurm.setup "
+                               "from a protected file", _ENGINE_ENV)

@@ -7,7 +7,16 @@ YAML pitfalls handled here:
 
 * ``1e-4`` (scientific notation without a dot) is a float, not the string YAML 1.1 makes of it;
 * duplicate keys are an error, not last-one-wins;
-* tabs and other syntax errors are reported with YAML's own position.
+* a tab in the indentation is named as such, at the tab; other syntax errors are reported with
+  YAML's own position;
+* an unquoted key YAML reads as a boolean or number (``on:``, ``1:``) is an error naming the
+  key as written, with the quoted form to use;
+* a quoted number given for a number field is an error (the published JSON Schema says
+  ``integer`` or ``number``), see :class:`operators.spec.base.SpecModel`.
+
+pydantic's own wording is turned into the one-line form: a union reports only the member that
+fits the value's shape (or one "got a mapping; expected a number, string or boolean"), and an
+empty or non-mapping section says so instead of naming a class.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from operators.spec.base import BOOL_FOR_NUMBER, CROSS_FIELD, WrongScalar
+from operators.spec.messages import _data_loc, _describe, _one_error_per_union, _position
 from operators.spec.model import PipelineSpec
 
 _FLOAT = re.compile(
@@ -109,6 +118,17 @@ def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: li
             if not isinstance(key, (str, int, float, bool)) and key is not None:
                 raise _NodeError(key_node.start_mark, path,
                                  f"a key must be a plain name (got a {type(key).__name__})")
+            if (not isinstance(key, str) and key is not None and isinstance(key_node, yaml.ScalarNode)
+                    and not key_node.style):
+                # `on:` is the boolean True to YAML 1.1, `1:` the integer 1; every key of a spec
+                # is text. Report it, and read on with the key as written.
+                what = "boolean" if isinstance(key, bool) else type(key).__name__
+                issues.append(SpecIssue(
+                    file, key_node.start_mark.line + 1, key_node.start_mark.column + 1,
+                    ".".join(str(p) for p in path + (key_node.value,)),
+                    f"key {key_node.value!r} is read by YAML as the {what} {key!r} (got {key!r}; "
+                    f"expected a text key: quote it, \"{key_node.value}\")"))
+                key = key_node.value
             if key in out:
                 first = marks[path + (key,)]
                 issues.append(
@@ -139,129 +159,6 @@ def _walk(node: yaml.Node, loader: _Loader, path: tuple, marks: dict, issues: li
         return None
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
-
-
-def _data_loc(loc: tuple, marks: dict) -> tuple:
-    """A pydantic error location without union-member tags (``str``, ``AssetSchedule``, ...)."""
-    kept: list = []
-    for part in loc:
-        if tuple(kept + [part]) in marks:
-            kept.append(part)
-        elif isinstance(part, str) and (part[:1].isupper() or part in _TYPE_TAGS or "[" in part):
-            continue
-        else:
-            kept.append(part)
-    return tuple(kept)
-
-
-def _position(marks: dict, loc: tuple, error: dict | None = None) -> tuple[int, int]:
-    """Line and column (1-based) of the deepest recorded prefix of a pydantic error location.
-
-    A cross-field error (:func:`operators.spec.base.field_errors`) about a field the file does
-    not write points at its ``fallback`` field instead (e.g. ``training.engine``).
-    """
-    ctx = (error or {}).get("ctx") or {}
-    if error is not None and error.get("type") == CROSS_FIELD and loc not in marks:
-        relative, fallback = ctx.get("relative_loc", ()), ctx.get("fallback", ())
-        if fallback and tuple(loc[len(loc) - len(relative):]) == tuple(relative):
-            mark = marks.get(tuple(loc[:len(loc) - len(relative)]) + tuple(fallback))
-            if mark is not None:
-                return mark.line + 1, mark.column + 1
-    for cut in range(len(loc), -1, -1):
-        mark = marks.get(tuple(loc[:cut]))
-        if mark is not None:
-            return mark.line + 1, mark.column + 1
-    return 1, 1
-
-
-_YAML_BOOL_WORDS = {"yes", "no", "on", "off", "y", "n", "true", "false"}
-
-
-def _model_at(loc: tuple):
-    """The pydantic model class that holds the field at ``loc`` (a pydantic error location)."""
-    import types
-    import typing
-
-    from pydantic import BaseModel
-
-    model: Any = PipelineSpec
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(part) if isinstance(model, type) else None
-        if field is None:
-            return None
-        annotation = field.annotation
-        candidates = [annotation]
-        if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-            candidates = list(typing.get_args(annotation))
-        candidates += [a for c in list(candidates) for a in typing.get_args(c)]
-        model = next(
-            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
-        )
-        if model is None:
-            return None
-    return model
-
-
-def _did_you_mean(word: str, choices) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _yaml_hint(raw: str | None, given: Any, kind: str = "string_type") -> str:
-    """Why YAML may have produced ``given`` from the unquoted text ``raw``: text fields given a
-    number or boolean, number fields given a boolean (``retries: yes``)."""
-    if kind == BOOL_FOR_NUMBER and raw is not None and raw.lower() in _YAML_BOOL_WORDS:
-        return (f"; YAML reads unquoted {raw!r} as the boolean {given}: write a number "
-                f"(e.g. 1 or 0)")
-    if raw is None or kind != "string_type" or given is None:
-        return ""
-    if isinstance(given, bool) and raw.lower() in _YAML_BOOL_WORDS:
-        return f"; YAML reads unquoted {raw!r} as the boolean {given}: quote it ('{raw}') to keep text"
-    if not isinstance(given, str) and not isinstance(given, (dict, list)):
-        return (
-            f"; YAML read the unquoted {raw!r} as {type(given).__name__} {given!r}: quote it to "
-            f"keep it as text"
-        )
-    return ""
-
-
-def _describe(error: dict, marks: dict | None = None) -> str:
-    marks = marks or {}
-    loc = tuple(error["loc"])
-    raw = marks.get(("raw",) + loc)
-    message = error["msg"]
-    message = re.sub(r"^(Value error|Assertion failed), ", "", message)
-    kind = error["type"]
-    given = error.get("input")
-    if isinstance(given, WrongScalar):  # a boolean for a number, or a non-boolean for a boolean
-        kind = BOOL_FOR_NUMBER if given.expected == "number" else kind
-        return given.message() + _yaml_hint(raw, given.value, kind)
-    if kind == "extra_forbidden":
-        model = _model_at(loc)
-        allowed = sorted(model.model_fields) if model is not None else []
-        hint = _did_you_mean(loc[-1], allowed)
-        if not hint and allowed:
-            hint = f"; expected one of: {', '.join(allowed)}"
-        return f"unknown field (got {loc[-1]!r}{hint})"
-    if kind == "missing":
-        return "required field is missing"
-    if kind == "literal_error":
-        expected = (error.get("ctx") or {}).get("expected", "")
-        choices = [c.strip().strip("'") for c in expected.replace(" or ", ", ").split(",")]
-        hint = _did_you_mean(given, choices) if len(choices) > 1 else ""
-        return f"unknown value (got {given!r}; expected {expected}{hint})"
-    if kind.startswith("date_"):  # a quoted date pydantic cannot parse
-        return f"not a valid date (got {given!r}; expected YYYY-MM-DD)"
-    if "(got " in message:
-        return message + _yaml_hint(raw, given, kind)
-    if isinstance(given, dict):
-        return message
-    return f"{message} (got {given!r}{_yaml_hint(raw, given, kind)})"
 
 
 class _DuplicateKey(Exception):
@@ -293,6 +190,19 @@ def parse_spec_text(text: str, file: str = "<string>") -> PipelineSpec:
     return _parse_with_positions(text, file)
 
 
+def _indenting_tab(text: str, line: int) -> tuple[int, int] | None:
+    """Line and column (1-based) of a tab in the indentation of line ``line``, where YAML
+    reported a syntax error (YAML forbids tabs there; libyaml calls one "a character that
+    cannot start any token"), or None when the line has none."""
+    lines = text.splitlines()
+    if 1 <= line <= len(lines):
+        current = lines[line - 1]
+        indent = current[: len(current) - len(current.lstrip(" \t"))]
+        if "\t" in indent:
+            return line, indent.index("\t") + 1
+    return None
+
+
 def _parse_with_positions(text: str, file: str) -> PipelineSpec:
     loader = _Loader(text)
     try:
@@ -301,12 +211,14 @@ def _parse_with_positions(text: str, file: str) -> PipelineSpec:
         except yaml.MarkedYAMLError as err:
             mark = err.problem_mark or err.context_mark
             line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-            hint = ""
-            if "\\t" in str(err.problem) or "tab" in str(err.problem):
-                hint = " (YAML indentation must use spaces, not tabs)"
-            raise SpecError(
-                [SpecIssue(file, line, col, "", f"YAML syntax error: {err.problem}{hint}")]
-            ) from None
+            tab = _indenting_tab(text, line)
+            if tab is not None:
+                line, col = tab
+                message = (f"a tab is used for indentation; YAML indents with spaces, not tabs "
+                           f"(got a tab at column {col}; expected spaces)")
+            else:
+                message = f"YAML syntax error: {err.problem}"
+            raise SpecError([SpecIssue(file, line, col, "", message)]) from None
         if root is None:
             raise SpecError([SpecIssue(file, 1, 1, "", "the file is empty (expected a mapping)")])
         marks: dict[tuple, yaml.Mark] = {}
@@ -331,7 +243,7 @@ def _parse_with_positions(text: str, file: str) -> PipelineSpec:
     try:
         spec = PipelineSpec.model_validate(data)
     except ValidationError as err:
-        for e in err.errors():
+        for e in _one_error_per_union(err.errors(), data, marks):
             e["loc"] = _data_loc(tuple(e["loc"]), marks)
             if any(("node_error",) + tuple(e["loc"][:cut]) in marks
                    for cut in range(len(e["loc"]) + 1)):

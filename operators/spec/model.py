@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from operators.spec.base import SpecModel, field_errors
 from operators.spec.llama_keys import FIRST_CLASS, FIRST_CLASS_ALIASES, OVERRIDABLE
@@ -22,7 +22,7 @@ from operators.spec.durations import DurationS
 from operators.spec.engines import KubernetesEngine, LocalEngine, RayEngine, SlurmEngine
 from operators.spec.pipeline import PipelineSection
 from operators.spec.registry import RegistrySection, ValidationSection
-from operators.spec.stages import check_stages, stage_model
+from operators.spec.stages import _rewrap, check_stages, stage_model
 
 
 
@@ -94,16 +94,19 @@ class ModelSection(SpecModel):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSection:
+        errors = []
         if self.hidden_size % self.num_heads:
-            raise field_errors(ModelSection, (
+            errors.append((
                 ("num_heads",), f"hidden_size must be divisible by num_heads (got hidden_size "
                 f"{self.hidden_size} and num_heads {self.num_heads})", self.num_heads,
                 ("hidden_size",)))
         kv = self.num_kv_heads or self.num_heads
         if self.num_heads % kv:
-            raise field_errors(ModelSection, (
+            errors.append((
                 ("num_kv_heads",), f"num_heads must be divisible by num_kv_heads (got "
                 f"{self.num_heads} and {kv})", kv, ("num_heads",)))
+        if errors:
+            raise field_errors(ModelSection, *errors)
         return self
 
     @property
@@ -276,37 +279,82 @@ class TrainingSection(SpecModel):
 
     @model_validator(mode="after")
     def _batch_and_interval(self) -> TrainingSection:
+        errors = self._rules()
+        if errors:
+            raise field_errors(TrainingSection, *errors)
+        return self
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _rules_despite_errors(cls, data, handler):
+        # pydantic skips the rules above when any field is invalid. Each rule whose own inputs
+        # are valid is still checked (e.g. a misplaced engine block next to a typo in
+        # optimization); rules that read an invalid section stay silent rather than guess.
+        try:
+            return handler(data)
+        except ValidationError as err:
+            errors = err.errors()
+            if not isinstance(data, dict):
+                raise
+            failed = {e["loc"][0] for e in errors if e["loc"]}
+            values = {}
+            for name, field in cls.model_fields.items():
+                if name in failed or name not in data:
+                    continue
+                value, section = data[name], _section_class(field.annotation)
+                if section is not None and value is not None:
+                    try:
+                        value = section.model_validate(value)
+                    except ValidationError:
+                        continue
+                values[name] = value
+            partial = cls.model_construct(**values)
+            extra = partial._rules(lambda *names: all(
+                n in values or (n not in failed and not cls.model_fields[n].is_required())
+                for n in names))
+            if not extra:
+                raise
+            raise ValidationError.from_exception_data(
+                cls.__name__, _rewrap([*errors, *field_errors(cls, *extra).errors()], ())
+            ) from None
+
+    def _rules(self, usable=lambda *names: True) -> list[tuple]:
+        """Cross-field problems, as :func:`field_errors` entries; a rule is checked only when
+        ``usable(*sections)`` says the fields it reads are valid."""
         errors = []
         for block in ("local", "kubernetes", "ray", "slurm"):
+            if not usable("engine", block):
+                continue
             given = getattr(self, block)
             # a dumped-and-reloaded spec carries `kubernetes: null` and the default local block
             if block != self.engine and given is not None and given != type(given)():
                 errors.append(((block,), f"the {block!r} block configures engine {block!r}, but "
-                               f"engine is {self.engine!r} (remove the block, or set engine: "
-                               f"{block})", None, ()))
-        if self.engine in ("local", "ray") and self.resources.nodes != 1:
+                               f"engine is {self.engine!r} (got a {block} block; expected "
+                               f"engine: {block}, or no {block} block)", None, ()))
+        sized = usable("engine", "resources")
+        if sized and self.engine in ("local", "ray") and self.resources.nodes != 1:
             errors.append((("resources", "nodes"), f"the {self.engine} engine runs one torchrun "
                            f"group on one machine (got resources.nodes {self.resources.nodes}; "
                            f"expected 1; use the kubernetes or slurm engine for several nodes)",
                            self.resources.nodes, ("engine",)))
-        if self.engine == "kubernetes" and not self.resources.image:
+        if sized and self.engine == "kubernetes" and not self.resources.image:
             errors.append((("resources", "image"), "the kubernetes engine needs resources.image, "
                            "the trainer's container image (got none; expected e.g. "
                            "'ghcr.io/acme/trainforge-trainer:0.1.0')", None, ("engine",)))
+        if not usable("optimization"):
+            return errors
         opt = self.optimization
-        per_step = opt.micro_batch_size * self.world_size
-        if opt.global_batch_size % per_step:
+        per_step = opt.micro_batch_size * self.world_size if usable("resources") else 0
+        if per_step and opt.global_batch_size % per_step:
             errors.append((("optimization", "global_batch_size"), f"global_batch_size must be "
                            f"divisible by micro_batch_size x world size (got "
                            f"{opt.global_batch_size}; {opt.micro_batch_size} x {self.world_size} "
                            f"= {per_step})", opt.global_batch_size, ()))
-        if self.checkpoint.interval_steps > opt.max_steps:
+        if usable("checkpoint") and self.checkpoint.interval_steps > opt.max_steps:
             errors.append((("checkpoint", "interval_steps"), f"interval_steps must fit in "
                            f"optimization.max_steps (got {self.checkpoint.interval_steps} > "
                            f"{opt.max_steps})", self.checkpoint.interval_steps, ()))
-        if errors:
-            raise field_errors(TrainingSection, *errors)
-        return self
+        return errors
 
 
 class CostSection(SpecModel):
@@ -322,6 +370,48 @@ class CostSection(SpecModel):
     cpu_core_power_watts: float = Field(
         10.0, ge=0, description="Average power of one busy CPU core, watts."
     )
+
+
+def _section_class(annotation: object) -> type[SpecModel] | None:
+    """The spec section class of a field typed ``Section`` or ``Section | None``, else None."""
+    import typing
+
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, SpecModel):
+            return candidate
+    return None
+
+
+def _cluster_storage_errors(engine: str, output_uri: str, checkpoint_uri: str) -> list[tuple]:
+    """Pods of a Kubernetes job do not share the Airflow worker's disk: the dataset and the
+    checkpoints must live where every node can reach them (``field_errors`` entries)."""
+    if engine != "kubernetes":
+        return []
+    return [
+        (loc, f"{'.'.join(loc)} must be an s3:// URI with the kubernetes engine, where every node "
+         f"can read it (got {value!r}; expected e.g. 's3://bucket/prefix')", value,
+         ("training", "engine"))
+        for loc, value in ((("data", "output_uri"), output_uri),
+                           (("training", "checkpoint", "uri"), checkpoint_uri))
+        if not value.startswith("s3://")
+    ]
+
+
+def _storage_as_written(data: object, failed: list[tuple]) -> list[tuple]:
+    """The storage rule on raw spec data, for URIs that have no error of their own."""
+    if not isinstance(data, dict) or not isinstance(data.get("training"), dict):
+        return []
+    training = data["training"]
+    section = data.get("data") if isinstance(data.get("data"), dict) else {}
+    checkpoint = training.get("checkpoint") if isinstance(training.get("checkpoint"), dict) else {}
+    output_uri = section.get("output_uri", DataSection.model_fields["output_uri"].default)
+    checkpoint_uri = checkpoint.get("uri", CheckpointSection.model_fields["uri"].default)
+    if not (training.get("engine") == "kubernetes" and isinstance(output_uri, str)
+            and isinstance(checkpoint_uri, str)):
+        return []
+    return [error for error in _cluster_storage_errors("kubernetes", output_uri, checkpoint_uri)
+            if not any(loc[:len(error[0])] == error[0] or error[0][:len(loc)] == loc
+                       for loc in failed)]
 
 
 StageSpec = stage_model(TrainingSection)  # one entry of `stages` (operators/spec/stages.py)
@@ -357,25 +447,34 @@ class PipelineSpec(SpecModel):
         return handler(value)
 
     @model_validator(mode="after")
-    def _cluster_storage(self) -> PipelineSpec:
-        # Pods of a Kubernetes job do not share the Airflow worker's disk: the dataset and the
-        # checkpoints must live where every node can reach them.
-        if self.training.engine == "kubernetes":
-            errors = [
-                (loc, f"{'.'.join(loc)} must be an s3:// URI with the kubernetes engine, where "
-                 f"every node can read it (got {value!r}; expected e.g. 's3://bucket/prefix')",
-                 value, ("training", "engine"))
-                for loc, value in ((("data", "output_uri"), self.data.output_uri),
-                                   (("training", "checkpoint", "uri"),
-                                    self.training.checkpoint.uri))
-                if not value.startswith("s3://")
-            ]
-            if errors:
-                raise field_errors(PipelineSpec, *errors)
+    def _whole_spec_rules(self) -> PipelineSpec:
+        # One validator, so that every rule is checked even when another one fails.
+        errors = [*_cluster_storage_errors(self.training.engine, self.data.output_uri,
+                                           self.training.checkpoint.uri),
+                  *self._s3_access(), *self._init_keeps_tokenizer()]
+        if errors:
+            raise field_errors(PipelineSpec, *errors)
         return self
 
-    @model_validator(mode="after")
-    def _s3_access(self) -> PipelineSpec:
+    @model_validator(mode="wrap")
+    @classmethod
+    def _independent_rules(cls, data, handler):
+        # pydantic runs a model's "after" rules only when every field is valid. The storage rule
+        # needs only the engine and two URIs: when another error (e.g. the kubernetes engine's
+        # missing image) stops the whole-model rules, it is still checked on the values as
+        # written, so that every error of the file shows up at once.
+        try:
+            return handler(data)
+        except ValidationError as err:
+            errors = err.errors()
+            extra = _storage_as_written(data, [tuple(e["loc"]) for e in errors])
+            if not extra:
+                raise
+            raise ValidationError.from_exception_data(
+                cls.__name__, _rewrap([*errors, *field_errors(cls, *extra).errors()], ())
+            ) from None
+
+    def _s3_access(self) -> list[tuple]:
         # One endpoint for every S3 client; connection secrets only where they stay in memory.
         errors = []
         given = self.data.s3_endpoint_url
@@ -399,9 +498,7 @@ class PipelineSpec(SpecModel):
                                f"{'job manifest' if engine == 'kubernetes' else 'batch script'} "
                                f"(got {self.storage.aws_conn_id!r}; expected null: {remedy})",
                                self.storage.aws_conn_id, ()))
-        if errors:
-            raise field_errors(PipelineSpec, *errors)
-        return self
+        return errors
 
     @property
     def s3_endpoint_url(self) -> str | None:
@@ -409,17 +506,16 @@ class PipelineSpec(SpecModel):
         ``data.s3_endpoint_url``), or None."""
         return self.storage.endpoint_url or self.data.s3_endpoint_url
 
-    @model_validator(mode="after")
-    def _init_keeps_tokenizer(self) -> PipelineSpec:
+    def _init_keeps_tokenizer(self) -> list[tuple]:
         # Continued training must see the token ids the registered model was trained on.
         init = self.model.init_from
         if init is not None and self.data.tokenizer.source != init:
-            raise field_errors(PipelineSpec, (
+            return [(
                 ("data", "tokenizer", "source"), f"model.init_from continues {init}, so the "
                 f"data must be encoded with its tokenizer (got data.tokenizer.source "
                 f"{self.data.tokenizer.source!r}; expected {init!r})",
-                self.data.tokenizer.source, ("model", "init_from")))
-        return self
+                self.data.tokenizer.source, ("model", "init_from"))]
+        return []
 
     @property
     def dag_id(self) -> str:

@@ -10,6 +10,7 @@ Both are generated from :class:`~operators.spec.model.PipelineSpec` and committe
 
 from __future__ import annotations
 
+import datetime
 import json
 import types
 import typing
@@ -51,17 +52,44 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+def _inner(annotation: Any) -> str:
+    """``_type_name`` in parentheses when it lists alternatives (inside list/mapping types)."""
+    text = _type_name(annotation)
+    return f"({text})" if " or " in text else text
+
+
+_SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean",
+            type(None): "null", datetime.date: "date (YYYY-MM-DD)"}
+
+
 def _type_name(annotation: Any) -> str:
-    text = repr(annotation).replace("typing.", "")
-    for noise in ("<class '", "'>", "operators.spec.durations."):
-        text = text.replace(noise, "")
-    if text == "datetime.date":
-        return "date (YYYY-MM-DD)"
-    if "DurationS" in text or "BeforeValidator(func=<function parse_duration" in text:
-        return "duration"
-    if text.startswith("Annotated[int") and "parse_duration" in text:
-        return "duration"
-    return text
+    """A field's type as people read it: ``list of string``, ``string or null``,
+    ``list of mappings (key, operator, value, effect)``; no Python module paths."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        if any("parse_duration" in repr(m) for m in args[1:]):
+            return "duration"
+        return _type_name(args[0])
+    if annotation in _SCALARS:
+        return _SCALARS[annotation]
+    if isinstance(annotation, types.UnionType) or origin is typing.Union:
+        return " or ".join(dict.fromkeys(_type_name(a) for a in args))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (list, tuple, set, frozenset):
+        item = args[0] if args else Any
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            return f"list of mappings ({', '.join(item.model_fields)})"
+        if typing.get_origin(item) is typing.Literal:
+            return "list, each " + _type_name(item)
+        return f"list of {_inner(item)}"
+    if origin is dict:
+        return f"mapping of {_inner(args[0])} to {_inner(args[1])}" if args else "mapping"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return f"mapping ({', '.join(annotation.model_fields)})"
+    if annotation is Any:
+        return "any"
+    return getattr(annotation, "__name__", repr(annotation))
 
 
 def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str, str]]:
@@ -100,7 +128,8 @@ def reference_markdown() -> str:
         "Durations are strings such as `30s`, `15m`, `2h`, `1h30m`. Relative paths resolve",
         "against `TRAINFORGE_HOME`. Every section rejects unknown keys. Booleans and numbers",
         "never stand in for each other: a number field refuses `yes`/`no`/`on`/`off`/`true`, a",
-        "boolean field accepts only `true` or `false`. Dates are `YYYY-MM-DD`.",
+        "boolean field accepts only `true` or `false`; a quoted number (`\"300\"`) is text, not a",
+        "number. Keys are text: quote a key YAML reads otherwise (`\"on\":`). Dates are `YYYY-MM-DD`.",
         "",
         "| field | type | default | description |",
         "|---|---|---|---|",

@@ -24,6 +24,8 @@ no field, bound or description is declared twice.
 
 from __future__ import annotations
 
+import copy
+
 import difflib
 import re
 import types
@@ -268,8 +270,9 @@ def check_stages(raw_stages: Any, stage_cls: type[BaseModel], training: BaseMode
             entry = stage_cls.model_validate(raw)
         except ValidationError as err:
             issues += _rewrap(err.errors(), (i,))
-            parsed.append(None)
-            stages.append(_graph_view(raw))
+            entry = _without_unknown_keys(raw, err.errors(), stage_cls)
+            parsed.append(entry)  # None: the merged rules would judge values known to be wrong
+            stages.append(entry if entry is not None else _graph_view(raw))
         else:
             parsed.append(entry)
             stages.append(entry)
@@ -281,6 +284,28 @@ def check_stages(raw_stages: Any, stage_cls: type[BaseModel], training: BaseMode
                 issues += _merged_issues(i, stage, training, data, training_section)
     if issues:
         raise ValidationError.from_exception_data("stages", issues)
+
+
+def _without_unknown_keys(raw: Any, errors: list[dict], stage_cls: type[BaseModel]) -> Any:
+    """The stage entry without its unknown keys, when they are its only errors (an unknown key
+    changes no setting, so the rules on the merged section still say only true things), else
+    None."""
+    if any(e["type"] != "extra_forbidden" for e in errors):
+        return None
+    cleaned = copy.deepcopy(raw)
+    for error in errors:
+        node = cleaned
+        *parents, last = error["loc"]
+        try:
+            for part in parents:
+                node = node[part]
+            del node[last]
+        except (KeyError, IndexError, TypeError):
+            return None
+    try:
+        return stage_cls.model_validate(cleaned)
+    except ValidationError:
+        return None
 
 
 def _graph_issues(indexed: list[tuple[int, Any]]) -> list[InitErrorDetails]:

@@ -155,6 +155,52 @@ CASES = [
      "training.optimization.learning_rate", 10, "expected a number, not a boolean"),
     (_under("pipeline:\n", "  start_date: 2026/01/01\n"), "pipeline.start_date", 2,
      "not a valid date (got '2026/01/01'; expected YYYY-MM-DD)"),
+    # a tab in the indentation is named as such, at the tab
+    (_replace("    max_steps: 10\n", "\tmax_steps: 10\n"), "", 7,
+     "a tab is used for indentation; YAML indents with spaces, not tabs (got a tab at column 1"),
+    (_replace("    max_steps: 10\n", "  \tmax_steps: 10\n"), "", 7, "got a tab at column 3"),
+    (_replace("    max_steps: 10\n", "    max_steps: 10\n\t\n"), "", 8, "got a tab at column 1"),
+    # keys YAML reads as something else than text: the field is named as written
+    (_under("pipeline:\n", "  notifications:\n    email:\n      to: [ops@example.org]\n"
+            "      on: [failure]\n"), "pipeline.notifications.email.on", 5,
+     "key 'on' is read by YAML as the boolean True (got True; expected a text key: quote it"),
+    (_under("training:\n", "  engine: kubernetes\n  kubernetes:\n    node_selector: {1: gpu}\n"),
+     "training.kubernetes.node_selector.1", 8, "key '1' is read by YAML as the int 1"),
+    # one line per value, in the got/expected form, whatever pydantic's union or model type says
+    (MINIMAL + "model:\n  config_overrides: {rope_scaling: {type: linear, factor: 2.0}}\n",
+     "model.config_overrides.rope_scaling", 16,
+     "wrong kind of value (got a mapping; expected a number, string or boolean)"),
+    (_under("training:\n", "  slurm:\n    partition: gpu\n"), "training.slurm", 6,
+     "(got a slurm block; expected engine: slurm, or no slurm block)"),
+    (MINIMAL + "stages:\n  - name: a\n    training:\n      kubernetes:\n        namespace: ml\n",
+     "stages.0.training.kubernetes", 18, "(got a kubernetes block; expected engine: kubernetes"),
+    (MINIMAL.split("  optimization:")[0] + "validation:\n  eval_tokens: 4096\n"
+     "registry:\n  model_name: tiny-llm\n", "training", 5,
+     "the section is empty (got null; expected a mapping of training settings)"),
+    # one error does not hide an independent one
+    (_under("training:\n", "  engine: kubernetes\n"), "data.output_uri", 6,
+     "must be an s3:// URI with the kubernetes engine"),
+    (_under("training:\n", "  slurm:\n    partition: gpu\n").replace("learning_rate", "learnin_rate"),
+     "training.slurm", 6, "the 'slurm' block configures engine 'slurm', but engine is 'local'"),
+    (MINIMAL + "stages:\n  - name: a\n    training:\n      optimization:\n"
+     "        learnin_rate: 1e-3\n        micro_batch_size: 3\n",
+     "stages.0.training.optimization.global_batch_size", 18,
+     "divisible by micro_batch_size x world size (got 4; 3 x 2 = 6)"),
+    (MINIMAL + "model:\n  hidden_size: 250\n  num_heads: 4\n  num_kv_heads: 3\n",
+     "model.num_kv_heads", 18, "num_heads must be divisible by num_kv_heads"),
+    # a quoted number is text, as the JSON Schema says
+    (_replace("max_steps: 10", 'max_steps: "10"'), "training.optimization.max_steps", 7,
+     "a quoted number is text; write 10 without quotes (got '10'; expected a number)"),
+    (_replace("learning_rate: 1e-3", "learning_rate: '1e-3'"),
+     "training.optimization.learning_rate", 10, "write 1e-3 without quotes"),
+    (MINIMAL + "stages:\n  - name: a\n    training:\n      optimization:\n"
+     "        max_steps: '8'\n", "stages.0.training.optimization.max_steps", 19,
+     "a quoted number is text; write 8 without quotes"),
+    # credentials never come from the spec
+    (_under("training:\n", "  engine: ray\n  ray:\n    env_vars: {AWS_SECRET_ACCESS_KEY: x}\n"),
+     "training.ray.env_vars", 8, "env_vars may not carry credentials"),
+    (_under("training:\n", "  engine: slurm\n  slurm:\n    env_vars:\n      HF_TOKEN: x\n"),
+     "training.slurm.env_vars", 8, "(got HF_TOKEN; expected no secret in the spec"),
 ]
 
 
@@ -168,6 +214,21 @@ def test_invalid_specs_point_at_the_field_and_line(text, path, line, fragment):
     assert match[0].line == line, str(match[0])
     assert fragment in match[0].message, str(match[0])
     assert str(match[0]).startswith(f"bad.yaml:{line}:")
+
+
+@pytest.mark.parametrize("text,paths", [
+    # the asset form of a schedule: no "Input should be a valid string" from the cron branch
+    (_under("pipeline:\n", "  schedule:\n    assets: [corpus]\n"), ["pipeline.schedule.assets"]),
+    (MINIMAL + "model:\n  config_overrides: {rope_scaling: {type: linear}}\n",
+     ["model.config_overrides.rope_scaling"]),
+    # the kubernetes engine's three needs at once, not one per edit
+    (_under("training:\n", "  engine: kubernetes\n"),
+     ["training.resources.image", "data.output_uri", "training.checkpoint.uri"]),
+])
+def test_each_mistake_is_one_issue(text, paths):
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text, "bad.yaml")
+    assert [i.path for i in info.value.issues] == paths, str(info.value)
 
 
 def test_all_errors_of_a_file_are_reported_at_once():
@@ -223,3 +284,15 @@ def test_a_value_yaml_cannot_read_does_not_hide_the_other_errors():
     assert [(i.path, i.line) for i in info.value.issues] == [
         ("pipeline.start_date", 2), ("pipeline.defaults.retries", 4)]
     assert "day is out of range for month; expected YYYY-MM-DD" in info.value.issues[0].message
+
+
+@pytest.mark.parametrize("name,secret", [
+    ("AWS_SECRET_ACCESS_KEY", True), ("AWS_ACCESS_KEY_ID", True), ("AWS_SESSION_TOKEN", True),
+    ("HF_TOKEN", True), ("WANDB_API_KEY", True), ("DB_PASSWORD", True), ("MY_SECRET", True),
+    ("HF_HOME", False), ("TOKENIZERS_PARALLELISM", False), ("NCCL_DEBUG", False),
+    ("KEYBOARD", False),
+])
+def test_credential_names(name, secret):
+    from operators.spec.engines import is_credential_name
+
+    assert is_credential_name(name) is secret

@@ -49,3 +49,11 @@ def test_json_schema_rejects_what_the_model_rejects():
     data["training"]["optimisation"] = data["training"].pop("optimization")
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(data, published.json_schema())
+
+
+def test_reference_shows_readable_types():
+    text = published.reference_markdown()
+    assert "operators.spec" not in text and "Literal[" not in text
+    assert "| `training.kubernetes.tolerations` | list of mappings (key, operator, value, effect) |" in text
+    assert "| `stages` | list of mappings (name, depends_on, init_from, training) or null |" in text
+    assert "| `pipeline.tags` | list of string |" in text
