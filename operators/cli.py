@@ -33,6 +33,9 @@ def _load_or_exit(file: Path):
     raise typer.Exit(1)
 
 
+from operators.spec.loader import name_position  # noqa: E402,F401 - used by validate
+
+
 @app.command()
 def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders.")) -> None:
     """Validate pipeline specs. Exit 0 when all are valid, 1 otherwise."""
@@ -41,7 +44,11 @@ def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders
     files: list[Path] = []
     for path in paths:
         files += sorted([*path.glob("*.yaml"), *path.glob("*.yml")]) if path.is_dir() else [path]
+    # A file named twice (as itself and through its folder) is one spec, not a duplicate dag_id.
+    seen: set[Path] = set()
+    files = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
     bad = 0
+    first_use: dict[str, tuple[Path, int]] = {}  # dag_id -> (file, line) of its first spec
     for file in files:
         try:
             spec = load_spec(file)
@@ -52,6 +59,15 @@ def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders
             bad += 1
             typer.echo(f"{file}: cannot read: {err.strerror or err}", err=True)
         else:
+            line, column = name_position(file)
+            if spec.dag_id in first_use:
+                bad += 1
+                other, other_line = first_use[spec.dag_id]
+                typer.echo(f"{file}:{line}:{column}: pipeline.name: dag_id {spec.dag_id!r} is also "
+                           f"used by {other}:{other_line} (each pipeline needs its own name)",
+                           err=True)
+                continue
+            first_use[spec.dag_id] = (file, line)
             typer.echo(f"{file}: ok (dag_id {spec.dag_id})")
     if not files:
         typer.echo(f"no pipeline specs (*.yaml, *.yml) in {', '.join(map(str, paths))}", err=True)
@@ -117,6 +133,24 @@ def for_engine(spec, engine: str) -> tuple[object, list[str]]:
     return PipelineSpec.model_validate(raw), used
 
 
+def task_edges(stages: list) -> list[list[str]]:
+    """The DAG's dependencies as ``[upstream, downstream]`` task id pairs, upstream first.
+
+    The same wiring as :func:`operators.dag_builder.build_dag`: a stage without ``depends_on``
+    follows ``prepare_data``, the leaf stages feed ``validate_checkpoint``, which feeds
+    ``register_model``. ``stages``: :func:`operators.spec.stages.resolve_stages` of the spec.
+    """
+    from operators.spec.stages import leaf_stages, stage_task_id
+
+    edges = []
+    for stage in stages:
+        for upstream in [stage_task_id(name) for name in stage.depends_on] or ["prepare_data"]:
+            edges.append([upstream, stage.task_id])
+    edges += [[leaf.task_id, "validate_checkpoint"] for leaf in leaf_stages(stages)]
+    edges.append(["validate_checkpoint", "register_model"])
+    return edges
+
+
 @app.command()
 def render(file: Path, engine: str = typer.Option(None, help="Engine to render for.")) -> None:
     """Dry run: the DAG's tasks and the exact request the engine would receive."""
@@ -147,12 +181,18 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
         typer.echo(f"note: {file} is written for another engine; rendering for {engine!r} with "
                    f"placeholders for what it lacks:", err=True)
         for line in placeholders:
-            typer.echo(f"  training spec field {line}", err=True)
+            typer.echo(f"  spec field {line}", err=True)
     from operators.jobconfig import init_block
     from operators.spec.stages import resolve_stages, stage_folder
 
     requests = {}
     stages = resolve_stages(spec)
+    for stage in stages:
+        if stage.training.engine != engine:
+            typer.echo(f"note: stage {stage.name!r} sets its own engine "
+                       f"{stage.training.engine!r} and keeps it (--engine switches the "
+                       f"pipeline's training.engine only); its request below is for "
+                       f"{stage.training.engine!r}", err=True)
     for stage in stages:  # one training task per stage (docs/stages.md); `train` without stages
         identity = JobIdentity(spec.dag_id, "<run_id>", stage.task_id, 1)
         init = None
@@ -179,6 +219,7 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
         "dag_id": spec.dag_id,
         "engine": engine,
         "tasks": ["prepare_data", *requests, "validate_checkpoint", "register_model"],
+        "edges": task_edges(stages),
     }
     if spec.stages:
         out["train_requests"] = requests

@@ -15,6 +15,7 @@ end, also on failure) unless ``RAY_API_SERVER_ADDRESS``, ``RAY_ADDRESS`` or the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -39,33 +40,63 @@ _TASK_START = re.compile(r"\[DAG TEST\] starting task_id=(\S+)")
 _TASK_END = re.compile(r"\[DAG TEST\] end task task_id=(\S+)")
 
 
-def console_line(line: str) -> str | None:
-    """The part of one `airflow dags test` output line worth showing on the console, or None.
+_NEW_STATE = re.compile(r"\bTask instance state updated\b.*\bnew_state=(\w+)")
+_TASK_ERROR = re.compile(r"\[DAG TEST\] Error running task")
+# How a task's final Airflow state reads on the console.
+_OUTCOMES = {"success": "success", "failed": "failed", "up_for_retry": "up for retry",
+             "upstream_failed": "upstream failed", "skipped": "skipped", "removed": "removed"}
 
-    Shown: task starts and ends, trainforge's own log lines (operators, trigger, trainer rank
-    0) and every warning or error; Airflow's internal chatter stays in the full log file.
+
+class ConsoleFilter:
+    """The part of each `airflow dags test` output line worth showing on the console.
+
+    Shown: task starts and ends with the task's outcome, trainforge's own log lines (operators,
+    trigger, trainer rank 0) and every warning or error; Airflow's internal chatter stays in the
+    full log file. Stateful: `airflow dags test` runs one task at a time, and the last state
+    Airflow's execution API recorded for it (``Task instance state updated ... new_state=X``)
+    before its ``[DAG TEST] end task`` line is its outcome.
     """
-    match = _STRUCTLOG.match(line)
-    if not match:
-        # Of a traceback, only the exception lines: "package.SomeError: what went wrong".
-        if _EXCEPTION_LINE.match(line):
-            return f"    !! {line.rstrip()}"
-        if line.startswith("  - "):  # the bullet list of a trainforge failure message
-            return f"    !! {line.strip()}"
+
+    def __init__(self) -> None:
+        self._state: str | None = None
+
+    def __call__(self, line: str) -> str | None:
+        """The console text for ``line`` (one line of output), or None to show nothing."""
+        if new_state := _NEW_STATE.search(line):  # key-value fields come before its loc=
+            self._state = new_state[1]
+            return None
+        match = _STRUCTLOG.match(line)
+        if not match:
+            # Of a traceback, only the exception lines: "package.SomeError: what went wrong".
+            if _EXCEPTION_LINE.match(line):
+                return f"    !! {line.rstrip()}"
+            if line.startswith("  - "):  # the bullet list of a trainforge failure message
+                return f"    !! {line.strip()}"
+            return None
+        level, event, logger = match["level"], match["event"], match["logger"]
+        if started := _TASK_START.search(event):
+            self._state = None
+            return f"==> task {started[1]}"
+        if _TASK_ERROR.search(event):
+            # dags test marks a task whose run raised (without reporting a state) failed.
+            self._state = self._state if self._state in ("success", "up_for_retry") else "failed"
+        if ended := _TASK_END.search(event):
+            outcome = _OUTCOMES.get(self._state or "", self._state or "ended, state unknown")
+            self._state = None
+            return f"<== task {ended[1]}: {outcome}"
+        if "TrainingJobTrigger" in logger:
+            # "[job-key] [default0]:<time> rank0 INFO trainer.train: step 10/300 | ..."
+            return "    " + re.sub(r"^\[[^\]]+\] (\[default\d+\]:)?(\S+ \S+ )?", "", event)
+        if logger.startswith(("airflow.task.operators.operators.", "operators.", "trainforge")):
+            return f"    {event}"
+        if level in ("warning", "error", "critical") and "py.warnings" not in logger:
+            return f"    {level.upper()}: {event} [{logger}]"
         return None
-    level, event, logger = match["level"], match["event"], match["logger"]
-    if started := _TASK_START.search(event):
-        return f"==> task {started[1]}"
-    if ended := _TASK_END.search(event):
-        return f"<== task {ended[1]} done"
-    if "TrainingJobTrigger" in logger:
-        # "[job-key] [default0]:<time> rank0 INFO trainer.train: step 10/300 | ..."
-        return "    " + re.sub(r"^\[[^\]]+\] (\[default\d+\]:)?(\S+ \S+ )?", "", event)
-    if logger.startswith(("airflow.task.operators.operators.", "operators.", "trainforge")):
-        return f"    {event}"
-    if level in ("warning", "error", "critical") and "py.warnings" not in logger:
-        return f"    {level.upper()}: {event} [{logger}]"
-    return None
+
+
+def console_line(line: str) -> str | None:
+    """:class:`ConsoleFilter` for a single line seen on its own (no task state known)."""
+    return ConsoleFilter()(line)
 
 
 def airflow_env(home: Path, pipelines: list[Path] | None = None) -> dict[str, str]:
@@ -146,25 +177,72 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
             continue
 
 
-def cancel_running_jobs(home: Path, dag_id: str) -> list[str]:
-    """Cancel every still-running local job of ``dag_id`` (after the user interrupted a run)."""
+@dataclasses.dataclass
+class StoppedJobs:
+    """What stopping an interrupted run found: job keys (or Ray submission ids) per outcome.
+
+    ``cancelled``: still running, cancelled by the runner. ``already_cancelled``: submitted by
+    this run and already cancelled when the runner looked, usually by its task's ``on_kill``
+    when Airflow was stopped.
+    """
+
+    cancelled: list[str] = dataclasses.field(default_factory=list)
+    already_cancelled: list[str] = dataclasses.field(default_factory=list)
+
+    def __iadd__(self, other: StoppedJobs) -> StoppedJobs:
+        self.cancelled += other.cancelled
+        self.already_cancelled += other.already_cancelled
+        return self
+
+    def message(self) -> str:
+        """One console line saying which jobs were cancelled, and by whom."""
+        parts = []
+        if self.cancelled:
+            parts.append(f"cancelled {len(self.cancelled)} running job(s): "
+                         f"{', '.join(self.cancelled)}")
+        if self.already_cancelled:
+            parts.append(f"{len(self.already_cancelled)} job(s) already cancelled by their task "
+                         f"when Airflow stopped: {', '.join(self.already_cancelled)}")
+        if not parts:
+            return "No training job of this run was running."
+        text = "; ".join(parts)
+        return text[0].upper() + text[1:]
+
+
+def stop_local_jobs(home: Path, dag_id: str, since_epoch_s: float | None = None) -> StoppedJobs:
+    """Cancel every still-running local job of ``dag_id`` (after the user interrupted a run).
+
+    Jobs of ``dag_id`` submitted at or after ``since_epoch_s`` (the run's start, Unix seconds)
+    that are already cancelled are listed as ``already_cancelled``; without it none are.
+    """
+    from operators.backends.base import JobState
     from operators.backends.local import LocalBackend
 
     backend = LocalBackend(home / "runs")
-    cancelled = []
+    stopped = StoppedJobs()
     for request in sorted((home / "runs").glob("*/request.json")):
         try:
             identity = json.loads(request.read_text()).get("identity", {})
+            submitted = request.stat().st_mtime
         except (OSError, json.JSONDecodeError):
             continue
         if identity.get("dag_id") != dag_id:
             continue
         handle = {"engine": "local", "key": request.parent.name, "job_dir": str(request.parent),
                   "identity": identity}
-        if not backend.status(handle).state.terminal:
+        state = backend.status(handle).state
+        if not state.terminal:
             backend.cancel(handle, grace_s=15)
-            cancelled.append(request.parent.name)
-    return cancelled
+            stopped.cancelled.append(request.parent.name)
+        elif (state is JobState.CANCELLED and since_epoch_s is not None
+              and submitted >= since_epoch_s):
+            stopped.already_cancelled.append(request.parent.name)
+    return stopped
+
+
+def cancel_running_jobs(home: Path, dag_id: str) -> list[str]:
+    """Cancel every still-running local job of ``dag_id``; the keys of those cancelled."""
+    return stop_local_jobs(home, dag_id).cancelled
 
 
 def _count(value: float | None) -> int | None:
@@ -253,6 +331,28 @@ def _stage_summary(spec: PipelineSpec, summary: dict[str, Any], metrics: dict[st
     })
 
 
+def gate_line(summary: dict[str, Any]) -> str:
+    """The summary's eval-gate row: the decision, its reason and where the champion alias is.
+
+    ``gate_decision`` is ``pass``, ``fail`` or ``skipped`` (operators/gate.py); the alias moves
+    only on ``pass``. Without a decision the gate did not run, and the row says why.
+    """
+    decision = summary.get("gate_decision")
+    if not decision:
+        state = ((summary.get("stages") or {}).get("register_model") or {}).get("state")
+        if state == "success":
+            return "not run: register_model recorded no gate decision"
+        return (f"not run: register_model did not finish"
+                f"{f' (state {state})' if state else ''}")
+    champion = summary.get("champion_after")
+    champion = f"v{champion}" if champion and champion != "none" else None
+    reason = summary.get("gate_reason") or "-"
+    if decision == "pass":
+        return f"pass: {reason}" + (f" (champion is now {champion})" if champion else "")
+    return (f"{decision}: {reason} "
+            f"({f'champion stays {champion}' if champion else 'no champion: the alias stays unset'})")
+
+
 def print_summary(summary: dict[str, Any], console: Console) -> None:
     def fmt(value, spec=""):
         if value is None:
@@ -281,8 +381,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         ("registered model", (f"{summary['registered_model']} v{summary.get('model_version')} "
                               f"@{', @'.join(summary.get('aliases') or [])}")
          if summary.get("registered_model") else "- (not registered)"),
-        ("eval gate", f"{fmt(summary.get('gate_decision'))}: {fmt(summary.get('gate_reason'))}"
-                      f" (champion is now v{fmt(summary.get('champion_after'))})"),
+        ("eval gate", gate_line(summary)),
         ("MLflow run", fmt(summary.get("mlflow_run_url"))),
     ]
     usage = summary.get("accounting") or {}
@@ -371,20 +470,30 @@ def ray_cluster(spec: PipelineSpec, stack: contextlib.ExitStack, console: Consol
     return head.address
 
 
-def cancel_ray_jobs(address: str, dag_id: str) -> list[str]:
-    """Stop every unfinished Ray job of ``dag_id`` on ``address`` (after an interrupted run)."""
+def cancel_ray_jobs(address: str, dag_id: str, since_epoch_s: float | None = None) -> StoppedJobs:
+    """Stop every unfinished Ray job of ``dag_id`` on ``address`` (after an interrupted run).
+
+    Jobs of ``dag_id`` started at or after ``since_epoch_s`` that are already stopped are
+    listed as ``already_cancelled``.
+    """
+    from ray.job_submission import JobStatus
+
     from operators.backends.ray import RayBackend
 
     backend = RayBackend(address=address)
-    cancelled = []
+    stopped = StoppedJobs()
     for info in backend._client().list_jobs():
         meta = info.metadata or {}
-        if meta.get("trainforge.dag_id") != dag_id or info.status.is_terminal():
+        if meta.get("trainforge.dag_id") != dag_id:
             continue
-        backend.cancel({"submission_id": info.submission_id, "key": meta.get("trainforge.key")},
-                       grace_s=15)
-        cancelled.append(info.submission_id)
-    return cancelled
+        if not info.status.is_terminal():
+            backend.cancel({"submission_id": info.submission_id, "key": meta.get("trainforge.key")},
+                           grace_s=15)
+            stopped.cancelled.append(info.submission_id)
+        elif (info.status == JobStatus.STOPPED and since_epoch_s is not None
+              and (info.start_time or 0) / 1000 >= since_epoch_s):
+            stopped.already_cancelled.append(info.submission_id)
+    return stopped
 
 
 def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
@@ -447,6 +556,7 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         log_path = log_dir / f"{spec.dag_id}-{dt.datetime.now():%Y%m%d-%H%M%S}.log"
         console.print(f"Running DAG {spec.dag_id} through `airflow dags test` "
                       f"(full log: {log_path})", soft_wrap=True)
+        run_started = time.time()
         with open(log_path, "w", encoding="utf-8", buffering=1) as full_log:
             proc = subprocess.Popen(
                 [str(Path(sys.executable).with_name("airflow")), "dags", "test", spec.dag_id],
@@ -454,20 +564,21 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
                 start_new_session=True,
             )
             assert proc.stdout is not None
+            console_filter = ConsoleFilter()
             try:
                 for line in proc.stdout:
                     full_log.write(line)
-                    shown = console_line(line)
+                    shown = console_filter(line)
                     if shown is not None:
                         console.print(shown, markup=False, highlight=False, soft_wrap=True)
                 rc = proc.wait()
             except KeyboardInterrupt:
                 console.print("Interrupted: stopping Airflow and cancelling this pipeline's jobs")
                 _stop_group(proc)
-                cancelled = cancel_running_jobs(home, spec.dag_id)
+                stopped = stop_local_jobs(home, spec.dag_id, since_epoch_s=run_started)
                 if ray_address:
-                    cancelled += cancel_ray_jobs(ray_address, spec.dag_id)
-                console.print(f"Cancelled {len(cancelled)} running job(s): {', '.join(cancelled) or '-'}")
+                    stopped += cancel_ray_jobs(ray_address, spec.dag_id, run_started)
+                console.print(stopped.message(), markup=False)
                 raise
         airflow_run = _latest_run(spec.dag_id, env)
         if airflow_run is None:

@@ -3,7 +3,8 @@
 Registered in tests/conftest.py. Started on first use (``ray start --head`` on 127.0.0.1, free
 ports, a short temporary folder, 2 logical CPUs, a 200 MB object store) and stopped at the end
 of the session, also when tests fail; the teardown fails the session if a process of the head
-had to be killed forcefully or survives.
+had to be killed forcefully or survives. Jobs run with ``TMPDIR`` inside the head's temporary
+folder (``head.job_tmp_dir``), which is removed at the end: their job folders go with it.
 """
 
 from __future__ import annotations

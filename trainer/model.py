@@ -163,8 +163,28 @@ def check_weights(expected: dict[str, torch.Size], tied: set[str], tensors: dict
                          f"shape mismatch [{shapes}]")
 
 
+#: The pipeline spec field that sets each of `ARCHITECTURE_KEYS` (see `llama_config`), so that an
+#: architecture mismatch names what the user edits. Keys without a first-class field come from
+#: ``model.config_overrides``; ``vocab_size`` comes from the dataset's tokenizer.
+SPEC_FIELD_OF_KEY = {
+    "vocab_size": "data.tokenizer.vocab_size",
+    "hidden_size": "model.hidden_size",
+    "intermediate_size": "model.intermediate_size",
+    "num_hidden_layers": "model.num_layers",
+    "num_attention_heads": "model.num_heads",
+    "num_key_value_heads": "model.num_kv_heads",
+    "head_dim": "model.hidden_size / model.num_heads (head_dim)",
+    "tie_word_embeddings": "model.tie_word_embeddings",
+    "rope_theta": "model.rope_theta",
+}
+
+
 def architecture_differences(model: LlamaConfig, source: LlamaConfig) -> list[str]:
-    """``"key: model X, source Y"`` for each of `ARCHITECTURE_KEYS` on which two configs differ."""
+    """``"field: model X, source Y"`` for each of `ARCHITECTURE_KEYS` on which two configs differ.
+
+    ``field`` is the spec field of the key (`SPEC_FIELD_OF_KEY`, e.g. ``model.num_layers`` for
+    ``num_hidden_layers``), else ``model.config_overrides.<key>``.
+    """
     def value(config: LlamaConfig, key: str) -> Any:
         if key == "rope_theta":
             return (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
@@ -172,7 +192,8 @@ def architecture_differences(model: LlamaConfig, source: LlamaConfig) -> list[st
             return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return getattr(config, key, None)
 
-    return [f"{key}: model {value(model, key)!r}, source {value(source, key)!r}"
+    return [f"{SPEC_FIELD_OF_KEY.get(key, f'model.config_overrides.{key}')}: "
+            f"model {value(model, key)!r}, source {value(source, key)!r}"
             for key in ARCHITECTURE_KEYS if value(model, key) != value(source, key)]
 
 

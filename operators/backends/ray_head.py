@@ -7,6 +7,10 @@ process group, every descendant of it (Ray workers and the jobs they run live in
 of their own) and any process whose command line names its temporary folder. It does not call
 ``ray stop``, which would stop every Ray instance of the user on this machine.
 
+Jobs run with ``TMPDIR`` set to ``<temp dir>/tmp`` (and ``RAY_TMPDIR`` to the temp dir), so the
+folders they make (the Ray engine's ``trainforge-<key>.*`` job folders) live inside the head's
+temporary folder and go when the owner removes it, not in the system's temporary folder.
+
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` and ``--node-ip-address 127.0.0.1`` keep every Ray
 service on loopback. The head's ``PATH`` starts with this interpreter's ``bin`` folder, so a job
 entrypoint that calls ``torchrun`` finds the one of this environment.
@@ -59,6 +63,9 @@ class LocalRayHead:
         start_timeout_s: how long to wait for ``ray start`` and then the job API, seconds.
         stop_grace_s: SIGTERM, then SIGKILL after this many seconds.
 
+    Attributes:
+        job_tmp_dir: ``TMPDIR`` of the head and every job it runs, ``<temp_dir>/tmp``.
+
     Attributes (after start):
         address: the dashboard / job API address, ``http://127.0.0.1:<port>``.
         gcs_address: ``127.0.0.1:<port>`` of the head's GCS.
@@ -71,6 +78,7 @@ class LocalRayHead:
     def __init__(self, temp_dir: str | os.PathLike, num_cpus: int = 2, object_store_mib: int = 200,
                  start_timeout_s: float = 120.0, stop_grace_s: float = 10.0):
         self.temp_dir = Path(temp_dir).absolute()
+        self.job_tmp_dir = self.temp_dir / "tmp"
         self.num_cpus = int(num_cpus)
         self.object_store_mib = int(object_store_mib)
         self.start_timeout_s = float(start_timeout_s)
@@ -81,6 +89,7 @@ class LocalRayHead:
 
     def start(self) -> LocalRayHead:
         self.temp_dir.mkdir(parents=True, exist_ok=True)
+        self.job_tmp_dir.mkdir(exist_ok=True)
         bin_dir = str(Path(sys.executable).parent)
         ports = {name: free_port() for name in (
             "port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
@@ -95,7 +104,9 @@ class LocalRayHead:
             argv += [f"--{name}", str(port)]
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-               "RAY_USAGE_STATS_ENABLED": "0"}
+               "RAY_USAGE_STATS_ENABLED": "0",
+               # Inherited by the raylet and so by every job: their temporary files stay here.
+               "TMPDIR": str(self.job_tmp_dir), "RAY_TMPDIR": str(self.temp_dir)}
         # A RAY_ADDRESS of the caller would make `ray start` join that cluster's checks.
         for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
             env.pop(name, None)

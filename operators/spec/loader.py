@@ -396,3 +396,24 @@ def validate_overrides(spec: PipelineSpec, overrides: dict[str, Any]) -> Pipelin
                 for e in err.errors()
             ]
         ) from err
+
+
+def name_position(file: Path) -> tuple[int, int]:
+    """``(line, column)``, 1-based, of the value of ``pipeline.name`` in the YAML ``file``.
+
+    ``(1, 1)`` when it cannot be located (the file was read and validated just before).
+    """
+    import yaml
+
+    try:
+        root = yaml.compose(file.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, yaml.YAMLError):
+        return 1, 1
+    node = root
+    for key in ("pipeline", "name"):
+        if not isinstance(node, yaml.MappingNode):
+            return 1, 1
+        node = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
+        if node is None:
+            return 1, 1
+    return node.start_mark.line + 1, node.start_mark.column + 1

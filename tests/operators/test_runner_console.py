@@ -1,6 +1,8 @@
 """What `trainforge run` shows on the console from Airflow's output."""
 
-from operators.runner import console_line
+import pytest
+
+from operators.runner import ConsoleFilter, console_line, gate_line
 
 
 def test_task_boundaries_trainer_lines_and_failures_are_shown_and_chatter_is_not():
@@ -21,3 +23,64 @@ def test_task_boundaries_trainer_lines_and_failures_are_shown_and_chatter_is_not
     }
     for line, shown in lines.items():
         assert console_line(line) == shown, line
+
+
+_START = ("2026-11-29T23:30:14.108168Z [info     ] [DAG TEST] starting task_id=prepare_data "
+          "map_index=-1 [airflow.sdk.definitions.dag] loc=dag.py:1501")
+_RUNNING = ("2026-11-29T23:30:18.232071Z [info     ] Task instance state updated    "
+            "[airflow.api_fastapi.execution_api.routes.task_instances] correlation_id=01a229a5 "
+            "loc=task_instances.py:254 rows_affected=1 ti_id=01a229a5")
+_END = ("2026-11-29T23:30:19.775095Z [info     ] [DAG TEST] end task task_id=prepare_data "
+        "map_index=-1 [airflow.sdk.definitions.dag] loc=dag.py:1563")
+
+
+def _updated(state: str) -> str:
+    """The execution API's line when a task reports its state (Airflow 3.3, as logged)."""
+    return ("2026-11-29T23:30:19.759573Z [info     ] Task instance state updated    "
+            "[airflow.api_fastapi.execution_api.routes.task_instances] correlation_id=01a229a5 "
+            f"loc=task_instances.py:485 new_state={state} rows_affected=1 ti_id=01a229a5")
+
+
+@pytest.mark.parametrize(("state", "shown"), [
+    ("failed", "<== task prepare_data: failed"),
+    ("up_for_retry", "<== task prepare_data: up for retry"),
+    ("success", "<== task prepare_data: success"),
+])
+def test_a_task_end_shows_the_state_airflow_recorded(state, shown):
+    console = ConsoleFilter()
+    assert console(_START) == "==> task prepare_data"
+    assert console(_RUNNING) is None
+    assert console(_updated(state)) is None
+    assert console(_END) == shown
+
+
+def test_a_deferred_task_ends_with_the_state_after_its_trigger():
+    console = ConsoleFilter()
+    console(_START)
+    console(_updated("deferred"))
+    console(_updated("success"))
+    assert console(_END) == "<== task prepare_data: success"
+
+
+def test_a_task_end_without_a_recorded_state_never_claims_done():
+    assert console_line(_END) == "<== task prepare_data: ended, state unknown"
+    console = ConsoleFilter()
+    console(_START)
+    console("2026-11-29T23:30:19.7Z [error    ] [DAG TEST] Error running task <TaskInstance: x> "
+            "[airflow.sdk.definitions.dag] loc=dag.py:1556")
+    assert console(_END) == "<== task prepare_data: failed"
+
+
+@pytest.mark.parametrize(("summary", "line"), [
+    ({"stages": {"register_model": {"state": "upstream_failed"}}},
+     "not run: register_model did not finish (state upstream_failed)"),
+    ({}, "not run: register_model did not finish"),
+    ({"gate_decision": "pass", "gate_reason": "first version", "champion_after": "1"},
+     "pass: first version (champion is now v1)"),
+    ({"gate_decision": "fail", "gate_reason": "val_loss 5.1 vs 4.9", "champion_after": "1"},
+     "fail: val_loss 5.1 vs 4.9 (champion stays v1)"),
+    ({"gate_decision": "fail", "gate_reason": "above max_val_loss", "champion_after": "none"},
+     "fail: above max_val_loss (no champion: the alias stays unset)"),
+])
+def test_the_gate_row_says_whether_the_gate_ran_and_where_the_champion_is(summary, line):
+    assert gate_line(summary) == line

@@ -48,3 +48,53 @@ def test_a_ray_cluster_that_answers_is_used_and_none_is_started(ray_head, monkey
         assert address == ray_head.address
         assert not stack._exit_callbacks  # no head was started, nothing to stop
     assert env == {"RAY_API_SERVER_ADDRESS": ray_head.address}
+
+
+@pytest.mark.integration
+def test_ray_jobs_make_their_folders_inside_the_heads_temp_folder(ray_head):
+    import time
+
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(ray_head.address)
+    # The first step of the Ray engine's entrypoint (operators/backends/ray.py).
+    job_id = client.submit_job(
+        entrypoint='echo "folder=$(mktemp -d "${TMPDIR:-/tmp}/trainforge-tmpdir-check.XXXXXX")"')
+    deadline = time.monotonic() + 60
+    # The job's log can lag its end by a moment: wait for the line too.
+    while not (client.get_job_status(job_id).is_terminal()
+               and "\nfolder=" in "\n" + client.get_job_logs(job_id)):
+        assert time.monotonic() < deadline, "the Ray job did not end and log within 60 s"
+        time.sleep(0.5)
+    assert client.get_job_status(job_id) == JobStatus.SUCCEEDED
+    line = next(x for x in client.get_job_logs(job_id).splitlines() if x.startswith("folder="))
+    folder = Path(line.removeprefix("folder="))
+    assert folder.parent == ray_head.job_tmp_dir and folder.is_dir()
+    assert str(ray_head.job_tmp_dir).startswith(str(ray_head.temp_dir))
+
+
+@pytest.mark.integration
+def test_an_interrupted_ray_run_names_the_jobs_stopped_before_it_looked(ray_head):
+    import time
+
+    from ray.job_submission import JobSubmissionClient
+
+    from operators.runner import cancel_ray_jobs
+
+    client = JobSubmissionClient(ray_head.address)
+    since = time.time()
+    meta = {"trainforge.dag_id": "interrupted_dag", "trainforge.key": "k"}
+    stopped_first = client.submit_job(entrypoint="sleep 120", metadata=meta)
+    running = client.submit_job(entrypoint="sleep 120", metadata=meta)
+    deadline = time.monotonic() + 60
+    while any(client.get_job_status(j).value == "PENDING" for j in (stopped_first, running)):
+        assert time.monotonic() < deadline, "the Ray jobs did not start within 60 s"
+        time.sleep(0.5)
+    client.stop_job(stopped_first)  # what the task's on_kill does when Airflow stops
+    while not client.get_job_status(stopped_first).is_terminal():
+        assert time.monotonic() < deadline, "the stopped Ray job did not end within 60 s"
+        time.sleep(0.5)
+    stopped = cancel_ray_jobs(ray_head.address, "interrupted_dag", since)
+    assert stopped.cancelled == [running]
+    assert stopped.already_cancelled == [stopped_first]
+    assert client.get_job_status(running).is_terminal()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import safetensors.torch
 import torch
 
@@ -50,7 +51,25 @@ def test_another_architecture_fails_as_a_bad_config(tmp_path, dataset_dir, tools
     proc = tools.run_trainer(job, tmp_path / "result.json")
     assert proc.returncode == 78, proc.stdout[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    assert "num_hidden_layers: model 3, source 2" in result["message"]
+    assert "model.num_layers: model 3, source 2" in result["message"]
+    assert "num_hidden_layers" not in result["message"]
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"num_hidden_layers": 3}, "model.num_layers: model 3, source 2"),
+    ({"num_attention_heads": 2, "num_key_value_heads": 2}, "model.num_heads: model 2, source 4"),
+    ({"hidden_act": "gelu"}, "model.config_overrides.hidden_act: model 'gelu', source 'silu'"),
+])
+def test_an_architecture_difference_names_the_spec_field(change, named):
+    from transformers import LlamaConfig
+
+    from trainer.model import architecture_differences
+
+    base = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
+    problems = architecture_differences(LlamaConfig(**{**base, **change}), LlamaConfig(**base))
+    assert named in problems
+    assert not any(key in " ".join(problems) for key in change if key != "hidden_act")
 
 
 def test_a_checkpoint_of_its_own_wins_over_init(tmp_path, dataset_dir, tools, trained_run):
