@@ -20,7 +20,9 @@ from operators.spec.loader import SpecError, validate_overrides
 from operators.spec.model import PipelineSpec
 
 # DAG param name -> dotted spec path. These are the fields a researcher may override in the
-# Airflow UI's trigger form; the DAG builder turns each into a typed Param.
+# Airflow UI's trigger form; the DAG builder turns each into a typed Param. They change the
+# top-level `training`; with `stages`, every stage inherits the new value unless its own
+# `training` block sets that field (docs/stages.md, "Trigger-form params").
 TUNABLE_PARAMS: dict[str, str] = {
     "max_steps": "training.optimization.max_steps",
     "learning_rate": "training.optimization.learning_rate",

@@ -27,7 +27,8 @@ from typing import Any
 
 from operators.base import TrainforgeStageOperator, fail_permanently
 from operators.gate import PASS, GateDecision, decide, evaluator_argv
-from operators.validation import threshold_failures
+from operators.paths import dataset_location
+from operators.validation import s3_env, threshold_failures
 
 # Rounds of "evaluate against the champion, then check it did not move meanwhile" before giving up.
 MAX_GATE_ROUNDS = 3
@@ -123,6 +124,10 @@ class RegisterModelOperator(TrainforgeStageOperator):
         ti = context["ti"]
         prepared = ti.xcom_pull(task_ids=self.prepare_task_id) or {}
         validated = ti.xcom_pull(task_ids=self.validate_task_id) or {}
+        if validated.get("stage"):  # the chosen leaf stage (docs/stages.md): its settings
+            from operators.spec.stages import stage_spec
+
+            spec = stage_spec(spec, validated["stage"])
         if not validated.get("checkpoint") or not validated.get("checkpoint_digest"):
             fail_permanently(f"no validated checkpoint (validate XCom was {validated!r})")
         run_id = self.mlflow_run_id(context, spec)
@@ -137,8 +142,8 @@ class RegisterModelOperator(TrainforgeStageOperator):
             else:
                 rc = self.run_streaming(
                     [self.python(), "-m", "trainer.export", "--checkpoint", validated["checkpoint"],
-                     "--dataset", prepared["dataset_dir"], "--out", str(hf_dir)],
-                    timeout_s=self.timeout_s,
+                     "--dataset", dataset_location(prepared), "--out", str(hf_dir)],
+                    timeout_s=self.timeout_s, env=s3_env(spec),
                 )
                 if rc != 0:
                     fail_permanently(
@@ -151,6 +156,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
                 "trainforge.checkpoint": validated["checkpoint"],
                 "trainforge.checkpoint_step": str(validated.get("step")),
                 "trainforge.dataset_digest": str(prepared.get("digest")),
+                **({"trainforge.stage": validated["stage"]} if validated.get("stage") else {}),
             }
             registered = self.mlflow_hook.register_model_version(
                 run_id=run_id,
@@ -241,12 +247,13 @@ class RegisterModelOperator(TrainforgeStageOperator):
         with tempfile.TemporaryDirectory(prefix="trainforge-gate-") as tmp:
             report_path = Path(tmp) / "evaluation.json"
             argv = evaluator_argv(
-                self.python(), prepared["dataset_dir"],
+                self.python(), dataset_location(prepared),
                 {"candidate": f"models:/{name}/{version}",
                  "champion": f"models:/{name}/{champion_version}"},
                 str(report_path), spec.validation.eval_tokens,
             )
-            env = {**os.environ, "MLFLOW_TRACKING_URI": self.mlflow_hook.tracking_uri}
+            env = {**(s3_env(spec) or os.environ),
+                   "MLFLOW_TRACKING_URI": self.mlflow_hook.tracking_uri}
             rc = self.run_streaming(argv, timeout_s=self.timeout_s, env=env)
             if not report_path.exists():
                 raise RuntimeError(f"trainer.evaluate wrote no report for {name} v{version} vs "

@@ -5,13 +5,21 @@ handle, numbers) so that Airflow can serialise it; it rebuilds its backend insid
 Every backend call is blocking I/O, so it runs in a thread (``asyncio.to_thread``) and never on
 the event loop.
 
+Cancel on kill: when the trigger is cancelled (``asyncio.CancelledError`` in :meth:`run`, and
+Airflow 3.3's :meth:`on_kill` hook) it asks the Airflow API for the task instance's current state
+and cancels the job only when the task is no longer ``deferred`` — the user marked it failed or
+success, cleared it, or its trigger timed out. A triggerer restart or a trigger moved to another
+triggerer leaves the task ``deferred``, so a healthy job keeps running; so does any doubt (the
+state cannot be read). ``cancel_on_kill=False`` keeps the job in every case. This is the pattern
+of Airflow's own provider triggers (``safe_to_cancel`` via ``RuntimeTaskInstance.get_task_states``).
+
 Events form one closed set (:data:`EVENT_STATUSES`); each carries a human ``message`` and the
 job's identity::
 
     {"status": "success" | "error" | "timeout" | "cancelled", "message": str,
      "job": {dag_id, run_id, task_id, try_number}, "handle": {...}, "exit_code": int | None,
      "failure": "permanent" | "transient" | None, "result": {...} | None,
-     "wall_s": float | None, "log_offset": int}
+     "wall_s": float | None, "log_offset": int, "deadline_reason": str | None}
 """
 
 from __future__ import annotations
@@ -25,6 +33,11 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 EVENT_STATUSES = ("success", "error", "timeout", "cancelled")
 
+# How long the task-state lookup on cancellation may take before we give up and keep the job.
+# The triggerer answers it through its in-process API server, which can take seconds to warm up
+# on a busy machine; the trigger warms it up when it starts (see `_wait`).
+STATE_LOOKUP_TIMEOUT_S = 25.0
+
 
 class TrainingJobTrigger(BaseTrigger):
     """Poll a training job until it ends, passing rank 0's new log lines to the task log.
@@ -37,6 +50,10 @@ class TrainingJobTrigger(BaseTrigger):
         deadline_epoch_s: absolute UNIX time after which a ``timeout`` event is sent.
         log_offset: byte offset of the job log already shown.
         max_log_bytes_per_poll: cap on log bytes read per poll (bounds memory for chatty jobs).
+        cancel_on_kill: cancel the job when the task is killed while deferred (see module doc).
+        cancel_grace_s: seconds between the polite stop and the forced one when cancelling.
+        deadline_reason: what ``deadline_epoch_s`` is (``run_timeout`` of the job or the task's
+            ``execution_timeout``); carried into the ``timeout`` event.
     """
 
     def __init__(
@@ -48,6 +65,9 @@ class TrainingJobTrigger(BaseTrigger):
         deadline_epoch_s: float | None = None,
         log_offset: int = 0,
         max_log_bytes_per_poll: int = 262_144,
+        cancel_on_kill: bool = True,
+        cancel_grace_s: float = 20.0,
+        deadline_reason: str | None = None,
     ):
         super().__init__()
         self.engine = engine
@@ -57,6 +77,10 @@ class TrainingJobTrigger(BaseTrigger):
         self.deadline_epoch_s = deadline_epoch_s
         self.log_offset = int(log_offset)
         self.max_log_bytes_per_poll = int(max_log_bytes_per_poll)
+        self.cancel_on_kill = bool(cancel_on_kill)
+        self.cancel_grace_s = float(cancel_grace_s)
+        self.deadline_reason = deadline_reason
+        self._kill_handled = False
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -69,6 +93,9 @@ class TrainingJobTrigger(BaseTrigger):
                 "deadline_epoch_s": self.deadline_epoch_s,
                 "log_offset": self.log_offset,
                 "max_log_bytes_per_poll": self.max_log_bytes_per_poll,
+                "cancel_on_kill": self.cancel_on_kill,
+                "cancel_grace_s": self.cancel_grace_s,
+                "deadline_reason": self.deadline_reason,
             },
         )
 
@@ -88,6 +115,7 @@ class TrainingJobTrigger(BaseTrigger):
             "result": getattr(job_status, "result", None),
             "wall_s": getattr(job_status, "wall_s", None),
             "log_offset": self.log_offset,
+            "deadline_reason": self.deadline_reason,
         }
         return TriggerEvent(payload)
 
@@ -103,6 +131,112 @@ class TrainingJobTrigger(BaseTrigger):
                 return
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        # The first state lookup warms up the triggerer's API path, so that the one made on
+        # cancellation answers within its timeout.
+        warm_up = asyncio.create_task(self._log_task_state())
+        try:
+            async for event in self._wait():
+                yield event
+        except asyncio.CancelledError:
+            await self._cancel_job_if_task_killed("trigger cancelled")
+            raise
+        finally:
+            warm_up.cancel()
+
+    async def _log_task_state(self) -> None:
+        try:
+            state = await self.task_state()
+        except Exception as err:  # noqa: BLE001 - only a log line
+            self.log.info("Job %s: task state not readable yet (%s)", self.handle.get("key"), err)
+            return
+        if state is not None:
+            self.log.info("Waiting on job %s for a task in state %s", self.handle.get("key"), state)
+
+    async def on_kill(self) -> None:
+        """Airflow 3.3+: called by the triggerer when a user acted on the deferred task."""
+        await self._cancel_job_if_task_killed("user action on the task")
+
+    # -- cancel on kill ---------------------------------------------------------------------
+    async def task_state(self) -> str | None:
+        """The deferred task instance's current state in Airflow (``"deferred"``, ``"failed"``...).
+
+        Read through the Task SDK (``RuntimeTaskInstance.get_task_states``), which the
+        triggerer proxies to the Airflow API. ``"none"`` for a task instance without a state
+        (just cleared); None when the trigger runs outside a triggerer (no task instance) or
+        the task instance no longer exists.
+
+        Raises:
+            Exception: whatever the API call raised (the caller keeps the job on any doubt).
+        """
+        ti = getattr(self, "task_instance", None)
+        if ti is None:
+            return None
+        from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+        states = await asyncio.to_thread(
+            RuntimeTaskInstance.get_task_states,
+            dag_id=ti.dag_id,
+            task_ids=[ti.task_id],
+            run_ids=[ti.run_id],
+            map_index=getattr(ti, "map_index", -1),
+        )
+        of_run = (states or {}).get(ti.run_id, {})
+        if ti.task_id not in of_run:
+            return None
+        state = of_run[ti.task_id]
+        # A cleared task instance has no state until the scheduler picks it up again.
+        return "none" if state is None else str(getattr(state, "value", state))
+
+    async def safe_to_cancel(self) -> bool:
+        """True when the task is no longer deferred, i.e. the job's waiter is gone for good.
+
+        False when the task is still ``deferred`` (a triggerer restart or a trigger moved to
+        another triggerer), when there is no task instance to ask, and when the state cannot be
+        read within :data:`STATE_LOOKUP_TIMEOUT_S`: a healthy job is never cancelled on doubt.
+        """
+        key = self.handle.get("key")
+        try:
+            state = await asyncio.wait_for(self.task_state(), STATE_LOOKUP_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - on any doubt, keep the job
+            what = f"no answer within {STATE_LOOKUP_TIMEOUT_S:.0f} s" if isinstance(
+                err, TimeoutError) else f"{type(err).__name__}: {err}"
+            self.log.warning("Job %s: could not read the task's state (%s); keeping the job",
+                             key, what)
+            return False
+        if state is None:
+            self.log.info("Job %s: no task instance to ask; keeping the job", key)
+            return False
+        if state == "deferred":
+            self.log.info("Job %s: the task is still deferred (triggerer restart or trigger "
+                          "moved); keeping the job", key)
+            return False
+        self.log.info("Job %s: the task is now %s", key, state)
+        return True
+
+    async def _cancel_job_if_task_killed(self, why: str) -> None:
+        key = self.handle.get("key")
+        if self._kill_handled:
+            return
+        if not self.cancel_on_kill:
+            self._kill_handled = True
+            self.log.info("Trigger for job %s stopped (%s); cancel_on_kill is false: keeping the "
+                          "job", key, why)
+            return
+        if not await self.safe_to_cancel():
+            return  # a later call (on_kill after run's cancellation) may ask again
+        self._kill_handled = True
+        self.log.warning("Task killed while deferred (%s): cancelling job %s (grace %.0f s)",
+                         why, key, self.cancel_grace_s)
+        try:
+            backend = await asyncio.to_thread(self._backend)
+            status = await asyncio.to_thread(backend.cancel, self.handle, self.cancel_grace_s)
+        except Exception as err:  # noqa: BLE001 - report, never raise out of a cancellation
+            self.log.error("Could not cancel job %s: %s", key, err)
+            return
+        self.log.warning("Job %s cancelled: now %s", key, status.state.value)
+
+    # -- the wait ---------------------------------------------------------------------------
+    async def _wait(self) -> AsyncIterator[TriggerEvent]:
         from operators.backends.base import JobState
 
         backend = await asyncio.to_thread(self._backend)
@@ -127,10 +261,11 @@ class TrainingJobTrigger(BaseTrigger):
                     )
                 return
             if self.deadline_epoch_s is not None and time.time() > self.deadline_epoch_s:
+                reason = self.deadline_reason or "run_timeout"
                 yield self._event(
                     "timeout",
                     f"job {key} still {status.state.value} at its deadline "
-                    f"(run timeout reached); last state: {status.message}",
+                    f"({reason} reached); last state: {status.message}",
                     status,
                 )
                 return

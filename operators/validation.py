@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from operators.base import TrainforgeStageOperator, fail_permanently
+from operators.paths import dataset_location
 from operators.spec.model import PipelineSpec
 
 REPORT_ARTIFACT = "validation/report.json"
@@ -45,13 +46,36 @@ def threshold_failures(spec: PipelineSpec, metrics: dict[str, float]) -> list[st
 
 
 def expected_job_config(spec: PipelineSpec, dataset_dir: str, checkpoint_dir: str,
-                        dag_id: str, run_id: str, train_task_id: str) -> dict[str, Any]:
-    """The job config the ``train`` task handed the trainer (its digest ignores ``identity``)."""
+                        dag_id: str, run_id: str, train_task_id: str,
+                        init: dict[str, str] | None = None) -> dict[str, Any]:
+    """The job config the ``train`` task handed the trainer (its digest ignores ``identity``;
+    ``init``: the ``init`` block it was given, if any)."""
     from operators.backends.base import JobIdentity
     from operators.jobconfig import render_job_config
 
     identity = JobIdentity(dag_id, run_id, train_task_id, 1)
-    return render_job_config(spec, dataset_dir, checkpoint_dir, identity)
+    return render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init)
+
+
+def s3_env(spec: PipelineSpec) -> dict[str, str] | None:
+    """The environment of a validator or exporter child process for the spec's S3 access
+    (``storage.aws_conn_id`` keys, the S3 endpoint; operators.hooks.s3.spec_child_env), or None
+    to inherit this process's. A connection that cannot be used fails the task without
+    retries, naming it."""
+    from operators.hooks.s3 import S3ConnectionError, spec_child_env
+
+    try:
+        return spec_child_env(spec)
+    except S3ConnectionError as err:
+        fail_permanently(str(err))
+        raise  # unreachable
+
+
+def best_leaf(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The valid leaf result with the lowest ``metrics.val_loss``; on a tie the one listed first
+    (declaration order of the stages). None when ``results`` is empty."""
+    ranked = [(r["metrics"].get("val_loss", float("inf")), i) for i, r in enumerate(results)]
+    return results[min(ranked)[1]] if ranked else None
 
 
 def validator_argv(python: str, spec: PipelineSpec, checkpoint_dir: str, dataset_dir: str,
@@ -83,51 +107,110 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
     """Validate the ``train`` task's checkpoints by the spec's ``validation.policy``.
 
     XCom: ``{"checkpoint", "step", "checkpoint_digest", "metrics", "sample", "policy",
-    "quarantined": [moved-to paths], "report_uri"}``.
+    "quarantined": [moved-to paths], "report_uri", "stage"}``.
+
+    With ``leaf_stages`` (a spec with ``stages``; docs/stages.md) each leaf stage's checkpoints
+    (task ``train_<stage>``) are validated by the policy, with that stage's training settings,
+    and the valid leaf with the lowest validation loss is chosen (`best_leaf`); the XCom is the
+    chosen leaf's, plus ``"leaves": [{"stage", "checkpoint", "val_loss", "ok", "reason"}]``.
+    The task fails only when no leaf is valid.
     """
 
     ui_color = "#e2f0d9"
 
     def __init__(self, *, prepare_task_id: str = "prepare_data", train_task_id: str = "train",
-                 timeout_s: float = 3600.0, **kwargs: Any):
+                 timeout_s: float = 3600.0, leaf_stages: list[str] | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
         self.prepare_task_id = prepare_task_id
         self.train_task_id = train_task_id
         self.timeout_s = timeout_s
+        self.leaf_stages = list(leaf_stages) if leaf_stages else None
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = self.resolved_spec(context)
+        if not self.leaf_stages:
+            return self._validate_leaf(context, spec, self.train_task_id)
+        return self._validate_leaves(context, spec)
+
+    def _validate_leaves(self, context: Any, spec: PipelineSpec) -> dict[str, Any]:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from operators.spec.stages import stage_spec, stage_task_id
+
+        results, leaves = [], []
+        for stage in self.leaf_stages or []:
+            try:
+                result = self._validate_leaf(context, stage_spec(spec, stage),
+                                             stage_task_id(stage), stage)
+            except AirflowFailException as err:
+                self.log.warning("Leaf stage %s has no valid checkpoint: %s", stage, err)
+                leaves.append({"stage": stage, "checkpoint": None, "val_loss": None, "ok": False,
+                               "reason": str(err)})
+                continue
+            results.append(result)
+            leaves.append({"stage": stage, "checkpoint": result["checkpoint"],
+                           "val_loss": result["metrics"].get("val_loss"), "ok": True,
+                           "reason": ""})
+        chosen = best_leaf(results)
+        if chosen is None:
+            fail_permanently("no leaf stage has a valid checkpoint:\n  - " + "\n  - ".join(
+                f"{leaf['stage']}: {leaf['reason']}" for leaf in leaves))
+        run_id = self.mlflow_run_id(context, spec)
+        self.mlflow_hook.log_metrics(
+            run_id, {f"val/{k}": v for k, v in chosen["metrics"].items()}, step=chosen["step"])
+        self.mlflow_hook.set_tags(run_id, {
+            "trainforge.validation.checkpoint": chosen["checkpoint"],
+            "trainforge.validation.ok": "true",
+            "trainforge.validation.policy": spec.validation.policy,
+            "trainforge.validation.stage": chosen["stage"],
+            "trainforge.validation.leaves": str(len(leaves)),
+        })
+        self.log.info("Chose leaf stage %s (val_loss %.4f) of %d: %s", chosen["stage"],
+                      chosen["metrics"].get("val_loss", float("nan")), len(leaves),
+                      ", ".join(f"{leaf['stage']} "
+                                f"{'val_loss %.4f' % leaf['val_loss'] if leaf['ok'] else 'invalid'}"
+                                for leaf in leaves))
+        return {**chosen, "leaves": leaves}
+
+    def _validate_leaf(self, context: Any, spec: PipelineSpec, train_task_id: str,
+                       stage: str | None = None) -> dict[str, Any]:
+        """Validate the checkpoints of task ``train_task_id`` trained with ``spec.training``;
+        with a ``stage``, its MLflow metrics, tags and report are filed under the stage name."""
         ti = context["ti"]
         prepared = ti.xcom_pull(task_ids=self.prepare_task_id) or {}
-        trained = ti.xcom_pull(task_ids=self.train_task_id) or {}
+        trained = ti.xcom_pull(task_ids=train_task_id) or {}
         if "checkpoint_dir" not in trained or "dataset_dir" not in prepared:
             fail_permanently(
                 f"missing inputs: train XCom {trained!r}, prepare_data XCom {prepared!r}"
             )
         run_id = self.mlflow_run_id(context, spec)
+        dataset = dataset_location(prepared)  # as the train task handed it to the trainer
         with tempfile.TemporaryDirectory(prefix="trainforge-validate-") as tmp:
             report_path = Path(tmp) / "validation_report.json"
             expect_path = Path(tmp) / "expected_job.json"
             expect_path.write_text(json.dumps(expected_job_config(
-                spec, prepared["dataset_dir"], trained["checkpoint_dir"], ti.dag_id, ti.run_id,
-                self.train_task_id,
+                spec, dataset, trained["checkpoint_dir"], ti.dag_id, ti.run_id,
+                train_task_id, init=trained.get("init"),
             )), encoding="utf-8")
             argv = validator_argv(
-                self.python(), spec, trained["checkpoint_dir"], prepared["dataset_dir"],
+                self.python(), spec, trained["checkpoint_dir"], dataset,
                 str(report_path), str(expect_path), trained.get("final_step"),
                 prepared.get("vocab_size"),
             )
-            rc = self.run_streaming(argv, timeout_s=self.timeout_s)
+            rc = self.run_streaming(argv, timeout_s=self.timeout_s, env=s3_env(spec))
             if not report_path.exists():
                 fail_permanently(
                     f"the validator wrote no report for {trained['checkpoint_dir']} (exit code {rc})"
                 )
             report = json.loads(report_path.read_text(encoding="utf-8"))
-        report_uri = self.mlflow_hook.log_dict_artifact(run_id, report, REPORT_ARTIFACT)
+        named = f"{stage}/" if stage else ""  # one report and metric series per stage
+        report_uri = self.mlflow_hook.log_dict_artifact(
+            run_id, report, REPORT_ARTIFACT.replace("validation/", f"validation/{named}"))
         metrics = {k: float(v) for k, v in (report.get("metrics") or {}).items()
                    if isinstance(v, (int, float))}
         if metrics:
-            self.mlflow_hook.log_metrics(run_id, {f"val/{k}": v for k, v in metrics.items()},
+            self.mlflow_hook.log_metrics(run_id, {f"val/{named}{k}": v for k, v in metrics.items()},
                                          step=report.get("step"))
         quarantined = report.get("quarantined") or []
         for moved in quarantined:
@@ -138,11 +221,13 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
         failed += threshold_failures(spec, metrics) if not failed else []
         checkpoint = report.get("checkpoint") or trained["checkpoint_dir"]
         self.mlflow_hook.set_tags(run_id, {
-            "trainforge.validation.checkpoint": checkpoint,
-            "trainforge.validation.ok": str(not failed).lower(),
-            "trainforge.validation.policy": spec.validation.policy,
-            "trainforge.validation.candidates": str(len(report.get("candidates") or [])),
-            "trainforge.validation.quarantined": str(len(quarantined)),
+            f"trainforge.validation.{named.replace('/', '.')}{key}": value for key, value in {
+                "checkpoint": checkpoint,
+                "ok": str(not failed).lower(),
+                "policy": spec.validation.policy,
+                "candidates": str(len(report.get("candidates") or [])),
+                "quarantined": str(len(quarantined)),
+            }.items()
         })
         if failed:
             moved_to = report.get("quarantined_to")
@@ -165,4 +250,5 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
             "policy": spec.validation.policy,
             "quarantined": [q["moved_to"] for q in quarantined],
             "report_uri": report_uri,
+            "stage": stage,
         }

@@ -6,6 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.ray_head import ray_head  # noqa: F401 - the real Ray head on loopback (session)
+
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -66,3 +68,241 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
+
+
+class ThrottlingS3Proxy:
+    """A reverse proxy on loopback in front of an S3-compatible server that answers chosen
+    requests with a real ``HTTP 503`` and an S3 ``<Error><Code>SlowDown</Code>`` body, the way
+    AWS S3 throttles a prefix, and forwards every other request unchanged.
+
+    ``throttle(operation, times, key_suffix="", query_has="")`` makes the next ``times``
+    requests of an S3 operation (``PutObject``, ``UploadPart``, ``ListObjectsV2``, ...;
+    recognised from the method, path and query as S3's REST API defines them) fail, optionally
+    only for keys ending in ``key_suffix`` or queries holding ``query_has`` (e.g.
+    ``continuation-token``: a listing's later pages). ``log`` lists every request seen:
+    ``(operation, key, status)``.
+    """
+
+    SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                b"<Message>Please reduce your request rate.</Message></Error>")
+
+    def __init__(self, upstream: str) -> None:
+        import threading
+        from http.server import ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        self.upstream = urlsplit(upstream)
+        self.log: list[tuple[str, str, int]] = []
+        self._rules: list[list] = []  # [operation, remaining, key_suffix, query_has]
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def throttle(self, operation: str, times: int, key_suffix: str = "", query_has: str = "") -> None:
+        with self._lock:
+            self._rules.append([operation, times, key_suffix, query_has])
+
+    def throttled(self) -> list[tuple[str, str]]:
+        """``(operation, key)`` of every request answered with 503 SlowDown."""
+        return [(op, key) for op, key, status in self.log if status == 503]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    @staticmethod
+    def operation(method: str, path: str, query: str, headers) -> tuple[str, str]:
+        """``(S3 operation, key)`` of a path-style request (``/bucket/key?query``)."""
+        from urllib.parse import parse_qs, unquote
+
+        params = parse_qs(query, keep_blank_values=True)
+        bucket, _, key = unquote(path).lstrip("/").partition("/")
+        if not key:
+            if method == "GET" and params.get("list-type") == ["2"]:
+                return "ListObjectsV2", ""
+            if method == "POST" and "delete" in params:
+                return "DeleteObjects", ""
+            return f"{method}Bucket", ""
+        if method == "PUT" and "partNumber" in params:
+            return "UploadPart", key
+        if method == "PUT":
+            return ("CopyObject" if "x-amz-copy-source" in headers else "PutObject"), key
+        if method == "POST":
+            return ("CreateMultipartUpload" if "uploads" in params else "CompleteMultipartUpload"), key
+        return {"GET": "GetObject", "HEAD": "HeadObject", "DELETE": "DeleteObject"}.get(method, method), key
+
+    def _decide(self, operation: str, key: str, query: str) -> bool:
+        with self._lock:
+            for rule in self._rules:
+                if rule[0] == operation and rule[1] > 0 and key.endswith(rule[2]) and rule[3] in query:
+                    rule[1] -= 1
+                    return True
+        return False
+
+    def _handler_class(self):
+        import http.client
+        from http.server import BaseHTTPRequestHandler
+
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, and Expect: 100-continue as S3 clients use
+
+            def log_message(self, *args) -> None:  # quiet: the test reads proxy.log instead
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return b"".join(chunks)
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _handle(self) -> None:
+                path, _, query = self.path.partition("?")
+                operation, key = proxy.operation(self.command, path, query, self.headers)
+                body = self._body()
+                if proxy._decide(operation, key, query):
+                    proxy.log.append((operation, key, 503))
+                    self.send_response(503, "Slow Down")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(proxy.SLOWDOWN)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(proxy.SLOWDOWN)
+                    return
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("transfer-encoding", "connection", "expect")}
+                headers["Content-Length"] = str(len(body))
+                upstream = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
+                try:
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    answer = upstream.getresponse()
+                    data = answer.read()
+                finally:
+                    upstream.close()
+                proxy.log.append((operation, key, answer.status))
+                self.send_response(answer.status, answer.reason)
+                for name, value in answer.getheaders():
+                    if name.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(name, value)
+                length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        return Handler
+
+
+@pytest.fixture
+def throttling_s3_proxy(s3_server: str) -> Iterator[ThrottlingS3Proxy]:
+    """A `ThrottlingS3Proxy` in front of the session's moto server (its ``.url`` is the endpoint
+    to give clients); nothing is throttled until the test calls ``throttle``."""
+    proxy = ThrottlingS3Proxy(s3_server)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def _postgres_bin_dir() -> str | None:
+    """Folder holding initdb and pg_ctl: PATH first, then Debian's /usr/lib/postgresql/<v>/bin."""
+    import glob
+    import os
+    import shutil
+
+    found = shutil.which("initdb")
+    if found and shutil.which("pg_ctl", path=os.path.dirname(found)):
+        return os.path.dirname(found)
+    for folder in sorted(glob.glob("/usr/lib/postgresql/*/bin"), reverse=True):
+        if os.access(os.path.join(folder, "initdb"), os.X_OK):
+            return folder
+    return None
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[dict]:
+    """A real PostgreSQL server on loopback for the session, in a temporary folder.
+
+    ``initdb`` refuses to run as root, so as root the cluster belongs to the ``postgres`` system
+    user (else ``nobody``) and every server command runs through ``runuser``. Listens on
+    127.0.0.1 and a free port, its unix socket in the temporary folder; password (SCRAM)
+    authentication over TCP. Yields ``{"uri", "password", "host", "port", "user", "database"}``
+    with ``uri`` = ``postgresql://mlflow:<password>@127.0.0.1:<port>/mlflow``. Stopped and
+    removed at the end. Skips only when no PostgreSQL binaries exist (.ci/run installs them).
+    """
+    import os
+    import pwd
+    import shutil
+    import socket
+    import subprocess
+    import tempfile
+
+    bin_dir = _postgres_bin_dir()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found on PATH or in "
+                    "/usr/lib/postgresql/*/bin; .ci/run installs Debian's postgresql package")
+    prefix: list[str] = []
+    root = tempfile.mkdtemp(prefix="trainforge-pg-")
+    owner = None
+    if os.geteuid() == 0:
+        for name in ("postgres", "nobody"):
+            try:
+                owner = pwd.getpwnam(name)
+                break
+            except KeyError:
+                continue
+        if owner is None:
+            pytest.skip("running as root and neither a 'postgres' nor a 'nobody' user exists to own the cluster")
+        prefix = ["runuser", "-u", owner.pw_name, "--"]
+        os.chown(root, owner.pw_uid, owner.pw_gid)
+    password = "pg-" + os.urandom(8).hex()
+    pwfile = os.path.join(root, "pwfile")
+    with open(pwfile, "w") as fh:
+        fh.write(password + "\n")
+    if owner is not None:
+        os.chown(pwfile, owner.pw_uid, owner.pw_gid)
+    data = os.path.join(root, "data")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+
+    def run(*argv: str) -> None:
+        proc = subprocess.run([*prefix, *argv], capture_output=True, text=True, timeout=120, cwd=root)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stdout}{proc.stderr}")
+
+    started = False
+    try:
+        run(os.path.join(bin_dir, "initdb"), "-D", data, "-U", "mlflow", "--pwfile", pwfile,
+            "--auth-local=trust", "--auth-host=scram-sha-256", "-E", "UTF8", "--no-sync")
+        run(os.path.join(bin_dir, "pg_ctl"), "-D", data, "-l", os.path.join(root, "postgres.log"), "-w",
+            "-t", "60", "-o", f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+        started = True
+        import psycopg2
+
+        admin = psycopg2.connect(host="127.0.0.1", port=port, user="mlflow", password=password,
+                                 dbname="postgres", connect_timeout=10)
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            cur.execute("CREATE DATABASE mlflow")
+        admin.close()
+        yield {"uri": f"postgresql://mlflow:{password}@127.0.0.1:{port}/mlflow", "password": password,
+               "host": "127.0.0.1", "port": port, "user": "mlflow", "database": "mlflow"}
+    finally:
+        if started:
+            subprocess.run([*prefix, os.path.join(bin_dir, "pg_ctl"), "-D", data, "-m", "fast", "-w",
+                            "-t", "60", "stop"], capture_output=True, timeout=120, cwd=root)
+        shutil.rmtree(root, ignore_errors=True)

@@ -7,7 +7,8 @@ field in the operator cannot be silently ignored here.
 
 Two keys are optional so that job configs written before them still load: ``optim.lr_schedule``
 (default "cosine") and the ``framework`` section (every field optional, defaults in
-`FrameworkConfig`). Whether a value can run on this machine (a CUDA-only feature on a CPU, say)
+`FrameworkConfig`). Also optional: ``model.config_overrides`` (further LlamaConfig keys) and the
+``init`` section (weights to start from, `InitConfig`). Whether a value can run on this machine (a CUDA-only feature on a CPU, say)
 is not checked here: the validator and exporter parse the same config on other machines.
 
 The one rule that needs the world size, ``global_batch_size % (micro_batch_size * world) == 0``,
@@ -20,7 +21,8 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ PARALLELISMS = ("ddp", "fsdp")
 GRADIENT_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 BACKENDS = ("auto", "gloo", "nccl")
 FAMILIES = ("llama",)
+# S3 bucket naming rules (3-63 characters: lower-case letters, digits, '.', '-'), as the spec checks.
+S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,7 @@ class Identity:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset_dir: str  # absolute path of a prepared dataset folder
+    dataset_dir: str  # absolute path of a prepared dataset folder, or its s3://bucket/prefix/<digest> URI
     sequence_length: int  # tokens per training sequence
 
 
@@ -60,6 +64,17 @@ class ModelConfig:
     rope_theta: float
     dropout: float  # attention dropout probability, [0, 1)
     tie_word_embeddings: bool
+    # further LlamaConfig keys (spec model.config_overrides); checked against LlamaConfig by
+    # trainer.model.llama_config
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InitConfig:
+    """Start from existing weights (fresh optimizer) when the run has no checkpoint of its own."""
+
+    checkpoint: str  # absolute folder or s3:// prefix: a step-XXXXXXXX/ checkpoint or an HF model folder
+    source: str  # where it came from: "models:/<name>/<version>" or "stage:<name>"
 
 
 @dataclass(frozen=True)
@@ -90,7 +105,7 @@ class FrameworkConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str  # absolute path; step-XXXXXXXX/ folders are written below it
+    dir: str  # absolute path or s3://bucket/prefix; step-XXXXXXXX/ folders are written below it
     interval_steps: int
     keep_last: int
 
@@ -118,6 +133,7 @@ class JobConfig:
     distributed: DistributedConfig
     framework: FrameworkConfig
     raw: dict[str, Any]  # the JSON object as read, saved verbatim into each checkpoint's meta.json
+    init: InitConfig | None = None  # optional "init" section: initial weights
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step on each rank: global / (micro * world).
@@ -178,12 +194,20 @@ class _Section:
             raise ConfigError(f"{self._name(key)}={value!r}: expected one of {list(choices)}")
         return value
 
-    def abs_path(self, key: str) -> str:
+    def location(self, key: str) -> str:
+        """An absolute local path or an ``s3://bucket[/prefix]`` URI (`S3_URI`)."""
         value = self.str(key)
+        if "://" in value:
+            if not S3_URI.match(value):
+                raise ConfigError(
+                    f"{self._name(key)}={value!r}: expected an absolute path or an "
+                    "s3://bucket/prefix URI (bucket: 3-63 lower-case letters, digits, '.' or '-')"
+                )
+            return value
         if not os.path.isabs(value):
             raise ConfigError(
-                f"{self._name(key)}={value!r}: expected an absolute path (the trainer may run "
-                "in another working directory)"
+                f"{self._name(key)}={value!r}: expected an absolute path or an s3://bucket/prefix "
+                "URI (the trainer may run in another working directory)"
             )
         return value
 
@@ -255,7 +279,7 @@ def parse_job_config(obj: Any) -> JobConfig:
     s.done()
 
     s = top.section("data")
-    data = DataConfig(s.abs_path("dataset_dir"), s.int("sequence_length", lo=2, hi=1 << 20))
+    data = DataConfig(s.location("dataset_dir"), s.int("sequence_length", lo=2, hi=1 << 20))
     s.done()
 
     s = top.section("model")
@@ -269,6 +293,7 @@ def parse_job_config(obj: Any) -> JobConfig:
         rope_theta=s.float("rope_theta", lo=0.0, lo_open=True),
         dropout=s.float("dropout", lo=0.0, hi=1.0, hi_open=True),
         tie_word_embeddings=s.bool("tie_word_embeddings"),
+        config_overrides=_overrides(s._get("config_overrides", {}), "model.config_overrides"),
     )
     s.done()
     if model.hidden_size % model.num_heads != 0 or (model.hidden_size // model.num_heads) % 2:
@@ -332,7 +357,7 @@ def parse_job_config(obj: Any) -> JobConfig:
         )
 
     s = top.section("checkpoint")
-    checkpoint = CheckpointConfig(s.abs_path("dir"), s.int("interval_steps", lo=1), s.int("keep_last", lo=1))
+    checkpoint = CheckpointConfig(s.location("dir"), s.int("interval_steps", lo=1), s.int("keep_last", lo=1))
     s.done()
 
     s = top.section("logging")
@@ -344,8 +369,24 @@ def parse_job_config(obj: Any) -> JobConfig:
         s.str("backend", BACKENDS), s.float("collective_timeout_s", lo=0.0, lo_open=True)
     )
     s.done()
+    init = None
+    if "init" in top.obj:
+        s = top.section("init")
+        init = InitConfig(s.location("checkpoint"), s.str("source"))
+        s.done()
     top.done()
-    return JobConfig(identity, data, model, optim, precision, checkpoint, logging_cfg, distributed, framework, obj)
+    return JobConfig(identity, data, model, optim, precision, checkpoint, logging_cfg, distributed, framework, obj,
+                     init=init)
+
+
+def _overrides(value: Any, path: str) -> dict[str, Any]:
+    """``model.config_overrides``: a JSON object of scalars (which keys: trainer.model.llama_config)."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}={_show(value)}: expected a JSON object")
+    for key, item in value.items():
+        if item is not None and not isinstance(item, (bool, int, float, str)):
+            raise ConfigError(f"{path}.{key}={_show(item)}: expected a JSON scalar")
+    return dict(value)
 
 
 def load_job_config(path: str | Path) -> JobConfig:

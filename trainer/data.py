@@ -84,9 +84,17 @@ def open_dataset(dataset_dir: str | Path, verify_hashes: bool = True) -> Dataset
     tokens x itemsize, split token counts = sum of their shards, a ``train`` and a
     ``validation`` split.
 
+    An ``s3://bucket/prefix/<digest>`` URI is read through this machine's cache (trainer.data_s3:
+    downloaded once, verified, renamed into place); ``Dataset.dir`` is then the local copy.
+
     Raises:
         DatasetError: any of the above fails (exit code 78: the dataset does not exist).
+        S3Error: an ``s3://`` dataset could not be read after retries (transient).
     """
+    if isinstance(dataset_dir, str) and dataset_dir.startswith("s3://"):
+        from trainer.data_s3 import cached_dataset
+
+        return cached_dataset(dataset_dir, verify_hashes)
     root = Path(dataset_dir)
     manifest_path = root / "manifest.json"
     where = str(manifest_path)

@@ -5,6 +5,14 @@ Metrics are worth less than the training they describe, so MLflow failures are l
 warnings and never stop training; after `MAX_CONSECUTIVE_FAILURES` failed calls in a row the
 tracker gives up for the rest of the attempt.
 
+Exactly once: the DAG run's MLflow run outlives any one attempt. An attempt killed after step N
+has logged steps up to N, but its newest checkpoint is at some step C <= N, so the next attempt
+trains steps C+1..N again. Before training, a resumed tracker reads the run's history of
+`STEP_KEY` and skips every step it already holds (:meth:`MlflowTracker.skip_logged_steps`): each
+step appears once in the metric history. Restarts resume bit-identically (same batches, RNG and
+optimizer state), so the skipped values equal the ones already logged. One step's metrics go in
+one ``log_batch`` call, so a kill never leaves half a step logged.
+
 HTTP limits: unless the environment already sets them, ``MLFLOW_HTTP_REQUEST_TIMEOUT`` is 10 s
 and ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` 2, so an unreachable server stalls a step for at most
 about half a minute instead of MLflow's default of several minutes.
@@ -20,6 +28,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_FAILURES = 3
+STEP_KEY = "train_loss"
+"""The metric logged at every logged step; its history says which steps an attempt logged."""
 
 
 class MlflowTracker:
@@ -34,6 +44,8 @@ class MlflowTracker:
         self.client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         self.run_id = run_id
         self.failures = 0
+        self.logged_through = 0
+        """Steps up to this one are already in the run's history and are not logged again."""
 
     @classmethod
     def from_env(cls) -> MlflowTracker | None:
@@ -86,8 +98,34 @@ class MlflowTracker:
         for lo in range(0, len(new), 100):  # log_batch takes at most 100 params per call
             self._call("log_batch(params)", self.client.log_batch, self.run_id, params=new[lo:lo + 100])
 
+    def skip_logged_steps(self, resumed_step: int) -> int:
+        """Read which steps the run already holds; later :meth:`log_metrics` calls skip them.
+
+        Args:
+            resumed_step: the step training resumes after (0 on a fresh start: nothing is read).
+        Returns:
+            the newest step already logged (0 when none, or when the history cannot be read —
+            then a step may appear twice, and a warning says so).
+        """
+        if resumed_step <= 0:
+            return 0
+        history = self._call("get_metric_history", self.client.get_metric_history, self.run_id,
+                             STEP_KEY)
+        if history is None:
+            log.warning("could not read the MLflow history of %s in run %s: steps after %d may "
+                        "be logged twice", STEP_KEY, self.run_id, resumed_step)
+            return 0
+        self.logged_through = max((m.step for m in history), default=0)
+        if self.logged_through > resumed_step:
+            log.info("MLflow run %s already holds steps up to %d: steps %d..%d are trained again "
+                     "but not logged again", self.run_id, self.logged_through, resumed_step + 1,
+                     self.logged_through)
+        return self.logged_through
+
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Log ``metrics`` at optimizer step ``step`` in one log_batch call."""
+        """Log ``metrics`` at optimizer step ``step`` in one log_batch call (once per step)."""
+        if step <= self.logged_through:
+            return
         now_ms = int(time.time() * 1000)
         batch = [self._mlflow.entities.Metric(k, float(v), now_ms, step) for k, v in metrics.items()]
         self._call("log_batch(metrics)", self.client.log_batch, self.run_id, metrics=batch)

@@ -49,7 +49,7 @@ from trainer.data import BatchSampler, Dataset, TokenStream, open_dataset
 from trainer.distributed import Dist, setup_distributed, shut_down
 from trainer.errors import EXIT_OK, DivergedError, TerminatedError, TrainerError
 from trainer.fsutil import atomic_write_json
-from trainer.model import build_model, llama_config, lm_loss
+from trainer.model import build_model, llama_config, lm_loss, load_initial_weights
 from trainer.parallel import Parallel, parallelize
 from trainer.schedule import lr_at
 from trainer.tracking import MlflowTracker
@@ -95,6 +95,14 @@ def should_step(step: int, loss: float, grad_norm: float, lr: float, loss_scale:
     scale = f", loss scale {loss_scale:g} (below {MIN_LOSS_SCALE:g})" if loss_scale is not None else ""
     raise DivergedError(f"step {step}: train loss {loss}, grad norm {grad_norm} at lr {lr:.3g}{scale}; "
                         f"stopping before the optimizer step, no checkpoint written after step {step - 1}")
+
+
+def _has_own_checkpoint(cfg: JobConfig, d: Dist) -> bool:
+    """Whether ``checkpoint.dir`` holds a valid checkpoint (rank 0 decides for every rank)."""
+    found = [ckpt.newest_valid(cfg.checkpoint.dir) is not None] if d.rank == 0 else [None]
+    if d.enabled:
+        dist.broadcast_object_list(found, src=0)
+    return bool(found[0])
 
 
 def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, amp: Precision
@@ -208,18 +216,21 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     sampler = BatchSampler(TokenStream(dataset, "train"), T, o.micro_batch_size, accum, d.world_size, o.seed)
     model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, T)).to(d.device)
     n_params = sum(p.numel() for p in model.parameters())  # before sharding; tied weights counted once
+    if cfg.init is not None and not _has_own_checkpoint(cfg, d):  # its own checkpoint wins on a retry
+        load_initial_weights(model, cfg.init.checkpoint, dataset.tokenizer_path, dataset.tokenizer_sha256)
     par = parallelize(model, cfg, d)  # DDP or FSDP2 (+ compression hook, activation checkpointing)
     optimizer = make_optimizer(par.model, o)  # after sharding: FSDP2 replaces the parameters
     amp = Precision(cfg.precision, d.device, sharded=par.kind == "fsdp")
     step, tokens_seen, metrics = resume(cfg, d, dataset, par, optimizer, amp)
     out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, metrics.get("train_loss")
     if step and d.rank == 0:
-        out.last_checkpoint = str(Path(cfg.checkpoint.dir) / ckpt.step_dir_name(step))
+        out.last_checkpoint = ckpt.join(cfg.checkpoint.dir, ckpt.step_dir_name(step))  # local path or s3:// URI
     par.model.train()
     tokens_per_step = o.global_batch_size * T
 
     tracker = MlflowTracker.from_env() if d.rank == 0 else None
     if tracker:
+        tracker.skip_logged_steps(step)  # exactly once: a resumed attempt never re-logs a step
         flat = {f"{s}.{k}": v for s in ("data", "model", "optim", "checkpoint", "logging", "distributed")
                 for k, v in cfg.raw[s].items()}
         flat |= {f"framework.{k}": v for k, v in dataclasses.asdict(cfg.framework).items()}  # resolved defaults

@@ -88,6 +88,13 @@ class TrainingJob:
         startup_timeout_s: the longest the job may wait to be admitted and start
             (``fault.startup_timeout``), seconds; engines with a queue fail the job after it with
             the engine's own reason and delete what they created. None: no limit.
+        secret_env: environment of every rank that is never written down (S3 keys from an
+            Airflow connection): an engine passes it only in a process environment or its job
+            API call; :meth:`Backend.render`, request files and logs show
+            :meth:`secret_placeholders` instead. Engines that can only write it into a manifest
+            or script refuse it.
+        secret_env_source: where ``secret_env`` came from, for the placeholders (e.g.
+            ``Airflow connection my_s3``).
     """
 
     identity: JobIdentity
@@ -104,6 +111,14 @@ class TrainingJob:
     engine_options: dict[str, Any] = field(default_factory=dict)
     max_runtime_s: float | None = None
     startup_timeout_s: float | None = None
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+    secret_env_source: str = ""
+
+    def secret_placeholders(self) -> dict[str, str]:
+        """``secret_env``'s names, each with ``<from SOURCE>`` as its value: what a rendered
+        request shows instead of the secret."""
+        shown = f"<from {self.secret_env_source or 'a secret source'}>"
+        return {name: shown for name in sorted(self.secret_env)}
 
 
 @dataclass(frozen=True)

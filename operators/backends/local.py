@@ -4,7 +4,9 @@ CPU ranks talk over gloo, GPUs over nccl (the trainer chooses from ``distributed
 Each job lives in a folder ``<runs_root>/<identity key>/``:
 
 =================  ==========================================================================
-``request.json``   the rendered request (argv, env, cwd) — exactly what :meth:`render` returns
+``request.json``   the rendered request (argv, env, cwd) — exactly what :meth:`render` returns;
+                   secret variables (``TrainingJob.secret_env``) appear by name with a
+                   placeholder and reach the ranks only through the supervisor's environment
 ``job.json``       the trainer's job config (docs/contracts.md)
 ``supervisor.json``  pid and start time of the supervisor process
 ``job.log``        torchrun's console: rank 0's stdout/stderr plus torchrun's own messages
@@ -100,8 +102,9 @@ class LocalBackend(Backend):
             "PYTHONUNBUFFERED": "1",
             "TRAINFORGE_RESULT_FILE": str(job_dir / "result.json"),
             **job.env,
+            **job.secret_placeholders(),
         }
-        return {
+        request = {
             "engine": self.engine,
             "job_dir": str(job_dir),
             "argv": argv,
@@ -110,6 +113,11 @@ class LocalBackend(Backend):
             "config": job.config,
             "identity": job.identity.to_dict(),
         }
+        if job.secret_env:
+            # Names only: the values reach the ranks through the supervisor's process
+            # environment (submit), never through this request or any file.
+            request["secret_env"] = sorted(job.secret_env)
+        return request
 
     # -- remote calls (here: processes and files) --------------------------------------------
     def submit(self, job: TrainingJob) -> JobHandle:
@@ -129,6 +137,7 @@ class LocalBackend(Backend):
             proc = subprocess.Popen(
                 [self.python, "-m", "operators.backends.local_supervisor", str(job_dir)],
                 cwd=request["cwd"],
+                env={**os.environ, **job.secret_env} if job.secret_env else None,
                 stdin=subprocess.DEVNULL,
                 stdout=open(job_dir / "supervisor.log", "ab"),
                 stderr=subprocess.STDOUT,
@@ -245,8 +254,13 @@ class LocalBackend(Backend):
 
     # -- helpers ----------------------------------------------------------------------------
     def _handle(self, identity: JobIdentity, job_dir: Path) -> JobHandle:
+        # request.json is written once, when the job is created: its time is the submission's.
+        try:
+            submitted = (job_dir / "request.json").stat().st_mtime
+        except OSError:
+            submitted = time.time()
         return {"engine": self.engine, "key": identity.key, "job_dir": str(job_dir),
-                "identity": identity.to_dict()}
+                "identity": identity.to_dict(), "submitted_at_epoch_s": submitted}
 
     def _dir(self, handle: JobHandle) -> Path:
         job_dir = Path(handle["job_dir"])

@@ -35,7 +35,10 @@ def main(job_dir: str) -> int:
     root = Path(job_dir)
     request = json.loads((root / "request.json").read_text(encoding="utf-8"))
     env = dict(os.environ)
-    env.update(request.get("env", {}))
+    # Secret variables are listed by name with a placeholder value; their values are in this
+    # process's own environment (LocalBackend.submit), never in the request file.
+    secret = set(request.get("secret_env", ()))
+    env.update({k: v for k, v in request.get("env", {}).items() if k not in secret})
     cancelled = {"signal": None}
     started = time.time()
     with open(root / "job.log", "ab", buffering=0) as log:

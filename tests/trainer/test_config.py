@@ -71,8 +71,19 @@ ERROR_ROWS = [
     (
         "data.dataset_dir",
         "datasets/abc",
-        "data.dataset_dir='datasets/abc': expected an absolute path",
+        "data.dataset_dir='datasets/abc': expected an absolute path or an s3://bucket/prefix URI",
     ),
+    (
+        "data.dataset_dir",
+        "gs://bucket/datasets/abc",
+        "data.dataset_dir='gs://bucket/datasets/abc': expected an absolute path or an s3://",
+    ),
+    (
+        "checkpoint.dir",
+        "s3://UPPER/ckpt",
+        "checkpoint.dir='s3://UPPER/ckpt': expected an absolute path or an s3://bucket/prefix URI",
+    ),
+    ("checkpoint.dir", "ckpt", "checkpoint.dir='ckpt': expected an absolute path or an s3://"),
     ("data.sequence_length", 1, "data.sequence_length=1: expected a value in [2, 1048576]"),
     ("checkpoint.keep_last", 0, "checkpoint.keep_last=0: expected a value >= 1"),
     ("identity.try_number", 0, "identity.try_number=0: expected a value >= 1"),
@@ -140,3 +151,11 @@ def test_load_job_config_round_trip(valid_job, tmp_path):
     path = tmp_path / "job.json"
     path.write_text(json.dumps(job))
     assert load_job_config(path).raw == job
+
+
+def test_s3_locations_are_accepted(valid_job):
+    job = _set(_set(valid_job, "data.dataset_dir", "s3://data-bucket/datasets/abc123"),
+               "checkpoint.dir", "s3://ckpt.bucket/runs/dag/run_1")
+    cfg = parse_job_config(job)
+    assert cfg.data.dataset_dir == "s3://data-bucket/datasets/abc123"
+    assert cfg.checkpoint.dir == "s3://ckpt.bucket/runs/dag/run_1"

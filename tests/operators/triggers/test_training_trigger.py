@@ -28,6 +28,9 @@ ALL_TRIGGERS = [
         poll_interval_s=2.0,
         deadline_epoch_s=1_900_000_000.0,
         log_offset=17,
+        cancel_on_kill=False,
+        cancel_grace_s=12.0,
+        deadline_reason="execution_timeout",
     ),
 ]
 

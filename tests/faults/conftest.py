@@ -1,0 +1,54 @@
+"""Fixtures of the fault-injection suite: the demo corpus, a real Airflow, a tiny dataset."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from faultlib import AirflowStandalone, make_home
+
+HERE = Path(__file__).resolve().parent
+FAULT_SPEC = HERE / "fault_tiny.yaml"
+DIVERGE_SPEC = HERE / "fault_diverge.yaml"
+
+
+@pytest.fixture(scope="session")
+def shakespeare_corpus(request) -> Path:
+    """The real demo corpus, fetched once into pytest's cache folder (like `make demo` does)."""
+    from operators.data.corpus import fetch_corpus
+
+    dest = Path(request.config.cache.mkdir("trainforge-data")) / "shakespeare"
+    return Path(fetch_corpus(dest, timeout_s=300).dest)
+
+
+
+@pytest.fixture
+def airflow_standalone(_standalone_server) -> Iterator[AirflowStandalone]:
+    """The session's Airflow; whatever a test leaves running is ended after it."""
+    yield _standalone_server
+    _standalone_server.end_leftovers()
+
+
+@pytest.fixture(scope="session")
+def _standalone_server(tmp_path_factory, shakespeare_corpus, mlflow_server
+                       ) -> Iterator[AirflowStandalone]:
+    home = make_home(tmp_path_factory.mktemp("fault-home"), shakespeare_corpus)
+    server = AirflowStandalone(home, mlflow_server, [FAULT_SPEC, DIVERGE_SPEC])
+    try:
+        server.start()
+        yield server
+    finally:
+        try:
+            server.end_leftovers()
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    """The trainer tests' tiny dataset (tests/trainer/conftest.py ``build_dataset``)."""
+    from tests.trainer.conftest import build_dataset
+
+    return build_dataset(tmp_path_factory.mktemp("fault-data") / "datasets" / "tiny")

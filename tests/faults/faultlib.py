@@ -1,0 +1,232 @@
+"""Helpers of the fault-injection suite: a real ``airflow standalone`` driven over REST, polling.
+
+:class:`AirflowStandalone` runs ``airflow standalone`` (scheduler, DAG processor, triggerer, API
+server) on loopback, with this checkout's ``dags/`` compiling the given specs, and talks to it
+through Airflow's public REST API the way the UI does (mark failed, mark success, clear).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def make_home(root: Path, corpus: Path) -> Path:
+    """A ``TRAINFORGE_HOME`` whose ``corpus/shakespeare`` is the cached corpus."""
+    (root / "corpus").mkdir(parents=True, exist_ok=True)
+    link = root / "corpus" / "shakespeare"
+    if not link.exists():
+        link.symlink_to(corpus, target_is_directory=True)
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(what: str, check, timeout_s: float, interval_s: float = 1.0):
+    """Poll ``check()`` until it returns a truthy value; fail the test with ``what`` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval_s)
+    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
+
+
+class AirflowStandalone:
+    """``airflow standalone`` on loopback with the suite's pipeline; REST calls as ``admin``."""
+
+    def __init__(self, home: Path, mlflow_url: str, pipelines: list[Path]):
+        from operators.runner import airflow_env
+
+        self.home = home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = airflow_env(home, pipelines)
+        airflow_home = Path(self.env["AIRFLOW_HOME"])
+        passwords = airflow_home / "passwords.json"
+        passwords.write_text(json.dumps({"admin": "admin"}))
+        self.env.update({
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), self.env.get("PATH", "")]),
+            "MLFLOW_TRACKING_URI": mlflow_url,
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__BASE_URL": self.url,
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__PARALLELISM": "2",
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "2",
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        })
+        self.proc: subprocess.Popen | None = None
+        self.extra: list[subprocess.Popen] = []
+        self._token: str | None = None
+        self.log_path = home / "standalone.log"
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self, timeout_s: float = 300.0) -> None:
+        exe = str(Path(sys.executable).with_name("airflow"))
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen([exe, "standalone"], env=self.env, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+
+        def ready():
+            if self.proc.poll() is not None:
+                pytest.fail(f"airflow standalone exited {self.proc.returncode}: {self.tail()}")
+            try:
+                self._token = None
+                return self.api("GET", "/api/v2/dags/fault_tiny").get("dag_id") == "fault_tiny"
+            except (OSError, urllib.error.HTTPError):
+                return False
+
+        wait_for("airflow standalone to serve the fault_tiny DAG", ready, timeout_s, 2.0)
+
+    def stop(self) -> None:
+        from operators.standalone import _stop_tree
+
+        for proc in self.extra:
+            _stop_tree(proc, grace_s=20)
+        if self.proc is not None:
+            _stop_tree(self.proc, grace_s=30)
+
+    def tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    # -- components -----------------------------------------------------------------------------
+    def component_processes(self, name: str) -> list:
+        """Live processes of one Airflow component (``triggerer``, ``scheduler``...)."""
+        import psutil
+
+        roots = [p.pid for p in [self.proc, *self.extra] if p is not None]
+        found = []
+        for root in roots:
+            try:
+                procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+            except psutil.Error:
+                continue
+            for proc in procs:
+                try:
+                    cmd = proc.cmdline()
+                except psutil.Error:
+                    continue
+                if len(cmd) >= 3 and cmd[1].endswith("airflow") and cmd[2] == name:
+                    found.append(proc)
+        return found
+
+    def restart_triggerer(self) -> None:
+        """Stop the triggerer (SIGTERM, like a rolling deploy) and start a fresh one."""
+        import psutil
+
+        old = self.component_processes("triggerer")
+        assert old, "no triggerer process found"
+        for proc in old:
+            proc.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(old, timeout=60)
+        for proc in alive:
+            proc.kill()
+        exe = str(Path(sys.executable).with_name("airflow"))
+        with open(self.home / "triggerer.log", "ab") as out:
+            self.extra.append(subprocess.Popen([exe, "triggerer"], env=self.env, stdout=out,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                               start_new_session=True))
+
+    # -- REST -------------------------------------------------------------------------------------
+    def token(self) -> str:
+        if self._token is None:
+            out = self._request("POST", "/auth/token", {"username": "admin", "password": "admin"},
+                                auth=False)
+            self._token = out["access_token"]
+        return self._token
+
+    def _request(self, method: str, path: str, body: Any = None, auth: bool = True) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if auth:
+            req.add_header("Authorization", f"Bearer {self.token()}")
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw else {}
+
+    def api(self, method: str, path: str, body: Any = None) -> Any:
+        return self._request(method, path, body)
+
+    def trigger(self, dag_id: str, conf: dict[str, Any] | None = None) -> str:
+        run = self.api("POST", f"/api/v2/dags/{dag_id}/dagRuns",
+                       {"logical_date": None, "conf": conf or {}})
+        return run["dag_run_id"]
+
+    def ti(self, dag_id: str, run_id: str, task_id: str) -> dict[str, Any]:
+        from urllib.parse import quote
+
+        return self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/"
+                               f"{task_id}")
+
+    def set_state(self, dag_id: str, run_id: str, task_id: str, new_state: str) -> None:
+        """What the UI's "mark failed" / "mark success" does."""
+        from urllib.parse import quote
+
+        self.api("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/"
+                          f"{task_id}", {"new_state": new_state})
+
+    def clear(self, dag_id: str, run_id: str, task_id: str) -> None:
+        """What the UI's "clear" does for one task (downstream not included)."""
+        self.api("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances",
+                 {"dag_run_id": run_id, "task_ids": [task_id], "dry_run": False,
+                  "only_failed": False, "reset_dag_runs": True})
+
+    def end_leftovers(self) -> None:
+        """After a test: fail every unfinished DAG run and cancel every job still running, so
+        that one failed test neither blocks the next run (``max_active_runs``) nor leaves a
+        training process behind."""
+        from urllib.parse import quote
+
+        from operators.backends.local import LocalBackend
+
+        for dag in self.api("GET", "/api/v2/dags?limit=100").get("dags", []):
+            runs = self.api("GET", f"/api/v2/dags/{dag['dag_id']}/dagRuns?limit=100")
+            for run in runs.get("dag_runs", []):
+                if run["state"] in ("queued", "running"):
+                    self.api("PATCH", f"/api/v2/dags/{dag['dag_id']}/dagRuns/"
+                                      f"{quote(run['dag_run_id'])}", {"state": "failed"})
+        backend = LocalBackend(self.home / "runs")
+        for job_dir in sorted((self.home / "runs").glob("*/request.json")):
+            handle = {"engine": "local", "key": job_dir.parent.name,
+                      "job_dir": str(job_dir.parent), "identity": {}}
+            backend.cancel(handle, grace_s=10)
+
+    def run_state(self, dag_id: str, run_id: str) -> str:
+        from urllib.parse import quote
+
+        return self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}")["state"]
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int) -> str:
+        from urllib.parse import quote
+
+        out = self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/"
+                              f"{task_id}/logs/{try_number}?full_content=true")
+        content = out.get("content", "")
+        if isinstance(content, list):
+            return "\n".join(c.get("event", "") if isinstance(c, dict) else str(c) for c in content)
+        return str(content)
