@@ -140,6 +140,23 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
                       init["checkpoint"])
         return init
 
+    def _init_after_wait(self, spec: Any, ti: Any, init: dict[str, str] | None):
+        """The ``init`` block the job was launched with, once the wait is over.
+
+        ``airflow dags test`` resumes a deferred task with the event only, without the
+        deferral's kwargs: then the block is rebuilt the way :meth:`execute` built it — a
+        stage's from the upstream stage's XCom, ``model.init_from``'s by resolving the same
+        registered version again (the same value unless the alias moved meanwhile, which the
+        validator then reports as a config-digest mismatch rather than passing silently).
+        """
+        if init is not None:
+            return init
+        init = self._stage_init(spec, ti)
+        if init is None and spec.model.init_from:
+            prepared = ti.xcom_pull(task_ids=self.prepare_task_id) or {}
+            init = self._registered_init(spec, prepared)
+        return init
+
     def _init_checkpoint(self, spec: Any, ti: Any) -> str | None:
         """The final checkpoint of the stage this one starts from (``init_from``), or None."""
         from operators.spec.stages import stage_init_from, stage_task_id
@@ -382,10 +399,8 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
             )
             return {
                 "stage": self.stage,
-                # The job config's init block: validation expects the same. `airflow dags test`
-                # resumes with the event only, without the deferral's kwargs: then a stage's
-                # block is rebuilt from the upstream stage's XCom (the same value).
-                "init": init if init is not None else self._stage_init(spec, ti),
+                # The job config's init block: validation expects the same.
+                "init": self._init_after_wait(spec, ti, init),
                 "job": handle["key"],
                 "engine": spec.training.engine,
                 "checkpoint_dir": self._checkpoint_dir(spec, ti),
