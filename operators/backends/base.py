@@ -145,6 +145,22 @@ class LogChunk:
     next_offset: int
 
 
+def whole_lines(data: bytes, offset: int, max_bytes: int) -> LogChunk:
+    """The complete lines of ``data``, read at byte ``offset`` of a log, as a :class:`LogChunk`.
+
+    A trailing partial line is left for the next read (``next_offset`` stops before it), except
+    that a single line longer than ``max_bytes`` is passed on in pieces so a read always advances.
+    Undecodable bytes become U+FFFD.
+    """
+    cut = data.rfind(b"\n")
+    if cut < 0:
+        if len(data) < max_bytes:
+            return LogChunk([], offset)
+        cut = len(data) - 1
+    chunk = data[: cut + 1]
+    return LogChunk(chunk.decode("utf-8", errors="replace").splitlines(), offset + len(chunk))
+
+
 JobHandle = dict[str, Any]
 """A JSON-able reference to a submitted job: ``{"engine": ..., "key": ..., ...}``.
 

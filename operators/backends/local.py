@@ -47,6 +47,7 @@ from operators.backends.base import (
     JobStatus,
     LogChunk,
     TrainingJob,
+    whole_lines,
 )
 from operators.backends.local_supervisor import write_json_atomic
 from operators.errors import BackendError, JobNotFoundError
@@ -205,16 +206,7 @@ class LocalBackend(Backend):
                 data = fh.read(max_bytes)
         except FileNotFoundError:
             return LogChunk([], offset)
-        cut = data.rfind(b"\n")
-        if cut < 0:
-            # A single line longer than max_bytes is passed on in pieces; otherwise wait for
-            # the rest of a partial line.
-            if len(data) < max_bytes:
-                return LogChunk([], offset)
-            cut = len(data) - 1
-        chunk = data[: cut + 1]
-        lines = chunk.decode("utf-8", errors="replace").splitlines()
-        return LogChunk(lines, offset + len(chunk))
+        return whole_lines(data, offset, max_bytes)
 
     def cancel(self, handle: JobHandle, grace_s: float = 30.0) -> JobStatus:
         job_dir = self._dir(handle)

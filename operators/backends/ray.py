@@ -66,6 +66,7 @@ from operators.backends.base import (
     JobStatus,
     LogChunk,
     TrainingJob,
+    whole_lines,
 )
 from operators.backends.ray_client import connection_settings, timeout_client_class
 from operators.errors import BackendError, JobNotFoundError
@@ -287,15 +288,7 @@ class RayBackend(Backend):
         client = self._client()
         text = self._call(client.get_job_logs, handle["submission_id"]) or ""
         data = text.encode("utf-8")[offset: offset + max_bytes]
-        cut = data.rfind(b"\n")
-        if cut < 0:
-            # A single line longer than max_bytes is passed on in pieces; otherwise wait for
-            # the rest of a partial line.
-            if len(data) < max_bytes:
-                return LogChunk([], offset)
-            cut = len(data) - 1
-        chunk = data[: cut + 1]
-        return LogChunk(chunk.decode("utf-8", errors="replace").splitlines(), offset + len(chunk))
+        return whole_lines(data, offset, max_bytes)
 
     def cancel(self, handle: JobHandle, grace_s: float = 30.0) -> JobStatus:
         """Stop the job and wait until Ray reports it terminal.

@@ -50,6 +50,7 @@ from operators.backends.base import (
     JobStatus,
     LogChunk,
     TrainingJob,
+    whole_lines,
 )
 from operators.backends.local_supervisor import write_json_atomic
 from operators.backends.slurm_script import (
@@ -251,15 +252,7 @@ class SlurmBackend(Backend):
                 data = fh.read(max_bytes)
         except FileNotFoundError:
             return LogChunk([], offset)
-        cut = data.rfind(b"\n")
-        if cut < 0:
-            # A single line longer than max_bytes is passed on in pieces; otherwise wait for
-            # the rest of a partial line.
-            if len(data) < max_bytes:
-                return LogChunk([], offset)
-            cut = len(data) - 1
-        chunk = data[: cut + 1]
-        return LogChunk(chunk.decode("utf-8", errors="replace").splitlines(), offset + len(chunk))
+        return whole_lines(data, offset, max_bytes)
 
     def cancel(self, handle: JobHandle, grace_s: float = 30.0) -> JobStatus:
         """Stop the job; idempotent (an ended job is left as it is).
