@@ -56,20 +56,10 @@ def registered_init(client: Any, tracking_uri: str, uri: str, engine: str, dest_
         InitSourceError: the version does not exist, has no ``model.safetensors``, the data was
             encoded with another version's tokenizer, or the engine cannot read the weights.
     """
-    from mlflow.exceptions import MlflowException
 
-    from operators.prepare import _MODELS_URI, _artifact_repository, _find_file
+    from operators.prepare import _artifact_repository, _find_file, resolve_model_version
 
-    match = _MODELS_URI.match(uri)
-    if not match:
-        raise InitSourceError(uri, "expected models:/<name>@<alias> or models:/<name>/<version>")
-    name, alias, number = match.groups()
-    try:
-        version = (client.get_model_version_by_alias(name, alias) if alias
-                   else client.get_model_version(name, number))
-    except MlflowException as err:
-        raise InitSourceError(uri, f"the registry has no such version ({err.error_code}: "
-                                   f"{err.message})") from err
+    name, version = resolve_model_version(client, uri, InitSourceError)
     resolved = f"models:/{name}/{version.version}"
     if tokenizer_source != resolved:
         raise InitSourceError(uri, f"resolves to {resolved}, but the data was encoded with the "

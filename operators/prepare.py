@@ -117,6 +117,30 @@ def _tokenizer_location(source: str | None) -> str | None:
     return resolve(source)
 
 
+def resolve_model_version(client: Any, uri: str, error: type[Exception]) -> tuple[str, Any]:
+    """``(name, ModelVersion)`` of a registered model URI, by alias or by number.
+
+    ``uri`` is ``models:/<name>@<alias>`` or ``models:/<name>/<version>``.
+
+    Raises:
+        error: (built as ``error(uri, reason)``) the URI has another form, or the registry has
+            no such version (with MLflow's error code and message).
+    """
+    from mlflow.exceptions import MlflowException
+
+    match = _MODELS_URI.match(uri)
+    if not match:
+        raise error(uri, "expected models:/<name>@<alias> or models:/<name>/<version>")
+    name, alias, number = match.groups()
+    try:
+        version = (client.get_model_version_by_alias(name, alias) if alias
+                   else client.get_model_version(name, number))
+    except MlflowException as err:
+        raise error(uri, f"the registry has no such version ({err.error_code}: "
+                         f"{err.message})") from err
+    return name, version
+
+
 def fetch_registered_tokenizer(client: Any, tracking_uri: str, uri: str, dest_root: Path
                                ) -> tuple[Path, str]:
     """Download the ``tokenizer.json`` of registered model version ``uri`` with ``client`` (an
@@ -133,20 +157,10 @@ def fetch_registered_tokenizer(client: Any, tracking_uri: str, uri: str, dest_ro
     Raises:
         TokenizerSourceError: no such model version, or no tokenizer.json in its artifacts.
     """
-    from mlflow.exceptions import MlflowException
 
     from operators.data.errors import TokenizerSourceError
 
-    match = _MODELS_URI.match(uri)
-    if not match:
-        raise TokenizerSourceError(uri, "not a models:/<name>@<alias> or models:/<name>/<version>")
-    name, alias, number = match.groups()
-    try:
-        version = (client.get_model_version_by_alias(name, alias) if alias
-                   else client.get_model_version(name, number))
-    except MlflowException as err:
-        raise TokenizerSourceError(uri, f"the registry has no such version "
-                                        f"({err.error_code}: {err.message})") from err
+    name, version = resolve_model_version(client, uri, TokenizerSourceError)
     resolved = f"models:/{name}/{version.version}"
     dest = dest_root / safe_segment(name) / str(version.version)
     if (dest / "tokenizer.json").is_file():
