@@ -18,6 +18,16 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+LAUNCH_ENV: dict[str, str] = {
+    "PYTHONUNBUFFERED": "1",
+    # torchrun (torch >= 2.5) shares its rendezvous TCPStore with the workers and keeps it across
+    # elastic restarts with no per-attempt key prefix, so a restarted rank can read a slower
+    # peer's address from the previous attempt and fail with "Connection refused"
+    # (pytorch/pytorch#135712). Opting out gives every attempt a fresh store hosted by its rank 0.
+    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+}
+"""Environment every engine sets for torchrun and its ranks, besides the job's own variables."""
+
 
 class JobState(str, enum.Enum):
     """Neutral job state; each backend maps its engine's raw states onto these."""

@@ -28,7 +28,7 @@ import json
 import re
 from typing import Any
 
-from operators.backends.base import JobIdentity, TrainingJob
+from operators.backends.base import LAUNCH_ENV, JobIdentity, TrainingJob
 
 TRAINJOB_GROUP, TRAINJOB_VERSION, TRAINJOB_PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
@@ -174,7 +174,7 @@ def _env(job: TrainingJob, opts: dict[str, Any]) -> list[dict[str, Any]]:
     secret_names = {item["name"] for item in opts["secret_env"]}
     plain = {
         "OMP_NUM_THREADS": str(job.threads_per_process),
-        "PYTHONUNBUFFERED": "1",
+        **LAUNCH_ENV,
         "TRAINFORGE_RESULT_FILE": RESULT_FILE,
         **job.env,
     }

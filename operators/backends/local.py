@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from operators.backends.base import (
+    LAUNCH_ENV,
     Backend,
     FailureKind,
     JobHandle,
@@ -100,7 +101,7 @@ class LocalBackend(Backend):
         ]
         env = {
             "OMP_NUM_THREADS": str(job.threads_per_process),
-            "PYTHONUNBUFFERED": "1",
+            **LAUNCH_ENV,
             "TRAINFORGE_RESULT_FILE": str(job_dir / "result.json"),
             **job.env,
             **job.secret_placeholders(),

@@ -58,6 +58,7 @@ import time
 from typing import Any
 
 from operators.backends.base import (
+    LAUNCH_ENV,
     Backend,
     FailureKind,
     JobHandle,
@@ -128,7 +129,7 @@ class RayBackend(Backend):
             )
         env_vars = {
             "OMP_NUM_THREADS": str(job.threads_per_process),
-            "PYTHONUNBUFFERED": "1",
+            **LAUNCH_ENV,
             **{str(k): str(v) for k, v in (opts.get("env_vars") or {}).items()},
             **job.env,
             **job.secret_placeholders(),

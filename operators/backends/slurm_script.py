@@ -28,7 +28,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from operators.backends.base import JobState, TrainingJob
+from operators.backends.base import LAUNCH_ENV, JobState, TrainingJob
 
 SCRIPT_NAME = "job.sbatch"
 LOG_NAME = "job.log"
@@ -170,7 +170,7 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
 
     env = {
         "OMP_NUM_THREADS": str(job.threads_per_process),
-        "PYTHONUNBUFFERED": "1",
+        **LAUNCH_ENV,
         "TRAINFORGE_JOB_DIR": folder,
         "TRAINFORGE_RESULT_FILE": f"{folder}/result.json",
         **{str(k): str(v) for k, v in (opts.get("env_vars") or {}).items()},

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from operators.backends.base import LAUNCH_ENV
+
 EOS = "<|endoftext|>"
 WORDS = (
     "the love of my heart doth make thee fair and sweet night day king queen lord lady speak "
@@ -237,14 +239,15 @@ def trainer_command(job_path: Path, nproc: int | None = None) -> list[str]:
 
 
 def trainer_env(result_file: Path, **extra: str) -> dict[str, str]:
-    """The launcher's environment: result file, 1 thread per process, no MLflow unless given."""
+    """The launcher's environment: result file, 1 thread per process, the engines' launch
+    variables, no MLflow unless given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env.update(
         TRAINFORGE_RESULT_FILE=str(result_file),
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
     )
+    env.update(LAUNCH_ENV)  # what every engine sets for torchrun (operators/backends/base.py)
     env.update(extra)
     return env
 
