@@ -14,11 +14,24 @@ first start — gives the trigger that deadline (minus one poll and a margin, so
 ``timeout`` event, which cancels the job, comes first) and passes only the time left as
 ``defer(timeout=...)``. When Airflow's trigger timeout fires anyway, :meth:`resume_execution`
 cancels the task's live jobs before failing.
+
+Waiting in the worker slot (``training.fault.deferrable: false``, like the ``deferrable`` option of
+Airflow's provider operators): :meth:`TrainingLaunchOperator.execute` does everything up to the
+deferral, then runs the very same trigger coroutine in the task process to its first event
+(:meth:`~operators.triggers.TrainingJobTrigger.wait_here`) and hands that event to
+:meth:`execute_complete` — one code path for events, logs and deadlines. The task process is
+alive during the wait, so Airflow's own ``execution_timeout`` (SIGALRM in the task process) and
+signals reach it: a SIGTERM runs :meth:`on_kill` (Airflow's Task SDK handler) and then ends the
+wait with :class:`TaskProcessTerminated`, so the task fails or is up for retry, never succeeds;
+the job is cancelled once (not at all with ``fault.cancel_on_kill: false``) and the trigger's own
+cancel-on-kill path stays quiet in the task process.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import signal
+import threading
 import time
 from typing import Any
 
@@ -59,6 +72,16 @@ def wait_deadline(
     left = max(1.0, limit - now_s)
     trigger_deadline = max(now_s, limit - poll_interval_s - DEADLINE_MARGIN_S)
     return trigger_deadline, reason, left
+
+
+class TaskProcessTerminated(BaseException):
+    """The task process got SIGTERM while it waited on its job in the worker slot.
+
+    A ``BaseException``, like Airflow's ``AirflowTaskTimeout``: raised from a signal handler, it
+    must pass through the event loop of the wait (asyncio logs and swallows an ``Exception``
+    raised inside a callback). Airflow's task runner records it as a failure, retried when
+    retries are left (a worker shutdown is transient); the retry resumes or adopts the job.
+    """
 
 
 def validate_event(event: Any) -> dict[str, Any]:
@@ -102,6 +125,8 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         self.stage = stage
         self._handle: dict[str, Any] | None = None
         self._mlflow_run_id: str | None = None
+        self._killed = False  # on_kill ran: it acts once per task process
+        self._cancelled_keys: set[str] = set()  # jobs this process cancelled, each once
 
     def resolved_spec(self, context: Any):
         """The run's spec (trigger params applied) as this task's stage sees it."""
@@ -252,23 +277,79 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
             ),
             poll_interval_s=fault.poll_interval,
         )
-        self.log.info("Waiting for job %s: %.0f s left (%s); the trigger cancels it at its "
-                      "deadline", handle["key"], left_s, reason)
+        self.log.info("Waiting for job %s %s: %.0f s left (%s); the job is cancelled at its "
+                      "deadline", handle["key"], "in the triggerer" if fault.deferrable else
+                      "in this task process (fault.deferrable is false)", left_s, reason)
+        trigger = TrainingJobTrigger(
+            engine=spec.training.engine,
+            backend_kwargs=self._backend_kwargs(spec),
+            handle=handle,
+            poll_interval_s=fault.poll_interval,
+            deadline_epoch_s=deadline,
+            deadline_reason=reason,
+            cancel_on_kill=fault.cancel_on_kill,
+        )
+        if not fault.deferrable:
+            event = self._wait_in_task_process(trigger)
+            return self.execute_complete(context, event, first_start_epoch_s=started, init=init)
         self.defer(
-            trigger=TrainingJobTrigger(
-                engine=spec.training.engine,
-                backend_kwargs=self._backend_kwargs(spec),
-                handle=handle,
-                poll_interval_s=fault.poll_interval,
-                deadline_epoch_s=deadline,
-                deadline_reason=reason,
-                cancel_on_kill=fault.cancel_on_kill,
-            ),
+            trigger=trigger,
             method_name="execute_complete",
             # A non-empty kwargs also keeps the try's start date when the task resumes.
             kwargs={"first_start_epoch_s": started, "init": init},  # init: for the XCom
             timeout=dt.timedelta(seconds=left_s),
         )
+
+    def _wait_in_task_process(self, trigger: TrainingJobTrigger) -> dict[str, Any]:
+        """Run ``trigger`` here until its first event (``fault.deferrable: false``); its payload.
+
+        While it waits, SIGTERM (a worker shutdown, or Airflow's supervisor when the task was
+        marked failed or success) runs :meth:`on_kill`, then the handler installed before
+        (Airflow's Task SDK handler, whose own ``on_kill`` call is then a no-op), and ends the
+        wait.
+
+        Raises:
+            TaskProcessTerminated: SIGTERM arrived during the wait.
+            AirflowTaskTimeout: Airflow's ``execution_timeout`` expired during the wait (the
+                task runner then calls :meth:`on_kill`).
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return trigger.wait_here()  # signals reach the main thread only
+        previous = signal.getsignal(signal.SIGTERM)
+        key = trigger.handle.get("key")
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if self._killed:
+                return  # a second SIGTERM must not interrupt the first one's cancel
+            try:
+                self.on_kill()
+            except Exception:  # noqa: BLE001 - the wait must end all the same
+                self.log.exception("on_kill failed for job %s", key)
+            if callable(previous):
+                previous(signum, frame)  # Airflow's handler: on_kill again, a no-op now
+            raise TaskProcessTerminated(
+                f"the task process got SIGTERM while it waited on job {key}; "
+                + ("the job was cancelled" if key in self._cancelled_keys else
+                   "the job was not cancelled (see the lines above)"))
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            return trigger.wait_here()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _cancel_once(self, backend: Any, handle: dict[str, Any], grace_s: float | None = None
+                     ) -> None:
+        """Cancel ``handle``'s job unless this process already did (a timeout event and the
+        task runner's ``on_kill`` after it must not cancel twice)."""
+        if handle["key"] in self._cancelled_keys:
+            self.log.info("Job %s was already cancelled by this task", handle["key"])
+            return
+        if grace_s is None:
+            backend.cancel(handle)
+        else:
+            backend.cancel(handle, grace_s)
+        self._cancelled_keys.add(handle["key"])
 
     def _s3_access(self, spec: Any) -> tuple[dict[str, str], dict[str, str]]:
         """(plain env, secret env) of the ranks for ``storage.aws_conn_id``: region and
@@ -413,7 +494,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         if status == "timeout":
             backend = get_backend(spec.training.engine, **self._backend_kwargs(spec))
             self.log.error("%s; cancelling the job", event["message"])
-            backend.cancel(handle)
+            self._cancel_once(backend, handle)
             if event.get("deadline_reason") == "execution_timeout":
                 from airflow.sdk.exceptions import AirflowTaskTimeout
 
@@ -439,7 +520,12 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         """SIGTERM to the task process (or its execution timeout): the job is cancelled and the
         MLflow run ends KILLED — unless ``fault.cancel_on_kill`` is false: then the job trains
         on and its run stays RUNNING. A retry reopens the run (:meth:`_reopen_mlflow_run`) and
-        resumes the job's checkpoints."""
+        resumes the job's checkpoints. Acts once per task process (a second SIGTERM, or the
+        task runner's call after a timeout event that already cancelled the job, does not
+        cancel again)."""
+        if self._killed:
+            return
+        self._killed = True
         if self._handle is None:
             self._end_mlflow_run_killed()
             return
@@ -452,9 +538,14 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         if not spec.training.fault.cancel_on_kill:
             self.log.info("cancel_on_kill is false: leaving job %s running", self._handle["key"])
             return
-        self.log.info("Task killed: cancelling job %s", self._handle["key"])
+        key = self._handle["key"]
         try:
-            get_backend(spec.training.engine, **self._backend_kwargs(spec)).cancel(self._handle)
+            if key in self._cancelled_keys:
+                self.log.info("Task killed: job %s was already cancelled by this task", key)
+            else:
+                self.log.info("Task killed: cancelling job %s", key)
+                self._cancel_once(get_backend(spec.training.engine,
+                                              **self._backend_kwargs(spec)), self._handle)
         finally:
             self._end_mlflow_run_killed()
 

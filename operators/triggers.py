@@ -10,8 +10,16 @@ Airflow 3.3's :meth:`on_kill` hook) it asks the Airflow API for the task instanc
 and cancels the job only when the task is no longer ``deferred`` — the user marked it failed or
 success, cleared it, or its trigger timed out. A triggerer restart or a trigger moved to another
 triggerer leaves the task ``deferred``, so a healthy job keeps running; so does any doubt (the
-state cannot be read). ``cancel_on_kill=False`` keeps the job in every case. This is the pattern
+state cannot be read), and so does ``running``: a task process waits on the job then (a new try
+that adopts it) and its ``on_kill`` decides. ``cancel_on_kill=False`` keeps the job in every
+case. This is the pattern
 of Airflow's own provider triggers (``safe_to_cancel`` via ``RuntimeTaskInstance.get_task_states``).
+
+Waiting in the worker slot (``fault.deferrable: false``): :meth:`TrainingJobTrigger.wait_here`
+runs the very same coroutine in the task process until its first event. There a cancellation
+only means the event loop is being torn down by an exception of the task process (Airflow's
+execution timeout, a SIGTERM): the trigger then leaves the job alone and asks nothing, because
+the task's ``on_kill`` decides about the job, once.
 
 Events form one closed set (:data:`EVENT_STATUSES`); each carries a human ``message`` and the
 job's identity::
@@ -81,6 +89,7 @@ class TrainingJobTrigger(BaseTrigger):
         self.cancel_grace_s = float(cancel_grace_s)
         self.deadline_reason = deadline_reason
         self._kill_handled = False
+        self._in_task_process = False
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -130,10 +139,34 @@ class TrainingJobTrigger(BaseTrigger):
             if not drain or not chunk.lines:
                 return
 
+    def wait_here(self) -> dict[str, Any]:
+        """Run this trigger's wait in the calling process until its first event; its payload.
+
+        For a task that waits in its worker slot (``fault.deferrable: false``): the same polls,
+        log lines, deadline and events as in the triggerer, on an event loop of its own
+        (``asyncio.run``; the caller must not be inside a running loop). An exception raised
+        into the loop (Airflow's ``AirflowTaskTimeout`` from SIGALRM, a kill) propagates out
+        after the loop is torn down; the job is left to the task's ``on_kill``.
+
+        Raises:
+            TriggerEventError: the wait ended without an event (never expected).
+        """
+        from operators.errors import TriggerEventError
+
+        self._in_task_process = True
+
+        async def first_event() -> dict[str, Any]:
+            async for event in self.run():
+                return event.payload
+            raise TriggerEventError(f"the wait for job {self.handle.get('key')} ended without "
+                                    f"an event")
+
+        return asyncio.run(first_event())
+
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        # The first state lookup warms up the triggerer's API path, so that the one made on
-        # cancellation answers within its timeout.
-        warm_up = asyncio.create_task(self._log_task_state())
+        # In the triggerer, the first state lookup warms up the API path, so that the one made
+        # on cancellation answers within its timeout. A task process has nothing to ask.
+        warm_up = None if self._in_task_process else asyncio.create_task(self._log_task_state())
         try:
             async for event in self._wait():
                 yield event
@@ -141,7 +174,8 @@ class TrainingJobTrigger(BaseTrigger):
             await self._cancel_job_if_task_killed("trigger cancelled")
             raise
         finally:
-            warm_up.cancel()
+            if warm_up is not None:
+                warm_up.cancel()
 
     async def _log_task_state(self) -> None:
         try:
@@ -191,8 +225,9 @@ class TrainingJobTrigger(BaseTrigger):
         """True when the task is no longer deferred, i.e. the job's waiter is gone for good.
 
         False when the task is still ``deferred`` (a triggerer restart or a trigger moved to
-        another triggerer), when there is no task instance to ask, and when the state cannot be
-        read within :data:`STATE_LOOKUP_TIMEOUT_S`: a healthy job is never cancelled on doubt.
+        another triggerer), when it is ``running`` (a task process owns the job), when there is
+        no task instance to ask, and when the state cannot be read within
+        :data:`STATE_LOOKUP_TIMEOUT_S`: a healthy job is never cancelled on doubt.
         """
         key = self.handle.get("key")
         try:
@@ -210,12 +245,24 @@ class TrainingJobTrigger(BaseTrigger):
             self.log.info("Job %s: the task is still deferred (triggerer restart or trigger "
                           "moved); keeping the job", key)
             return False
+        if state == "running":
+            # A task process waits on the job again (it resumed, or waits in its worker slot):
+            # its on_kill decides about the job, not this trigger.
+            self.log.info("Job %s: the task is running in a worker, which owns the job now; "
+                          "keeping the job", key)
+            return False
         self.log.info("Job %s: the task is now %s", key, state)
         return True
 
     async def _cancel_job_if_task_killed(self, why: str) -> None:
         key = self.handle.get("key")
         if self._kill_handled:
+            return
+        if self._in_task_process:
+            # The loop is torn down by the task process's own exception: its on_kill decides.
+            self._kill_handled = True
+            self.log.info("Wait for job %s in the task process stopped; the task's on_kill "
+                          "decides about the job", key)
             return
         if not self.cancel_on_kill:
             self._kill_handled = True

@@ -241,6 +241,12 @@ class FaultSection(SpecModel):
     )
     poll_interval: DurationS = Field("5s", description="How often the trigger polls the job.")
     cancel_on_kill: bool = Field(True, description="Cancel the job when the task is killed.")
+    deferrable: bool = Field(
+        True, description="Wait for the job in the triggerer (true: the worker slot is freed) or "
+        "in the worker slot (false: the task process waits, so a kill of that process or "
+        "Airflow's execution_timeout reaches the wait directly), like the deferrable option of "
+        "Airflow's provider operators."
+    )
 
 
 class TrainingSection(SpecModel):

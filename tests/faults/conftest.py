@@ -12,6 +12,10 @@ from faultlib import AirflowStandalone, make_home
 HERE = Path(__file__).resolve().parent
 FAULT_SPEC = HERE / "fault_tiny.yaml"
 DIVERGE_SPEC = HERE / "fault_diverge.yaml"
+SYNC_SPEC = HERE / "fault_tiny_sync.yaml"  # waits in the worker slot (deferrable: false)
+DEADLINE_SPEC = HERE / "fault_tiny_deadline.yaml"  # short execution_timeout on train
+ONCE_SPEC = HERE / "fault_tiny_once.yaml"  # deferrable: false, no retry (teardown tests)
+STAGES_SPEC = HERE / "fault_tiny_stages.yaml"  # one stage: a child MLflow run (teardown tests)
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +39,8 @@ def airflow_standalone(_standalone_server) -> Iterator[AirflowStandalone]:
 def _standalone_server(tmp_path_factory, shakespeare_corpus, mlflow_server
                        ) -> Iterator[AirflowStandalone]:
     home = make_home(tmp_path_factory.mktemp("fault-home"), shakespeare_corpus)
-    server = AirflowStandalone(home, mlflow_server, [FAULT_SPEC, DIVERGE_SPEC])
+    server = AirflowStandalone(home, mlflow_server, [FAULT_SPEC, DIVERGE_SPEC, SYNC_SPEC,
+                                                        DEADLINE_SPEC, ONCE_SPEC, STAGES_SPEC])
     try:
         server.start()
         yield server

@@ -82,8 +82,9 @@ def test_task_no_longer_deferred_cancels_the_job_and_says_so(tmp_path, state):
 
 @pytest.mark.parametrize(
     "state",
-    ["deferred", None, RuntimeError("execution API unreachable")],
-    ids=["still-deferred (triggerer restart)", "no task instance", "state unreadable"],
+    ["deferred", "running", None, RuntimeError("execution API unreachable")],
+    ids=["still-deferred (triggerer restart)", "running (a task process owns the job)",
+         "no task instance", "state unreadable"],
 )
 def test_healthy_job_survives_a_trigger_cancellation(tmp_path, state):
     backend, handle = _long_job(tmp_path)
