@@ -20,6 +20,7 @@ counted; each parse executes the module afresh, as Airflow's DAG processor does.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import os
 import statistics
@@ -39,6 +40,7 @@ from airflow.sdk import Asset, AssetAlias, Param
 from operators.callbacks import close_mlflow_run_on_failure
 from operators.prepare import PrepareDataOperator
 from operators.registration import RegisterModelOperator
+from operators.teardown import CloseRunOperator
 from operators.training import TrainingLaunchOperator
 from operators.validation import ValidateCheckpointOperator
 '''
@@ -58,7 +60,11 @@ with DAG(dag_id={dag_id!r}, description={description!r}, doc_md={doc_md!r}, sche
                                    spec_file={spec_file!r})
     d = RegisterModelOperator(task_id="register_model", spec=SPEC_{i}, spec_file={spec_file!r},
                               outlets=[AssetAlias(name=MODEL_ALIAS)])
+    e = CloseRunOperator(task_id="close_run", spec=SPEC_{i}, spec_file={spec_file!r},
+                         train_tasks={{"train": None}}, register_task_id="register_model",
+                         on_failure_callback=[]).as_teardown()
     a >> b >> c >> d
+    [a, b, c, d] >> e
 '''
 
 
@@ -157,11 +163,15 @@ def timed(variants: dict[str, tuple[Path, str]], repeats: int, expected: int
     for r in range(repeats):
         for label, (path, cache) in variants.items():
             os.environ["TRAINFORGE_SPEC_CACHE"] = cache
+            # The previous parse's DAGs are garbage (reference cycles): collect them now, so
+            # that no variant pays for a collection of another's leftovers.
+            gc.collect()
             wall, cpu = time.perf_counter(), time.process_time()
             module = parse_file(path, f"bench_mod_{label}_{r}")
             samples[label].append((time.perf_counter() - wall, time.process_time() - cpu))
             count = len(_dags_of(module))
             assert count == expected, f"{path} gave {count} DAGs, expected {expected}"
+            del module
     return {label: (statistics.median(w for w, _ in values), statistics.median(c for _, c in values))
             for label, values in samples.items()}
 

@@ -4,6 +4,11 @@ A DAG run's MLflow run stays RUNNING while its tasks work; the last task ends it
 task fails with no retry left, :func:`close_mlflow_run_on_failure` ends the run FAILED, so no
 failed pipeline leaves a run RUNNING forever. It never raises: a callback must not hide the
 task's own error.
+
+A callback runs only where Airflow runs it: a task marked failed from the UI, or a task process
+killed with SIGKILL, ends without one. The ``close_run`` teardown (operators/teardown.py) closes
+what those leave, stage runs included; it does not carry this callback, so that its own failure
+never ends a finished run FAILED.
 """
 
 from __future__ import annotations

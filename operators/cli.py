@@ -133,12 +133,18 @@ def for_engine(spec, engine: str) -> tuple[object, list[str]]:
     return PipelineSpec.model_validate(raw), used
 
 
+# operators.teardown.CLOSE_RUN_TASK_ID, written out: importing it would import Airflow, which
+# `trainforge validate` and `render` never do (tests/operators/cli/test_render_graph.py checks).
+CLOSE_RUN_TASK_ID = "close_run"
+
+
 def task_edges(stages: list) -> list[list[str]]:
     """The DAG's dependencies as ``[upstream, downstream]`` task id pairs, upstream first.
 
     The same wiring as :func:`operators.dag_builder.build_dag`: a stage without ``depends_on``
     follows ``prepare_data``, the leaf stages feed ``validate_checkpoint``, which feeds
-    ``register_model``. ``stages``: :func:`operators.spec.stages.resolve_stages` of the spec.
+    ``register_model``; every task feeds the ``close_run`` teardown (operators/teardown.py).
+    ``stages``: :func:`operators.spec.stages.resolve_stages` of the spec.
     """
     from operators.spec.stages import leaf_stages, stage_task_id
 
@@ -148,6 +154,9 @@ def task_edges(stages: list) -> list[list[str]]:
             edges.append([upstream, stage.task_id])
     edges += [[leaf.task_id, "validate_checkpoint"] for leaf in leaf_stages(stages)]
     edges.append(["validate_checkpoint", "register_model"])
+    tasks = ["prepare_data", *(stage.task_id for stage in stages), "validate_checkpoint",
+             "register_model"]
+    edges += [[task, CLOSE_RUN_TASK_ID] for task in tasks]
     return edges
 
 
@@ -218,7 +227,9 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
     out = {
         "dag_id": spec.dag_id,
         "engine": engine,
-        "tasks": ["prepare_data", *requests, "validate_checkpoint", "register_model"],
+        "tasks": ["prepare_data", *requests, "validate_checkpoint", "register_model",
+                  CLOSE_RUN_TASK_ID],
+        "teardown": CLOSE_RUN_TASK_ID,
         "edges": task_edges(stages),
     }
     if spec.stages:

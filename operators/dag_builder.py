@@ -1,6 +1,6 @@
 """Compile pipeline specs into Airflow DAGs.
 
-One spec gives one DAG with four tasks::
+One spec gives one DAG with four pipeline tasks::
 
     prepare_data >> train >> validate_checkpoint >> register_model
 
@@ -10,6 +10,11 @@ or, with ``stages`` (operators/spec/stages.py, docs/stages.md), one training tas
 ``validate_checkpoint``, which picks the best valid leaf checkpoint for ``register_model``::
 
     prepare_data >> train_pretrain >> train_finetune >> validate_checkpoint >> register_model
+
+Every pipeline also ends with ``close_run`` (operators/teardown.py), an Airflow teardown task
+downstream of every other task: it runs once they are all done, whatever their states, cancels
+what failed training tasks left running and ends the MLflow runs still ``RUNNING``; its own
+outcome never decides the DAG run's state.
 
 Cheap at parse time: reads YAML and builds operators; imports no torch, no MLflow, no engine
 client. The tunable training fields become typed DAG ``params`` so the Airflow trigger form can
@@ -72,6 +77,7 @@ def build_dag(spec: PipelineSpec, spec_file: str = ""):
 
     from operators.prepare import PrepareDataOperator
     from operators.registration import RegisterModelOperator
+    from operators.teardown import CLOSE_RUN_TASK_ID, CloseRunOperator
     from operators.training import TrainingLaunchOperator
     from operators.validation import ValidateCheckpointOperator
 
@@ -122,8 +128,26 @@ def build_dag(spec: PipelineSpec, spec_file: str = ""):
             upstream >> trains[stage.name]
         [trains[leaf.name] for leaf in leaves] >> validate
         validate >> register
+        work = list(dag.tasks)
+        close = CloseRunOperator(
+            task_id=CLOSE_RUN_TASK_ID,
+            train_tasks={stage.task_id: stage.name for stage in stages},
+            register_task_id=register.task_id,
+            # Not the MLflow-closing failure callback: a failed teardown must not end a
+            # finished run FAILED. The spec's failure notifications stay.
+            on_failure_callback=_teardown_failure_callbacks(dag),
+            **common,
+        ).as_teardown()
+        work >> close
     _apply_task_settings(dag, spec)
     return dag
+
+
+def _teardown_failure_callbacks(dag) -> list:
+    from operators.callbacks import close_mlflow_run_on_failure
+
+    return [cb for cb in dag.default_args.get("on_failure_callback") or []
+            if cb is not close_mlflow_run_on_failure]
 
 
 def _schedule(spec: PipelineSpec) -> Any:

@@ -40,6 +40,9 @@ _TASK_START = re.compile(r"\[DAG TEST\] starting task_id=(\S+)")
 _TASK_END = re.compile(r"\[DAG TEST\] end task task_id=(\S+)")
 
 
+# Teardown tasks (operators/teardown.py; its CLOSE_RUN_TASK_ID, written out: importing it would
+# import Airflow into the CLI): not pipeline stages, so the summary lists them apart.
+TEARDOWN_TASK_IDS = ("close_run",)
 _NEW_STATE = re.compile(r"\bTask instance state updated\b.*\bnew_state=(\w+)")
 _TASK_ERROR = re.compile(r"\[DAG TEST\] Error running task")
 # How a task's final Airflow state reads on the console.
@@ -250,6 +253,13 @@ def _count(value: float | None) -> int | None:
     return None if value is None else int(round(value))
 
 
+def split_teardown(task_times: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"stages": ..., "teardown": ...}``: the pipeline's stage tasks apart from its teardown
+    tasks (``close_run``), which run after them and never decide the run's state."""
+    return {"stages": {t: v for t, v in task_times.items() if t not in TEARDOWN_TASK_IDS},
+            "teardown": {t: v for t, v in task_times.items() if t in TEARDOWN_TASK_IDS}}
+
+
 def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str, Any],
                     task_times: dict[str, Any]) -> dict[str, Any]:
     """What the run recorded in MLflow, gathered for the summary."""
@@ -261,7 +271,7 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
         "dag_id": spec.dag_id,
         "airflow_run_id": airflow_run["run_id"],
         "state": airflow_run.get("state"),
-        "stages": task_times,
+        **split_teardown(task_times),
         "mlflow_run_id": run_id,
     }
     if run_id is None:
@@ -398,6 +408,9 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
                      f"{fmt(info.get('val_loss'), '.4f')}{chosen}"))
     for task, info in (summary.get("stages") or {}).items():
         rows.append((f"stage {task}", f"{info.get('state')} in {fmt(info.get('seconds'), '.1f')} s"))
+    for task, info in (summary.get("teardown") or {}).items():
+        rows.append((f"teardown {task}", f"{info.get('state')} in "
+                     f"{fmt(info.get('seconds'), '.1f')} s (does not decide the run's state)"))
     for what, value in rows:
         table.add_row(what, value)
     console.print(table)

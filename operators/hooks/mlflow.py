@@ -200,6 +200,23 @@ class MlflowHook:
         runs = self._runs_of_dag_run(str(experiment.experiment_id), dag_id, run_id)
         return runs[0].info.run_id if runs else None
 
+    def child_runs(self, run_id: str) -> list[Run]:
+        """The active runs whose ``mlflow.parentRunId`` tag is ``run_id`` (a staged pipeline's
+        stage runs), in the parent's experiment, oldest first; any status.
+
+        Raises:
+            MlflowInvalidArgumentError: ``run_id`` contains both ' and ".
+            MlflowRequestError: the server failed a call.
+        """
+        with _mlflow_errors("get_run", f"run {run_id}"):
+            experiment_id = self.client.get_run(run_id).info.experiment_id
+        query = f"tags.`mlflow.parentRunId` = {_quote('run_id', run_id)}"
+        with _mlflow_errors("search_runs", f"child runs of run {run_id}"):
+            runs = self.client.search_runs(
+                [experiment_id], query, max_results=1000, order_by=["attributes.start_time ASC"]
+            )
+        return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         """Log params; values already logged with the same value are skipped (retries).
 

@@ -46,6 +46,9 @@ def test_dag_run_succeeds_with_every_stage(demo_run):
         "validate_checkpoint": "success",
         "register_model": "success",
     }
+    # The close_run teardown ran after them and found nothing left open.
+    assert {t: s["state"] for t, s in summary["teardown"].items()} == {"close_run": "success"}
+    assert "<== task close_run: success" in output
     # The train task deferred and rank 0's step lines reached the task log through the trigger.
     assert (
         "running trigger in line"
@@ -69,6 +72,7 @@ def test_mlflow_run_has_params_metrics_tags_and_dataset(demo_run, mlflow_server)
     client = MlflowClient(mlflow_server)
     run = client.get_run(summary["mlflow_run_id"])
     assert run.info.status == "FINISHED"
+    assert "trainforge.closed_by" not in run.data.tags  # registration ended it, not close_run
     assert run.data.tags["trainforge.dag_id"] == "tiny_shakespeare"
     assert run.data.tags["trainforge.airflow_run_id"] == summary["airflow_run_id"]
     assert run.data.params["data.vocab_size"] == "1024"

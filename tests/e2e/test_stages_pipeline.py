@@ -44,6 +44,7 @@ def test_every_stage_task_succeeds_in_order(staged_run):
     assert {t: s["state"] for t, s in summary["stages"].items()} == {
         "prepare_data": "success", "train_pretrain": "success", "train_finetune": "success",
         "validate_checkpoint": "success", "register_model": "success"}
+    assert {t: s["state"] for t, s in summary["teardown"].items()} == {"close_run": "success"}
     assert summary["training_stages"]["pretrain"]["steps_trained"] == 20
     assert summary["training_stages"]["finetune"]["steps_trained"] == 20
     assert summary["steps_trained"] == 40
@@ -73,6 +74,8 @@ def test_finetune_started_from_pretrains_final_weights(staged_run, mlflow_server
     }
     assert set(children) == {"pretrain", "finetune"}
     assert all(r.info.status == "FINISHED" for r in children.values())
+    # each stage ended its own run; the close_run teardown found nothing to close
+    assert not any("trainforge.closed_by" in r.data.tags for r in children.values())
     pre = _loss_by_step(client, children["pretrain"].info.run_id)
     fine = _loss_by_step(client, children["finetune"].info.run_id)
     assert sorted(pre) == sorted(fine) == list(range(1, 21))

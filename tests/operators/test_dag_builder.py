@@ -1,5 +1,5 @@
-"""The DAG file and builder: four tasks (one training task per stage), typed params, broken specs
-isolated, cheap parsing."""
+"""The DAG file and builder: four pipeline tasks (one training task per stage) and the
+``close_run`` teardown after all of them, typed params, broken specs isolated, cheap parsing."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_demo_dag_has_four_tasks_in_order_and_typed_params():
     dag = build_dag(load_spec(DEMO), str(DEMO))
     assert dag.dag_id == "shakespeare_llm"
     assert [t.task_id for t in dag.topological_sort()] == [
-        "prepare_data", "train", "validate_checkpoint", "register_model"]
+        "prepare_data", "train", "validate_checkpoint", "register_model", "close_run"]
     assert dag.get_task("train").execution_timeout.total_seconds() == 3600 + 600
     params = dag.params
     assert params["max_steps"] == 300
@@ -116,14 +116,37 @@ def _staged(kind: str):
 
 
 def _edges(dag) -> set[tuple[str, str]]:
-    return {(t.task_id, d) for t in dag.tasks for d in t.downstream_task_ids}
+    """The pipeline's edges, the teardown's left out (see test_every_task_feeds_the_teardown)."""
+    return {(t.task_id, d) for t in dag.tasks for d in t.downstream_task_ids if d != "close_run"}
+
+
+@pytest.mark.parametrize("kind", ["single", "chain", "sweep"])
+def test_every_task_feeds_the_close_run_teardown_which_never_decides_the_run(kind):
+    from airflow.task.trigger_rule import TriggerRule
+
+    from operators.callbacks import close_mlflow_run_on_failure
+    from operators.teardown import CloseRunOperator
+
+    spec = load_spec(DEMO) if kind == "single" else _staged(kind)
+    dag = build_dag(spec, f"{kind}.yaml")
+    close = dag.get_task("close_run")
+    assert isinstance(close, CloseRunOperator) and close.is_teardown
+    assert close.trigger_rule == TriggerRule.ALL_DONE_SETUP_SUCCESS
+    assert not close.on_failure_fail_dagrun  # its failure never fails the DAG run
+    assert close.upstream_task_ids == set(dag.task_ids) - {"close_run"}
+    assert not close.downstream_task_ids
+    trains = {t.task_id: t.stage for t in dag.tasks if t.task_id.startswith("train")}
+    assert close.train_tasks == trains and close.register_task_id == "register_model"
+    # A failed teardown must not end a finished MLflow run FAILED.
+    assert close_mlflow_run_on_failure not in (close.on_failure_callback or [])
+    assert close_mlflow_run_on_failure in dag.get_task("register_model").on_failure_callback
 
 
 def test_a_two_stage_chain_trains_one_task_per_stage_in_order():
     dag = build_dag(_staged("chain"), "chain.yaml")
     assert [t.task_id for t in dag.topological_sort()] == [
         "prepare_data", "train_pretrain", "train_finetune", "validate_checkpoint",
-        "register_model"]
+        "register_model", "close_run"]
     assert _edges(dag) == {("prepare_data", "train_pretrain"),
                            ("train_pretrain", "train_finetune"),
                            ("train_finetune", "validate_checkpoint"),

@@ -84,3 +84,23 @@ def test_a_task_end_without_a_recorded_state_never_claims_done():
 ])
 def test_the_gate_row_says_whether_the_gate_ran_and_where_the_champion_is(summary, line):
     assert gate_line(summary) == line
+
+
+def test_the_summary_lists_the_teardown_apart_from_the_stages():
+    from rich.console import Console
+
+    from operators.runner import TEARDOWN_TASK_IDS, print_summary, split_teardown
+    from operators.teardown import CLOSE_RUN_TASK_ID
+
+    assert TEARDOWN_TASK_IDS == (CLOSE_RUN_TASK_ID,)
+    times = {"prepare_data": {"state": "success", "seconds": 3.0},
+             "train": {"state": "failed", "seconds": 40.0},
+             "close_run": {"state": "success", "seconds": 2.5}}
+    split = split_teardown(times)
+    assert list(split["stages"]) == ["prepare_data", "train"]
+    assert split["teardown"] == {"close_run": {"state": "success", "seconds": 2.5}}
+    console = Console(record=True, width=200)
+    print_summary({"dag_id": "d", "airflow_run_id": "r", "state": "failed", **split}, console)
+    text = console.export_text()
+    assert "stage train" in text and "stage close_run" not in text
+    assert "teardown close_run" in text and "does not decide the run's state" in text

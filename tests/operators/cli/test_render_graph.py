@@ -48,13 +48,23 @@ def _spec(tmp_path: Path, extra: str) -> Path:
              ["validate_checkpoint", "register_model"]]),
 ], ids=["single", "chain", "sweep"])
 def test_render_lists_the_edges_of_the_dag_airflow_builds(tmp_path, extra, edges):
+    from operators.cli import CLOSE_RUN_TASK_ID
+    from operators.teardown import CLOSE_RUN_TASK_ID as built_teardown
+
     path = _spec(tmp_path, extra)
     result = runner.invoke(app, ["render", str(path)])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["edges"] == edges
+    rendered = json.loads(result.stdout)
+    # every task feeds the close_run teardown
+    tasks = sorted({task for edge in edges for task in edge})
+    edges = edges + [[task, "close_run"] for task in rendered["tasks"][:-1]]
+    assert rendered["edges"] == edges
+    assert sorted(rendered["tasks"]) == sorted([*tasks, "close_run"])
+    assert rendered["teardown"] == CLOSE_RUN_TASK_ID == built_teardown
     dag = build_dag(load_spec(path), str(path))
     built = sorted([up, task.task_id] for task in dag.tasks for up in task.upstream_task_ids)
     assert sorted(edges) == built
+    assert [t.task_id for t in dag.tasks if t.is_teardown] == [rendered["teardown"]]
 
 
 def test_a_stage_with_its_own_engine_keeps_it_and_render_says_so(tmp_path):
@@ -74,3 +84,16 @@ def test_the_placeholder_note_names_spec_fields_not_training_fields():
     assert result.exit_code == 0, result.output
     assert "  spec field data.output_uri: s3://your-bucket/datasets" in result.stderr
     assert "training spec field" not in result.stderr
+
+
+def test_render_imports_no_airflow():
+    """`render` is a cheap dry run: it names the teardown task without importing Airflow."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from typer.testing import CliRunner; from operators.cli import app; "
+            f"r = CliRunner().invoke(app, ['render', {str(DEMO)!r}]); assert r.exit_code == 0; "
+            "print(sorted(m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:] + out.stderr[-2000:]
