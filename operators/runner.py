@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -509,6 +510,30 @@ def cancel_ray_jobs(address: str, dag_id: str, since_epoch_s: float | None = Non
     return stopped
 
 
+@contextlib.contextmanager
+def termination_as_interrupt() -> Iterator[None]:
+    """While open, SIGTERM and SIGHUP (a closed terminal, ``timeout``, a CI job cancelled) raise
+    :class:`KeyboardInterrupt` like Ctrl-C, so they take the same way out: Airflow stopped, this
+    run's jobs cancelled and named, the MLflow server and Ray head this run started stopped.
+    Outside the main thread (where Python delivers signals) it does nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name} received")
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
                  summary_json: Path | None = None, engine: str | None = None) -> bool:
     """Run ``spec`` through ``airflow dags test``; print and return whether the run succeeded.
@@ -534,6 +559,7 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         console.print(migrate.stdout[-4000:], migrate.stderr[-4000:], markup=False)
         return False
     with contextlib.ExitStack() as stack:
+        stack.enter_context(termination_as_interrupt())
         tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not tracking_uri:
             from mlflow_setup import start_server
