@@ -178,8 +178,11 @@ def test_sigkilled_task_process_is_retried_and_the_retry_adopts_the_running_job(
 def test_retry_after_the_job_finished_goes_straight_to_its_outputs(airflow_standalone,
                                                                     mlflow_server):
     server = airflow_standalone
-    max_steps = 300
+    # Long enough (tens of seconds) that the kill lands before the job ends, short enough to wait
+    # for: the job must still be running when try 1 is killed, and done before try 2 looks.
+    max_steps = 3000
     run_id, path, proc = start_waiting(server, max_steps=max_steps)
+    assert exit_record(path) is None, "the job ended before the kill: raise max_steps"
     set_paused(server, SYNC_DAG, True)  # try 2 waits until the job has ended
     try:
         proc.kill()
