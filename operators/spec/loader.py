@@ -175,12 +175,43 @@ class _FastLoader(_Loader):
         return super().construct_mapping(node, deep=deep)
 
 
+# Where a YAML anchor (``&name``) may start: at a line start, after a space or a flow indicator,
+# followed by a name. Every alias needs an anchor, and a spec without one (a URL query string
+# ``a=1&b=2``, a cron ``0 3 * * 1``) is not parsed twice.
+_ANCHOR_HINT = re.compile(r"(?:^|[\s\[{,])&[^\s\[\]{},]", re.MULTILINE)
+
+
+def _first_alias(text: str) -> yaml.AliasEvent | None:
+    """The first alias (``*name``) of ``text``, with its position, or None (also for text YAML
+    cannot read: the other checks report that)."""
+    if not _ANCHOR_HINT.search(text):
+        return None  # no anchor, no alias: the common case costs one regex scan
+    try:
+        for event in yaml.parse(text, Loader=_Loader):
+            if isinstance(event, yaml.AliasEvent):
+                return event
+    except yaml.YAMLError:
+        return None
+    return None
+
+
 def parse_spec_text(text: str, file: str = "<string>") -> PipelineSpec:
     """Parse and validate YAML text. Raises :class:`SpecError` listing every problem.
 
     A valid file takes the fast path (plain data, one validation); anything wrong is re-read
     keeping every node's position, so that each problem is reported at its line and column.
+    Aliases (``*name``) are refused before anything is built: nine lines of nested aliases
+    expand to hundreds of millions of values (the "billion laughs" pattern), and specs are read
+    by Airflow's DAG processor.
     """
+    alias = _first_alias(text)
+    if alias is not None:
+        mark = alias.start_mark
+        raise SpecError([SpecIssue(
+            file, mark.line + 1, mark.column + 1, "",
+            f"YAML aliases are not supported in a pipeline spec (got the alias *{alias.anchor}; "
+            f"expected the value written out): an alias can make a small file expand without "
+            f"bound")])
     try:
         data = yaml.load(text, Loader=_FastLoader)  # noqa: S506 - a SafeLoader subclass
         if isinstance(data, dict):

@@ -262,6 +262,9 @@ def test_overrides_are_validated_by_the_same_model():
      "not a valid date (got '2026-13-45': month must be in 1..12; expected YYYY-MM-DD)"),
     (MINIMAL + "? [a, b]\n: 1\n", 15, "a key must be a plain name"),
     (MINIMAL.replace("model_name: tiny-llm", "<<: {model_name: tiny-llm}"), 14, "merge keys"),
+    (MINIMAL.replace("model_name: tiny-llm", "model_name: &n tiny-llm\n  tags: {x: *n}"), 15,
+     "YAML aliases are not supported in a pipeline spec (got the alias *n; expected the value "
+     "written out)"),
 ])
 def test_yaml_that_cannot_become_data_is_an_error_not_a_crash(text, line, fragment):
     with pytest.raises(SpecError) as info:
@@ -296,3 +299,25 @@ def test_credential_names(name, secret):
     from operators.spec.engines import is_credential_name
 
     assert is_credential_name(name) is secret
+
+
+def test_nested_aliases_are_refused_before_they_expand():
+    """Nine lines of nested aliases would expand to 9**9 values ("billion laughs"); the refusal
+    comes from the event stream, before anything is built."""
+    import time
+
+    lines = ['a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    started = time.monotonic()
+    with pytest.raises(SpecError) as info:
+        parse_spec_text("\n".join(lines) + "\n", "bomb.yaml")
+    assert time.monotonic() - started < 5
+    issue = info.value.issues[0]
+    assert (issue.line, issue.column) == (2, 10) and "alias *a0" in issue.message
+
+
+def test_a_glob_with_a_star_is_not_taken_for_an_alias():
+    spec = parse_spec_text(MINIMAL, "ok.yaml")
+    text = MINIMAL.replace(spec.data.sources[0], "corpus/*/x-*.txt")
+    assert "corpus/*/x-*.txt" in text
+    assert parse_spec_text(text, "ok.yaml").data.sources == ["corpus/*/x-*.txt"]
