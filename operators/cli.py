@@ -15,7 +15,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help=__doc__.replace("``", "`"))
 # Piped or captured output gets wide lines, so paths and URLs stay whole for copy and grep.
 console = Console(width=None if sys.stdout.isatty() else 200)
 

@@ -166,7 +166,7 @@ class FrameworkSection(SpecModel):
 
 
 class OptimizationSection(SpecModel):
-    max_steps: int = Field(ge=1, description="Optimizer steps to train.")
+    max_steps: int = Field(ge=1, le=1_000_000_000, description="Optimizer steps to train.")
     global_batch_size: int = Field(
         ge=1, description="Sequences per optimizer step, over all ranks and micro-batches."
     )
@@ -247,6 +247,14 @@ class FaultSection(SpecModel):
         "Airflow's execution_timeout reaches the wait directly), like the deferrable option of "
         "Airflow's provider operators."
     )
+
+    @model_validator(mode="after")
+    def _poll_fits(self) -> FaultSection:
+        if self.poll_interval >= self.run_timeout:
+            raise field_errors(FaultSection, (("poll_interval",), f"poll_interval must be "
+                               f"shorter than run_timeout (got {self.poll_interval:g} s >= "
+                               f"{self.run_timeout:g} s)", self.poll_interval, ()))
+        return self
 
 
 class TrainingSection(SpecModel):

@@ -117,6 +117,11 @@ CASES = [
      "training.optimization.micro_batch_size", 9, "may not exceed global_batch_size"),
     (_under("    max_steps: 10\n", "    warmup_steps: 10\n"),
      "training.optimization.warmup_steps", 8, "warmup_steps must be below max_steps"),
+    (_under("training:\n", "  fault:\n    run_timeout: 1s\n    poll_interval: 1h\n"),
+     "training.fault.poll_interval", 8, "poll_interval must be shorter than run_timeout "
+     "(got 3600 s >= 1 s)"),
+    (_replace("max_steps: 10", "max_steps: 99999999999999999999"),
+     "training.optimization.max_steps", 7, "less than or equal to 1000000000"),
     (_under("training:\n", "  ray:\n    address: http://head:8265\n"), "training.ray", 6,
      "the 'ray' block configures engine 'ray', but engine is 'local'"),
     (_under("training:\n", "  engine: kubernetes\n"), "training.resources.image", 6,
