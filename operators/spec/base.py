@@ -114,6 +114,9 @@ class WrongScalar:
         if self.expected == "unquoted number":
             return (f"a quoted number is text; write {self.value.strip()} without quotes "
                     f"(got {self.value!r}; expected a number)")
+        if isinstance(self.value, str) and self.value.strip().lower() in ("true", "false"):
+            return (f"a quoted boolean is text; write {self.value.strip().lower()} without quotes "
+                    f"(got {self.value!r}; expected true or false)")
         return f"expected true or false (got {self.value!r})"
 
 

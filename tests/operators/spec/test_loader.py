@@ -156,6 +156,8 @@ CASES = [
      "pipeline.tasks.train.retries", 4, "YAML reads unquoted 'off' as the boolean False"),
     (_under("pipeline:\n", "  catchup: 1\n"), "pipeline.catchup", 2,
      "expected true or false (got 1)"),
+    (_under("pipeline:\n", "  catchup: 'true'\n"), "pipeline.catchup", 2,
+     "a quoted boolean is text; write true without quotes (got 'true'; expected true or false)"),
     (_replace("learning_rate: 1e-3", "learning_rate: on"),
      "training.optimization.learning_rate", 10, "expected a number, not a boolean"),
     (_under("pipeline:\n", "  start_date: 2026/01/01\n"), "pipeline.start_date", 2,
