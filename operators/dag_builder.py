@@ -227,7 +227,8 @@ def build_dags(paths: str | Path | list) -> tuple[dict[str, Any], dict[str, Exce
     """Compile every spec named by ``paths`` (files, or folders of ``*.yaml`` / ``*.yml``).
 
     Returns ``(dags by dag_id, errors by file)``: one broken spec never stops the others. An
-    error is a :class:`SpecError` (its ``issues`` carry lines) or an ``OSError``.
+    error is a :class:`SpecError` (its ``issues`` carry lines) or an ``OSError``; a spec that
+    validates but whose DAG cannot be built is a :class:`SpecError` at its line 1.
     """
     dags: dict[str, Any] = {}
     errors: dict[str, Exception] = {}
@@ -246,5 +247,11 @@ def build_dags(paths: str | Path | list) -> tuple[dict[str, Any], dict[str, Exce
             )])
             continue
         seen[spec.dag_id] = str(path)
-        dags[spec.dag_id] = build_dag(spec, spec_file=str(path))
+        try:
+            dags[spec.dag_id] = build_dag(spec, spec_file=str(path))
+        except Exception as err:  # noqa: BLE001 - one spec must never hide the others
+            errors[str(path)] = SpecError([SpecIssue(
+                str(path), 1, 1, "",
+                f"no DAG could be built from this spec ({type(err).__name__}: {err})",
+            )])
     return dags, errors

@@ -54,7 +54,10 @@ class SpecModel(BaseModel):
     JSON Schema (``type: integer``) rejects, so editors and the loader would disagree.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # allow_inf_nan=False: ``.inf`` / ``.nan`` are never a setting, and JSON (job requests,
+    # manifests) has no spelling for them.
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True,
+                              allow_inf_nan=False)
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:

@@ -16,6 +16,9 @@ from pydantic import BeforeValidator, PlainSerializer, WithJsonSchema
 _UNITS_S = {"d": 86_400, "h": 3_600, "m": 60, "s": 1}
 _PART = re.compile(r"(\d+)([dhms])")
 _WHOLE = re.compile(r"^(?:\d+[dhms])+$")
+MAX_DURATION_S = 366 * 86_400
+"""The longest duration a spec may give (a year): anything longer is a typo, and Python's
+``timedelta`` and Airflow's timeouts overflow far beyond it."""
 
 
 def parse_duration(text: object) -> int:
@@ -46,6 +49,9 @@ def parse_duration(text: object) -> int:
     seconds = sum(int(n) * _UNITS_S[unit] for n, unit in parts)
     if seconds <= 0:
         raise ValueError(f"a duration must be longer than zero (got {text!r})")
+    if seconds > MAX_DURATION_S:
+        raise ValueError(f"a duration may be at most {format_duration(MAX_DURATION_S)} "
+                         f"(got {text!r})")
     return seconds
 
 

@@ -175,17 +175,11 @@ class _FastLoader(_Loader):
         return super().construct_mapping(node, deep=deep)
 
 
-# Where a YAML anchor (``&name``) may start: at a line start, after a space or a flow indicator,
-# followed by a name. Every alias needs an anchor, and a spec without one (a URL query string
-# ``a=1&b=2``, a cron ``0 3 * * 1``) is not parsed twice.
-_ANCHOR_HINT = re.compile(r"(?:^|[\s\[{,])&[^\s\[\]{},]", re.MULTILINE)
-
-
 def _first_alias(text: str) -> yaml.AliasEvent | None:
     """The first alias (``*name``) of ``text``, with its position, or None (also for text YAML
     cannot read: the other checks report that)."""
-    if not _ANCHOR_HINT.search(text):
-        return None  # no anchor, no alias: the common case costs one regex scan
+    if "&" not in text:
+        return None  # no anchor, no alias: the common case costs one substring search
     try:
         for event in yaml.parse(text, Loader=_Loader):
             if isinstance(event, yaml.AliasEvent):
@@ -274,6 +268,7 @@ def _parse_with_positions(text: str, file: str) -> PipelineSpec:
     try:
         spec = PipelineSpec.model_validate(data)
     except ValidationError as err:
+        seen = set(issues)  # a set: a file with thousands of mistakes stays linear
         for e in _one_error_per_union(err.errors(), data, marks):
             e["loc"] = _data_loc(tuple(e["loc"]), marks)
             if any(("node_error",) + tuple(e["loc"][:cut]) in marks
@@ -282,7 +277,8 @@ def _parse_with_positions(text: str, file: str) -> PipelineSpec:
             line, col = _position(marks, e["loc"], e)
             path = ".".join(str(p) for p in e["loc"])
             issue = SpecIssue(file, line, col, path, _describe(e, marks))
-            if issue not in issues:
+            if issue not in seen:
+                seen.add(issue)
                 issues.append(issue)
         spec = None
     if issues:

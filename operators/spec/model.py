@@ -127,7 +127,8 @@ class ResourcesSection(SpecModel):
     cpus_per_process: int = Field(
         1, ge=1, le=256, description="CPU cores per rank; also its OMP_NUM_THREADS."
     )
-    memory_gib: float | None = Field(None, gt=0, description="Memory per machine, GiB.")
+    memory_gib: float | None = Field(None, gt=0, le=1_048_576,
+                                     description="Memory per machine, GiB.")
     image: str | None = Field(None, description="Container image of the trainer (cluster engines).")
 
     @model_validator(mode="after")
@@ -183,7 +184,7 @@ class OptimizationSection(SpecModel):
     beta1: float = Field(0.9, gt=0, lt=1)
     beta2: float = Field(0.95, gt=0, lt=1)
     grad_clip: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables.")
-    seed: int = Field(1234, ge=0, description="Seed of weights and data order.")
+    seed: int = Field(1234, ge=0, le=2**63 - 1, description="Seed of weights and data order.")
 
     @model_validator(mode="after")
     def _consistent(self) -> OptimizationSection:

@@ -122,6 +122,15 @@ CASES = [
      "(got 3600 s >= 1 s)"),
     (_replace("max_steps: 10", "max_steps: 99999999999999999999"),
      "training.optimization.max_steps", 7, "less than or equal to 1000000000"),
+    (_under("training:\n", "  fault:\n    run_timeout: 99999999999999999999h\n"),
+     "training.fault.run_timeout", 7, "a duration may be at most 366d (got "
+     "'99999999999999999999h')"),
+    (_under("training:\n", "  resources:\n    memory_gib: .inf\n"),
+     "training.resources.memory_gib", 7, "Input should be a finite number"),
+    (_replace("learning_rate: 1e-3", "learning_rate: .nan"),
+     "training.optimization.learning_rate", 10, "Input should be a finite number"),
+    (_under("    max_steps: 10\n", "    seed: 99999999999999999999\n"),
+     "training.optimization.seed", 8, "less than or equal to 9223372036854775807"),
     (_under("training:\n", "  ray:\n    address: http://head:8265\n"), "training.ray", 6,
      "the 'ray' block configures engine 'ray', but engine is 'local'"),
     (_under("training:\n", "  engine: kubernetes\n"), "training.resources.image", 6,
@@ -328,3 +337,26 @@ def test_a_glob_with_a_star_is_not_taken_for_an_alias():
     text = MINIMAL.replace(spec.data.sources[0], "corpus/*/x-*.txt")
     assert "corpus/*/x-*.txt" in text
     assert parse_spec_text(text, "ok.yaml").data.sources == ["corpus/*/x-*.txt"]
+
+
+def test_flow_style_and_bom_prefixed_aliases_are_refused_too():
+    """An anchor right after ':' in a flow mapping, or after a byte-order mark, is an anchor
+    all the same: the refusal must not depend on what precedes the '&'."""
+    flow = MINIMAL.replace("model_name: tiny-llm",
+                           'model_name: tiny-llm\n  tags: {"a":&a [x, x], "b": [*a, *a]}')
+    bom = "\ufeff&a [*a, *a]\n"
+    for text in (flow, bom):
+        with pytest.raises(SpecError, match="YAML aliases are not supported"):
+            parse_spec_text(text, "bad.yaml")
+
+
+def test_thousands_of_mistakes_are_listed_in_linear_time():
+    import time
+
+    text = MINIMAL + "".join(f"unknown_{i}: 1\n" for i in range(20_000))
+    started = time.monotonic()
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text, "many.yaml")
+    assert len(info.value.issues) == 20_000
+    # about 1 s; the quadratic de-duplication it replaces took over 30 s for this file
+    assert time.monotonic() - started < 15
