@@ -79,7 +79,8 @@ def test_dag_file_warns_per_yaml_file_and_line_and_imports_nothing_heavy(tmp_pat
         "    import trainforge_pipelines as m\n"
         "print('DAGS', sorted(k for k, v in vars(m).items() if type(v).__name__ == 'DAG'))\n"
         "print('WARN', [(x.filename.rsplit('/', 1)[-1], x.lineno) for x in w if 'trainforge' in str(x.message)])\n"
-        "print('HEAVY', sorted(m for m in ('torch', 'mlflow', 'transformers') if m in sys.modules))\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'mlflow', 'transformers', 'boto3', 'kubernetes',"
+        " 'ray', 'psycopg2') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          env={**os.environ, "TRAINFORGE_PIPELINES": str(tmp_path)}, timeout=120)
