@@ -14,11 +14,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.faults.faultlib import wait_for
 
 HERE = Path(__file__).resolve().parent
 SPEC = HERE / "tiny_shakespeare.yaml"
@@ -36,16 +37,6 @@ def _processes_naming(text: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
-
-
-def _wait(what: str, check, timeout_s: float, interval_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def _steps_logged(home: Path) -> bool:
@@ -69,7 +60,7 @@ def test_sigterm_stops_airflow_cancels_the_job_and_stops_the_mlflow_server(
     proc = subprocess.Popen([str(Path(sys.executable).with_name("trainforge")), "run", str(spec)],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait("rank 0's first step line", lambda: proc.poll() is not None or _steps_logged(home),
+        wait_for("rank 0's first step line", lambda: proc.poll() is not None or _steps_logged(home),
               900, 2)
         assert proc.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
         [job] = list((home / "runs").glob("*/job.log"))
@@ -87,8 +78,8 @@ def test_sigterm_stops_airflow_cancels_the_job_and_stops_the_mlflow_server(
     assert rc != 0, output[-4000:]
     assert "Interrupted: stopping Airflow and cancelling this pipeline's jobs" in output
     assert key in output.split("Interrupted:", 1)[1], output[-3000:]  # the job is named
-    _wait("no process of the job", lambda: not _processes_naming(str(job.parent)), 60)
-    _wait("no process of the run (Airflow, MLflow server)",
+    wait_for("no process of the job", lambda: not _processes_naming(str(job.parent)), 60)
+    wait_for("no process of the run (Airflow, MLflow server)",
           lambda: not _processes_naming(str(home)), 60)
     record = json.loads((job.parent / "exit.json").read_text())
     assert record["cancelled"] is True, record
