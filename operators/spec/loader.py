@@ -228,11 +228,26 @@ def _indenting_tab(text: str, line: int) -> tuple[int, int] | None:
     return None
 
 
+def _unreadable_character(text: str, file: str, err: yaml.reader.ReaderError) -> SpecIssue:
+    """The issue of a character YAML refuses (NUL, ESC, other control characters): at its line
+    and column, computed from the offset the reader reports."""
+    position = max(0, min(int(err.position), len(text)))
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    char = err.character if isinstance(err.character, str) else chr(err.character)
+    return SpecIssue(file, line, column, "",
+                     f"YAML does not allow the control character {char!r} (got it at offset "
+                     f"{position}; expected printable text): remove it, or save the file as "
+                     f"UTF-8 if it is UTF-16")
+
+
 def _parse_with_positions(text: str, file: str) -> PipelineSpec:
     loader = _Loader(text)
     try:
         try:
             root = loader.get_single_node()
+        except yaml.reader.ReaderError as err:  # a control character: it carries an offset only
+            raise SpecError([_unreadable_character(text, file, err)]) from None
         except yaml.MarkedYAMLError as err:
             mark = err.problem_mark or err.context_mark
             line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)

@@ -360,3 +360,22 @@ def test_thousands_of_mistakes_are_listed_in_linear_time():
     assert len(info.value.issues) == 20_000
     # about 1 s; the quadratic de-duplication it replaces took over 30 s for this file
     assert time.monotonic() - started < 15
+
+
+@pytest.mark.parametrize("char", ["\x00", "\x01", "\x1b"])
+def test_a_control_character_is_reported_at_its_line_not_as_a_traceback(char):
+    text = MINIMAL.replace("name: tiny", f"name: ti{char}ny")
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text, "ctl.yaml")
+    [issue] = info.value.issues
+    assert (issue.line, issue.column) == (2, 11)
+    assert f"YAML does not allow the control character {char!r}" in issue.message
+
+
+def test_a_spec_with_a_control_character_never_hides_the_others(tmp_path):
+    from operators.dag_builder import build_dags
+
+    (tmp_path / "a.yaml").write_text(MINIMAL)
+    (tmp_path / "b.yaml").write_text(MINIMAL.replace("name: tiny", "name: other\x00"))
+    dags, errors = build_dags(tmp_path)
+    assert list(dags) == ["tiny"] and list(errors) == [str(tmp_path / "b.yaml")]
