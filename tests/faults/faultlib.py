@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 
@@ -47,6 +49,113 @@ def wait_for(what: str, check, timeout_s: float, interval_s: float = 1.0):
             return last
         time.sleep(interval_s)
     pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what} (last: {last!r})")
+
+
+
+# -- helpers of the fault tests (job folders, Airflow logs, MLflow runs) --------------------
+
+CANCEL_WITHIN_S = 90  # trigger cancellation + the local engine's cancel grace, on a busy machine
+
+
+def job_processes(path: Path) -> list[psutil.Process]:
+    """Live processes whose command line names this job's folder (supervisor, torchrun, ranks)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if any(str(path) in part for part in proc.info["cmdline"] or ()):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def steps_logged(path: Path) -> int:
+    """The newest ``step N/M`` rank 0 printed into the job log (0 when none yet)."""
+    try:
+        text = (path / "job.log").read_text(errors="replace")
+    except OSError:
+        return 0
+    found = re.findall(r"step (\d+)/\d+", text)
+    return int(found[-1]) if found else 0
+
+
+def exit_record(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "exit.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def airflow_logs(server, run_id: str, dag_id: str) -> str:
+    """Every task and trigger log of one DAG run (the trigger's lines land in the task's log)."""
+    root = Path(server.env["AIRFLOW_HOME"]) / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
+    return "\n".join(p.read_text(errors="replace") for p in root.rglob("*.log*"))
+
+
+def mlflow_steps(mlflow_url: str, run_id: str) -> list[int]:
+    """Steps of ``train_loss`` in the DAG run's MLflow run, in logging order."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_url)
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        f"tags.`trainforge.airflow_run_id` = '{run_id}'",
+    )
+    assert len(runs) == 1, runs
+    return [m.step for m in client.get_metric_history(runs[0].info.run_id, "train_loss")]
+
+
+def has_dag(server, dag_id: str) -> bool:
+    import urllib.error
+
+    try:
+        return server.api("GET", f"/api/v2/dags/{dag_id}").get("dag_id") == dag_id
+    except urllib.error.HTTPError:
+        return False
+
+
+def task_process(ti_id: str) -> psutil.Process | None:
+    """The Task SDK child running one task instance (``airflow worker -- <id>``), not its
+    supervisor (``airflow worker -- LocalExecutor: <id>``, which forwards SIGTERM but dies of
+    SIGKILL alone): the process naming the id whose parent names it too."""
+    named = {}
+    for proc in psutil.process_iter(["cmdline", "status", "ppid"]):
+        try:
+            if proc.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            title = " ".join(proc.info["cmdline"] or ())
+        except psutil.Error:
+            continue
+        if "airflow worker" in title and ti_id in title:
+            named[proc.pid] = proc
+    children = [p for p in named.values() if p.info["ppid"] in named]
+    return children[0] if len(children) == 1 else None
+
+
+def mlflow_run(mlflow_url: str, run_id: str):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_url)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              f"tags.`trainforge.airflow_run_id` = '{run_id}'")
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def wait_run_end(server, dag_id: str, run_id: str, timeout_s: float = 900) -> str:
+    return wait_for("the run to end", lambda: server.run_state(dag_id, run_id)
+                    in ("success", "failed") and server.run_state(dag_id, run_id), timeout_s, 3)
+
+
+def wait_job_cancelled(path: Path) -> dict:
+    """Wait until the local job in ``path`` has ended cancelled and none of its processes is
+    left; its exit record."""
+    record = wait_for("the job to be cancelled", lambda: exit_record(path), CANCEL_WITHIN_S)
+    assert record["cancelled"] is True, record
+    wait_for("no process of the job", lambda: not job_processes(path), 30)
+    return record
 
 
 class AirflowStandalone:

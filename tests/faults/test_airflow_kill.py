@@ -17,57 +17,26 @@ from pathlib import Path
 
 import psutil
 import pytest
+from faultlib import (
+    CANCEL_WITHIN_S,
+    airflow_logs,
+    exit_record,
+    has_dag,
+    job_processes,
+    mlflow_steps,
+    steps_logged,
+    wait_for,
+)
 
-from faultlib import wait_for
 from operators.backends.base import JobIdentity
 
 pytestmark = [pytest.mark.airflow, pytest.mark.integration]
 
 DAG = "fault_tiny"
-CANCEL_WITHIN_S = 90  # trigger cancellation + the local engine's cancel grace, on a busy machine
 
 
 def job_dir(home: Path, run_id: str, try_number: int = 1) -> Path:
     return home / "runs" / JobIdentity(DAG, run_id, "train", try_number).key
-
-
-def job_processes(path: Path) -> list[psutil.Process]:
-    """Live processes whose command line names this job's folder (supervisor, torchrun, ranks)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if any(str(path) in part for part in proc.info["cmdline"] or ()):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
-def steps_logged(path: Path) -> int:
-    """The newest ``step N/M`` rank 0 printed into the job log (0 when none yet)."""
-    import re
-
-    try:
-        text = (path / "job.log").read_text(errors="replace")
-    except OSError:
-        return 0
-    found = re.findall(r"step (\d+)/\d+", text)
-    return int(found[-1]) if found else 0
-
-
-def exit_record(path: Path) -> dict | None:
-    try:
-        return json.loads((path / "exit.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def airflow_logs(server, run_id: str, dag_id: str = DAG) -> str:
-    """Every task and trigger log of one DAG run (the trigger's lines land in the task's log)."""
-    root = Path(server.env["AIRFLOW_HOME"]) / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
-    return "\n".join(p.read_text(errors="replace") for p in root.rglob("*.log*"))
 
 
 def start_training(server, max_steps: int) -> tuple[str, Path]:
@@ -94,7 +63,7 @@ def test_user_action_while_deferred_cancels_the_job(airflow_standalone, action):
     assert record["cancelled"] is True
     wait_for("no process of the job", lambda: not job_processes(path), 30)
     key = JobIdentity(DAG, run_id, "train", 1).key
-    logs = airflow_logs(server, run_id)
+    logs = airflow_logs(server, run_id, DAG)
     assert f"cancelling job {key}" in logs, logs[-3000:]
     if action == "failed":
         # Downstream never runs on a killed training.
@@ -135,26 +104,13 @@ def test_triggerer_restart_keeps_the_job_and_the_run_finishes(airflow_standalone
     assert server.ti(DAG, run_id, "train")["try_number"] == 1
     assert steps_logged(path) == max_steps
     assert not (job_dir(server.home, run_id, 2)).exists()  # no second job
-    assert "cancelling job" not in airflow_logs(server, run_id)
+    assert "cancelling job" not in airflow_logs(server, run_id, DAG)
     assert not job_processes(path)
 
 
 def rank_processes(path: Path) -> list[psutil.Process]:
     return [p for p in job_processes(path) if "trainer.train" in p.cmdline()
             and "torch.distributed.run" not in p.cmdline()]
-
-
-def mlflow_steps(mlflow_url: str, run_id: str) -> list[int]:
-    """Steps of ``train_loss`` in the DAG run's MLflow run, in logging order."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(mlflow_url)
-    runs = client.search_runs(
-        [e.experiment_id for e in client.search_experiments()],
-        f"tags.`trainforge.airflow_run_id` = '{run_id}'",
-    )
-    assert len(runs) == 1, runs
-    return [m.step for m in client.get_metric_history(runs[0].info.run_id, "train_loss")]
 
 
 @pytest.mark.distributed
@@ -205,7 +161,7 @@ def test_diverged_loss_fails_at_once_without_retry(airflow_standalone, mlflow_se
     from mlflow import MlflowClient
 
     server, dag = airflow_standalone, "fault_diverge"
-    wait_for("the fault_diverge DAG", lambda: _has_dag(server, dag), 120, 2)
+    wait_for("the fault_diverge DAG", lambda: has_dag(server, dag), 120, 2)
     run_id = server.trigger(dag)
     wait_for("the run to end", lambda: server.run_state(dag, run_id) in ("success", "failed")
              and server.run_state(dag, run_id), 900, 3)
@@ -239,13 +195,7 @@ def test_bad_trigger_parameters_fail_the_run_before_any_job(airflow_standalone):
     assert (prepare["state"], prepare["try_number"]) == ("failed", 1)
     assert server.ti(DAG, run_id, "train")["state"] in ("upstream_failed", None)
     assert not job_dir(server.home, run_id).exists()  # nothing was launched
-    assert "global_batch_size must be divisible by micro_batch_size" in airflow_logs(server, run_id)
+    assert "global_batch_size must be divisible by micro_batch_size" in airflow_logs(
+        server, run_id, DAG)
 
 
-def _has_dag(server, dag_id: str) -> bool:
-    import urllib.error
-
-    try:
-        return server.api("GET", f"/api/v2/dags/{dag_id}").get("dag_id") == dag_id
-    except urllib.error.HTTPError:
-        return False

@@ -29,52 +29,35 @@ from pathlib import Path
 
 import psutil
 import pytest
+from faultlib import (
+    CANCEL_WITHIN_S,
+    airflow_logs,
+    exit_record,
+    has_dag,
+    job_processes,
+    mlflow_run,
+    mlflow_steps,
+    steps_logged,
+    task_process,
+    wait_for,
+    wait_run_end,
+)
 
-from faultlib import wait_for
 from operators.backends.base import JobIdentity
-from test_airflow_kill import airflow_logs, exit_record, job_processes, mlflow_steps, steps_logged
 
 pytestmark = [pytest.mark.airflow, pytest.mark.integration]
 
 SYNC_DAG = "fault_tiny_sync"
 DEADLINE_DAG = "fault_tiny_deadline"
 DEADLINE_EXECUTION_TIMEOUT_S = 45  # fault_tiny_deadline.yaml pipeline.tasks.train
-CANCEL_WITHIN_S = 90  # the local engine's cancel grace, on a busy machine
 
 
 def job_dir(home: Path, dag_id: str, run_id: str, try_number: int = 1) -> Path:
     return home / "runs" / JobIdentity(dag_id, run_id, "train", try_number).key
 
 
-def has_dag(server, dag_id: str) -> bool:
-    import urllib.error
-
-    try:
-        return server.api("GET", f"/api/v2/dags/{dag_id}").get("dag_id") == dag_id
-    except urllib.error.HTTPError:
-        return False
-
-
 def set_paused(server, dag_id: str, paused: bool) -> None:
     server.api("PATCH", f"/api/v2/dags/{dag_id}", {"is_paused": paused})
-
-
-def task_process(ti_id: str) -> psutil.Process | None:
-    """The Task SDK child running one task instance (``airflow worker -- <id>``), not its
-    supervisor (``airflow worker -- LocalExecutor: <id>``, which forwards SIGTERM but dies of
-    SIGKILL alone): the process naming the id whose parent names it too."""
-    named = {}
-    for proc in psutil.process_iter(["cmdline", "status", "ppid"]):
-        try:
-            if proc.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            title = " ".join(proc.info["cmdline"] or ())
-        except psutil.Error:
-            continue
-        if "airflow worker" in title and ti_id in title:
-            named[proc.pid] = proc
-    children = [p for p in named.values() if p.info["ppid"] in named]
-    return children[0] if len(children) == 1 else None
 
 
 def start_waiting(server, max_steps: int) -> tuple[str, Path, psutil.Process]:
@@ -96,27 +79,12 @@ def wait_try_ended(server, run_id: str) -> dict:
         server.ti(SYNC_DAG, run_id, "train")), 180, 1)
 
 
-def wait_run_end(server, dag_id: str, run_id: str, timeout_s: float = 900) -> str:
-    return wait_for("the run to end", lambda: server.run_state(dag_id, run_id)
-                    in ("success", "failed") and server.run_state(dag_id, run_id), timeout_s, 3)
-
-
 def try_log(server, dag_id: str, run_id: str, try_number: int) -> str:
     """The train task's log file of one try (the trigger's lines included)."""
     root = (Path(server.env["AIRFLOW_HOME"]) / "logs" / f"dag_id={dag_id}" / f"run_id={run_id}"
             / "task_id=train")
     return "\n".join(p.read_text(errors="replace")
                      for p in sorted(root.rglob(f"attempt={try_number}.log*")))
-
-
-def mlflow_run(mlflow_url: str, run_id: str):
-    from mlflow import MlflowClient
-
-    client = MlflowClient(mlflow_url)
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                              f"tags.`trainforge.airflow_run_id` = '{run_id}'")
-    assert len(runs) == 1, runs
-    return runs[0]
 
 
 def test_sigterm_to_the_waiting_task_process_cancels_the_job_and_never_succeeds(

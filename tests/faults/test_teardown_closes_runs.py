@@ -16,30 +16,25 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from faultlib import wait_for
-from operators.backends.base import JobIdentity
-from test_airflow_kill import (
-    CANCEL_WITHIN_S,
-    DAG,
+from faultlib import (
     airflow_logs,
-    exit_record,
-    job_processes,
-    start_training,
+    has_dag,
+    mlflow_run,
     steps_logged,
+    task_process,
+    wait_for,
+    wait_job_cancelled,
+    wait_run_end,
 )
-from test_airflow_task_kill import has_dag, mlflow_run, task_process
+from test_airflow_kill import DAG, start_training
+
+from operators.backends.base import JobIdentity
 
 pytestmark = [pytest.mark.airflow, pytest.mark.integration]
 
 ONCE_DAG = "fault_tiny_once"
 STAGES_DAG = "fault_tiny_stages"
 NOT_SUCCEEDED = "register_model, train, validate_checkpoint"
-
-
-def wait_run_end(server, dag_id: str, run_id: str, timeout_s: float = 600) -> str:
-    return wait_for("the DAG run to end", lambda: server.run_state(dag_id, run_id)
-                    in ("success", "failed") and server.run_state(dag_id, run_id), timeout_s, 2)
 
 
 def assert_closed_by_teardown(server, mlflow_server, dag_id: str, run_id: str) -> None:
@@ -59,12 +54,10 @@ def test_mark_failed_while_deferred_cancels_the_job_and_the_teardown_closes_the_
     assert mlflow_run(mlflow_server, run_id).info.status == "RUNNING"
     server.set_state(DAG, run_id, "train", "failed")
     assert wait_run_end(server, DAG, run_id) == "failed", server.tail()
-    record = wait_for("the job to be cancelled", lambda: exit_record(path), CANCEL_WITHIN_S)
-    assert record["cancelled"] is True
-    wait_for("no process of the job", lambda: not job_processes(path), 30)
+    wait_job_cancelled(path)
     assert server.ti(DAG, run_id, "validate_checkpoint")["state"] == "upstream_failed"
     assert_closed_by_teardown(server, mlflow_server, DAG, run_id)
-    logs = airflow_logs(server, run_id)
+    logs = airflow_logs(server, run_id, DAG)
     assert "Tasks that did not succeed: register_model (upstream_failed), train (failed)" in logs
     assert "KILLED" in logs and "Ended MLflow run" in logs, logs[-3000:]
 
@@ -83,9 +76,7 @@ def test_sigkilled_task_process_without_retry_leaves_a_job_the_teardown_cancels(
     assert wait_run_end(server, ONCE_DAG, run_id) == "failed", server.tail()
     ti = server.ti(ONCE_DAG, run_id, "train")
     assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
-    record = wait_for("the job to be cancelled", lambda: exit_record(path), CANCEL_WITHIN_S)
-    assert record["cancelled"] is True
-    wait_for("no process of the job", lambda: not job_processes(path), 30)
+    wait_job_cancelled(path)
     key = JobIdentity(ONCE_DAG, run_id, "train", 1).key
     close_log = "\n".join(
         p.read_text(errors="replace") for p in (
@@ -119,9 +110,7 @@ def test_a_stage_marked_failed_while_deferred_has_its_child_run_closed(airflow_s
     assert child().info.status == "RUNNING"
     server.set_state(STAGES_DAG, run_id, "train_pretrain", "failed")
     assert wait_run_end(server, STAGES_DAG, run_id) == "failed", server.tail()
-    record = wait_for("the job to be cancelled", lambda: exit_record(path), CANCEL_WITHIN_S)
-    assert record["cancelled"] is True
-    wait_for("no process of the job", lambda: not job_processes(path), 30)
+    wait_job_cancelled(path)
     assert server.ti(STAGES_DAG, run_id, "close_run")["state"] == "success"
     not_succeeded = "register_model, train_pretrain, validate_checkpoint"
     for run in (mlflow_run(mlflow_server, run_id), child()):
