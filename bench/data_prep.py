@@ -60,7 +60,7 @@ def write_corpus(path: Path, mib: float, seed: int) -> int:
 
 
 def settings(sources: str, **extra):
-    from operators.data import PrepareSettings
+    from trainforge.data import PrepareSettings
 
     return PrepareSettings(sources=[sources], format="jsonl", strip_gutenberg_boilerplate=False,
                            normalize_whitespace=True, unicode_normalization="NFC",
@@ -85,7 +85,7 @@ def bare(tokenizer: str, corpus: str) -> None:
 
 def memory(corpus: str, tokenizer: str, out: str, budget_mib: int) -> None:
     """Child: prepare with 2 workers; print peak RSS (MiB) of this process and its children."""
-    from operators.data import prepare_dataset
+    from trainforge.data import prepare_dataset
 
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result = prepare_dataset(settings(corpus, tokenizer_uri=tokenizer, encode_workers=2,
@@ -124,8 +124,8 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, work: Path) -> None:
-    from operators.data import prepare_dataset
-    from operators.data.bpe import train_tokenizer
+    from trainforge.data import prepare_dataset
+    from trainforge.data.bpe import train_tokenizer
 
     corpus = work / "throughput.jsonl"
     docs = write_corpus(corpus, args.mib, seed=1)

@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DEMO_SPEC = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
-# "[default0]:2026-11-29 22:24:19,196 rank0 INFO trainer.train: step 70/400 | loss ..."
+# "[default0]:2026-11-29 22:24:19,196 rank0 INFO trainforge.trainer.train: step 70/400 | loss ..."
 STEP_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO trainer\.train: "
                        r"step (\d+)/\d+ \|")
 ATTEMPT_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO trainer\.train: "
@@ -144,7 +144,7 @@ def measure(events: list[StepEvent], kills: list[float], checkpoint_every: int) 
 
 
 def rank_processes(job_dir: Path) -> list:
-    """The live trainer ranks of a local job (children of its torchrun running trainer.train)."""
+    """The live trainer ranks of a local job (children of its torchrun running trainforge.trainer.train)."""
     import psutil
 
     info = json.loads((job_dir / "supervisor.json").read_text())
@@ -156,7 +156,7 @@ def rank_processes(job_dir: Path) -> list:
     for proc in tree:
         try:
             cmd = proc.cmdline()
-            if "trainer.train" in cmd and "torch.distributed.run" not in cmd and \
+            if "trainforge.trainer.train" in cmd and "torch.distributed.run" not in cmd and \
                     proc.status() != psutil.STATUS_ZOMBIE:
                 ranks.append(proc)
         except psutil.Error:
@@ -169,10 +169,10 @@ def prepare(args: argparse.Namespace, home: Path):
     import os
 
     os.environ["TRAINFORGE_HOME"] = str(home)
-    from operators.data import prepare_dataset
-    from operators.data.corpus import fetch_corpus
-    from operators.prepare import prepare_settings
-    from operators.spec.loader import load_spec, validate_overrides
+    from trainforge.data import prepare_dataset
+    from trainforge.data.corpus import fetch_corpus
+    from trainforge.prepare import prepare_settings
+    from trainforge.pipeline.loader import load_spec, validate_overrides
 
     corpus = home / "corpus" / "shakespeare"
     if args.corpus:
@@ -199,9 +199,9 @@ def prepare(args: argparse.Namespace, home: Path):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from operators.backends.base import JobIdentity, JobState
-    from operators.backends.local import LocalBackend
-    from operators.jobconfig import build_training_job
+    from trainforge.backends.base import JobIdentity, JobState
+    from trainforge.backends.local import LocalBackend
+    from trainforge.jobconfig import build_training_job
 
     with tempfile.TemporaryDirectory(prefix="trainforge-goodput-") as tmp:
         home = Path(tmp)

@@ -37,12 +37,12 @@ HAND_WRITTEN_HEADER = '''\
 import datetime as dt
 from airflow.sdk import DAG
 from airflow.sdk import Asset, AssetAlias, Param
-from operators.callbacks import close_mlflow_run_on_failure
-from operators.prepare import PrepareDataOperator
-from operators.registration import RegisterModelOperator
-from operators.teardown import CloseRunOperator
-from operators.training import TrainingLaunchOperator
-from operators.validation import ValidateCheckpointOperator
+from trainforge.callbacks import close_mlflow_run_on_failure
+from trainforge.prepare import PrepareDataOperator
+from trainforge.registration import RegisterModelOperator
+from trainforge.teardown import CloseRunOperator
+from trainforge.training import TrainingLaunchOperator
+from trainforge.validation import ValidateCheckpointOperator
 '''
 
 HAND_WRITTEN_DAG = '''
@@ -70,10 +70,10 @@ with DAG(dag_id={dag_id!r}, description={description!r}, doc_md={doc_md!r}, sche
 
 def write_inputs(folder: Path, count: int) -> tuple[Path, Path]:
     """``count`` spec files (the demo, renamed) and the hand-written DAG file of the same DAGs."""
-    from operators.dag_builder import build_params
-    from operators.prepare import PrepareDataOperator
-    from operators.registration import RegisterModelOperator
-    from operators.spec import load_spec
+    from trainforge.dag_builder import build_params
+    from trainforge.prepare import PrepareDataOperator
+    from trainforge.registration import RegisterModelOperator
+    from trainforge.pipeline import load_spec
 
     specs = folder / "pipelines"
     specs.mkdir()

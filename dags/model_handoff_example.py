@@ -19,9 +19,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from operators.dag_builder import spec_files
-from operators.registration import model_asset, model_asset_name
-from operators.spec.loader import SpecError, load_spec
+from trainforge.dag_builder import spec_files
+from trainforge.registration import model_asset, model_asset_name
+from trainforge.pipeline.loader import SpecError, load_spec
 
 log = logging.getLogger("trainforge.handoff")
 

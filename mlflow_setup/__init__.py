@@ -3,8 +3,8 @@
 Importing this package is cheap: ``mlflow`` itself is imported only by ``bootstrap()``.
 """
 
-from mlflow_setup.bootstrap import BootstrapError, BootstrapResult, bootstrap
-from mlflow_setup.errors import (
+from trainforge.mlflow_setup.bootstrap import BootstrapError, BootstrapResult, bootstrap
+from trainforge.mlflow_setup.errors import (
     HealthTimeoutError,
     MlflowSetupError,
     ServerStartError,
@@ -12,7 +12,7 @@ from mlflow_setup.errors import (
     StoreArgumentError,
     StoreUnreachableError,
 )
-from mlflow_setup.server import (
+from trainforge.mlflow_setup.server import (
     ServerConfig,
     ServerExitedError,
     ServerHandle,

@@ -1,12 +1,12 @@
 """Command line of mlflow_setup.
 
-    python -m mlflow_setup serve --home DIR [--host H] [--port P]   # foreground (containers)
+    python -m trainforge.mlflow_setup serve --home DIR [--host H] [--port P]   # foreground (containers)
         [--backend-store-uri sqlite:///PATH.db | postgresql://USER:PASSWORD@HOST:PORT/DB]
         [--artifacts-destination DIR | s3://BUCKET/PREFIX]   # S3 endpoint: MLFLOW_S3_ENDPOINT_URL
-    python -m mlflow_setup start --home DIR [--port 0]               # background; prints URL
-    python -m mlflow_setup stop --home DIR
-    python -m mlflow_setup wait --url URL --timeout-s 60
-    python -m mlflow_setup bootstrap --tracking-uri URL --experiment NAME \
+    python -m trainforge.mlflow_setup start --home DIR [--port 0]               # background; prints URL
+    python -m trainforge.mlflow_setup stop --home DIR
+    python -m trainforge.mlflow_setup wait --url URL --timeout-s 60
+    python -m trainforge.mlflow_setup bootstrap --tracking-uri URL --experiment NAME \
         --registered-model NAME[=DESCRIPTION]
 
 Exit codes: 0 ok, 1 the server failed or a store cannot be reached (message on stderr),
@@ -21,9 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-from mlflow_setup.bootstrap import bootstrap
-from mlflow_setup.errors import MlflowSetupError, StoreArgumentError
-from mlflow_setup.server import (
+from trainforge.mlflow_setup.bootstrap import bootstrap
+from trainforge.mlflow_setup.errors import MlflowSetupError, StoreArgumentError
+from trainforge.mlflow_setup.server import (
     ServerConfig,
     build_server_command,
     client_url,
@@ -33,7 +33,7 @@ from mlflow_setup.server import (
     stop_server,
     wait_healthy,
 )
-from mlflow_setup.stores import check_stores
+from trainforge.mlflow_setup.stores import check_stores
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +63,7 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mlflow_setup", description=__doc__.split("\n")[0]
+        prog="python -m trainforge.mlflow_setup", description=__doc__.split("\n")[0]
     )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_server_args(commands.add_parser("serve", help="run the server in the foreground"))

@@ -1,6 +1,6 @@
 """Create the experiments and registered models a deployment expects, idempotently.
 
-    python -m mlflow_setup bootstrap --tracking-uri http://127.0.0.1:5000 \
+    python -m trainforge.mlflow_setup bootstrap --tracking-uri http://127.0.0.1:5000 \
         --experiment trainforge --registered-model "shakespeare-llm=Tiny Shakespeare LM"
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mlflow_setup.errors import MlflowSetupError
+from trainforge.mlflow_setup.errors import MlflowSetupError
 
 if TYPE_CHECKING:  # mlflow is imported lazily: importing this module stays cheap
     from mlflow import MlflowClient

@@ -35,7 +35,7 @@ class HealthTimeoutError(MlflowSetupError, TimeoutError):
         message = (
             f"MLflow server at {url} was not healthy after waiting {timeout_s:.1f} s for "
             f"GET {url}/health to answer 200 OK; last state seen: {last_state}. "
-            "Check that the server is running (python -m mlflow_setup start) and that the "
+            "Check that the server is running (python -m trainforge.mlflow_setup start) and that the "
             "URL, host and port are right."
         )
         if log_tail:

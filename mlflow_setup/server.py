@@ -3,7 +3,7 @@
 The server is ``mlflow server`` (uvicorn, one worker) with a SQLite backend store in
 ``<home>/mlflow.db`` and artifacts proxied by the server (``--serve-artifacts``) into
 ``<home>/artifacts``; both can be overridden (``postgresql://...`` and ``s3://bucket/prefix``:
-mlflow_setup.stores, which checks them before a start and keeps passwords out of argv and files).
+trainforge.mlflow_setup.stores, which checks them before a start and keeps passwords out of argv and files).
 
 Files in ``home``:
 
@@ -11,8 +11,8 @@ Files in ``home``:
     mlflow-server.log   the server's stdout and stderr (appended on every start)
     mlflow-server.lock  held while a start runs, so two starts do not race
 
-    python -m mlflow_setup start --home .trainforge/mlflow --port 0   # prints the URL
-    python -m mlflow_setup stop --home .trainforge/mlflow
+    python -m trainforge.mlflow_setup start --home .trainforge/mlflow --port 0   # prints the URL
+    python -m trainforge.mlflow_setup stop --home .trainforge/mlflow
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from typing import Any
 
 import psutil
 
-from mlflow_setup.errors import HealthTimeoutError, ServerStartError, ServerStopError
-from mlflow_setup.stores import check_stores, driver_uri, has_password, redact
+from trainforge.mlflow_setup.errors import HealthTimeoutError, ServerStartError, ServerStopError
+from trainforge.mlflow_setup.stores import check_stores, driver_uri, has_password, redact
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ def _reuse(
             str(config.home),
             f"a different server of this home is already running at {record.get('url')} "
             f"(pid {record.get('pid')}; {detail}); stop it first with "
-            f"`python -m mlflow_setup stop --home {config.home}`",
+            f"`python -m trainforge.mlflow_setup stop --home {config.home}`",
         )
     url = str(record["url"])
     wait_healthy(url, timeout_s, interval_s, log_file=config.home / LOG_FILE_NAME)

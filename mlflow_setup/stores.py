@@ -21,7 +21,7 @@ import os
 import re
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
-from mlflow_setup.errors import StoreArgumentError, StoreUnreachableError
+from trainforge.mlflow_setup.errors import StoreArgumentError, StoreUnreachableError
 
 CONNECT_TIMEOUT_S = 5
 _SQLITE = re.compile(r"^sqlite:///.+")

@@ -11,7 +11,7 @@ counted, as it is billed. Power figures are the spec's averages, not measurement
 
 from __future__ import annotations
 
-from operators.spec.model import PipelineSpec
+from trainforge.pipeline.model import PipelineSpec
 
 
 def account(spec: PipelineSpec, wall_s: float) -> dict[str, float]:

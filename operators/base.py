@@ -15,9 +15,9 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators.links import XCOM_MLFLOW_RUN_URL, MlflowRunLink
-from operators.spec.loader import SpecError, validate_overrides
-from operators.spec.model import PipelineSpec
+from trainforge.links import XCOM_MLFLOW_RUN_URL, MlflowRunLink
+from trainforge.pipeline.loader import SpecError, validate_overrides
+from trainforge.pipeline.model import PipelineSpec
 
 # DAG param name -> dotted spec path. These are the fields a researcher may override in the
 # Airflow UI's trigger form; the DAG builder turns each into a typed Param. They change the
@@ -84,7 +84,7 @@ class TrainforgeStageOperator(BaseOperator):
     # -- MLflow -----------------------------------------------------------------------------
     @cached_property
     def mlflow_hook(self):
-        from operators.hooks.mlflow import MlflowHook
+        from trainforge.hooks.mlflow import MlflowHook
 
         return MlflowHook(tracking_uri=self.mlflow_tracking_uri)
 

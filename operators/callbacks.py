@@ -22,8 +22,8 @@ log = logging.getLogger(__name__)
 def close_mlflow_run_on_failure(context: Any) -> None:
     """``on_failure_callback``: end the DAG run's MLflow run with status FAILED."""
     try:
-        from operators.hooks.mlflow import MlflowHook
-        from operators.spec.model import PipelineSpec
+        from trainforge.hooks.mlflow import MlflowHook
+        from trainforge.pipeline.model import PipelineSpec
 
         ti = context["ti"]
         spec = PipelineSpec.model_validate(context["task"].spec)

@@ -23,7 +23,7 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 
 def _load_or_exit(file: Path):
     """The spec in ``file``, or exit 1 with its errors (never a traceback for user mistakes)."""
-    from operators.spec import SpecError, load_spec
+    from trainforge.pipeline import SpecError, load_spec
 
     try:
         return load_spec(file)
@@ -34,13 +34,13 @@ def _load_or_exit(file: Path):
     raise typer.Exit(1)
 
 
-from operators.spec.loader import name_position  # noqa: E402,F401 - used by validate
+from trainforge.pipeline.loader import name_position  # noqa: E402,F401 - used by validate
 
 
 @app.command()
 def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders.")) -> None:
     """Validate pipeline specs. Exit 0 when all are valid, 1 otherwise."""
-    from operators.spec import SpecError, load_spec
+    from trainforge.pipeline import SpecError, load_spec
 
     files: list[Path] = []
     for path in paths:
@@ -81,10 +81,15 @@ def schema(
     write: bool = typer.Option(False, help="Regenerate the committed schema and reference."),
 ) -> None:
     """Print the JSON Schema of a pipeline spec (or its Markdown reference)."""
-    from operators.spec import schema as published
+    from trainforge.pipeline import schema as published
 
     if write:
-        for path in published.write_published():
+        try:
+            written = published.write_published(Path.cwd())
+        except FileNotFoundError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(1) from None
+        for path in written:
             typer.echo(f"wrote {path}")
         return
     print(published.reference_markdown() if markdown else published.schema_text(), end="")
@@ -109,13 +114,13 @@ def for_engine(spec, engine: str) -> tuple[object, list[str]]:
     placeholders of :data:`_ENGINE_PLACEHOLDERS`. Returns the spec and one line per placeholder
     used. Raises pydantic's ``ValidationError`` if the spec still does not fit the engine.
     """
-    from operators.spec.model import PipelineSpec
+    from trainforge.pipeline.model import PipelineSpec
 
     if engine == spec.training.engine:
         return spec, []
     raw = spec.model_dump(mode="json")
     raw["training"]["engine"] = engine
-    from operators.backends import ENGINES
+    from trainforge.backends import ENGINES
 
     for block in ENGINES:
         if block != engine:
@@ -134,7 +139,7 @@ def for_engine(spec, engine: str) -> tuple[object, list[str]]:
     return PipelineSpec.model_validate(raw), used
 
 
-# operators.teardown.CLOSE_RUN_TASK_ID, written out: importing it would import Airflow, which
+# trainforge.teardown.CLOSE_RUN_TASK_ID, written out: importing it would import Airflow, which
 # `trainforge validate` and `render` never do (tests/operators/cli/test_render_graph.py checks).
 CLOSE_RUN_TASK_ID = "close_run"
 
@@ -142,12 +147,12 @@ CLOSE_RUN_TASK_ID = "close_run"
 def task_edges(stages: list) -> list[list[str]]:
     """The DAG's dependencies as ``[upstream, downstream]`` task id pairs, upstream first.
 
-    The same wiring as :func:`operators.dag_builder.build_dag`: a stage without ``depends_on``
+    The same wiring as :func:`trainforge.dag_builder.build_dag`: a stage without ``depends_on``
     follows ``prepare_data``, the leaf stages feed ``validate_checkpoint``, which feeds
     ``register_model``; every task feeds the ``close_run`` teardown (operators/teardown.py).
-    ``stages``: :func:`operators.spec.stages.resolve_stages` of the spec.
+    ``stages``: :func:`trainforge.pipeline.stages.resolve_stages` of the spec.
     """
-    from operators.spec.stages import leaf_stages, stage_task_id
+    from trainforge.pipeline.stages import leaf_stages, stage_task_id
 
     edges = []
     for stage in stages:
@@ -166,10 +171,10 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
     """Dry run: the DAG's tasks and the exact request the engine would receive."""
     from pydantic import ValidationError
 
-    from operators.backends import ENGINES, backend_kwargs, get_backend
-    from operators.backends.base import JobIdentity
-    from operators.jobconfig import build_training_job
-    from operators.paths import checkpoint_root, resolve, trainforge_home
+    from trainforge.backends import ENGINES, backend_kwargs, get_backend
+    from trainforge.backends.base import JobIdentity
+    from trainforge.jobconfig import build_training_job
+    from trainforge.paths import checkpoint_root, resolve, trainforge_home
 
     spec = _load_or_exit(file)
     engine = engine or spec.training.engine
@@ -192,8 +197,8 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
                    f"placeholders for what it lacks:", err=True)
         for line in placeholders:
             typer.echo(f"  spec field {line}", err=True)
-    from operators.jobconfig import init_block
-    from operators.spec.stages import resolve_stages, stage_folder
+    from trainforge.jobconfig import init_block
+    from trainforge.pipeline.stages import resolve_stages, stage_folder
 
     requests = {}
     stages = resolve_stages(spec)
@@ -249,8 +254,8 @@ def run(
         "unless RAY_ADDRESS or the spec's address answers)."),
 ) -> None:
     """Run one pipeline on this machine through `airflow dags test` and print a summary."""
-    from operators.backends import ENGINES
-    from operators.runner import run_pipeline
+    from trainforge.backends import ENGINES
+    from trainforge.runner import run_pipeline
 
     if engine is not None and engine not in ENGINES:
         typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(ENGINES)})", err=True)

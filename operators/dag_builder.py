@@ -4,7 +4,7 @@ One spec gives one DAG with four pipeline tasks::
 
     prepare_data >> train >> validate_checkpoint >> register_model
 
-or, with ``stages`` (operators/spec/stages.py, docs/stages.md), one training task per stage,
+or, with ``stages`` (operators/pipeline/stages.py, docs/stages.md), one training task per stage,
 ``train_<name>``, wired by ``depends_on``: the stages without dependencies start after
 ``prepare_data``, and the leaves (stages no other stage depends on) all feed
 ``validate_checkpoint``, which picks the best valid leaf checkpoint for ``register_model``::
@@ -28,10 +28,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from operators.base import TUNABLE_PARAMS
-from operators.spec.loader import SpecError, SpecIssue, load_spec
-from operators.spec.model import PipelineSpec
-from operators.spec.stages import leaf_stages, resolve_stages
+from trainforge.base import TUNABLE_PARAMS
+from trainforge.pipeline.loader import SpecError, SpecIssue, load_spec
+from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.stages import leaf_stages, resolve_stages
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +75,11 @@ def build_dag(spec: PipelineSpec, spec_file: str = ""):
     """The Airflow DAG of one pipeline spec."""
     from airflow.sdk import DAG
 
-    from operators.prepare import PrepareDataOperator
-    from operators.registration import RegisterModelOperator
-    from operators.teardown import CLOSE_RUN_TASK_ID, CloseRunOperator
-    from operators.training import TrainingLaunchOperator
-    from operators.validation import ValidateCheckpointOperator
+    from trainforge.prepare import PrepareDataOperator
+    from trainforge.registration import RegisterModelOperator
+    from trainforge.teardown import CLOSE_RUN_TASK_ID, CloseRunOperator
+    from trainforge.training import TrainingLaunchOperator
+    from trainforge.validation import ValidateCheckpointOperator
 
     p = spec.pipeline
     spec_json = spec.model_dump(mode="json")
@@ -144,7 +144,7 @@ def build_dag(spec: PipelineSpec, spec_file: str = ""):
 
 
 def _teardown_failure_callbacks(dag) -> list:
-    from operators.callbacks import close_mlflow_run_on_failure
+    from trainforge.callbacks import close_mlflow_run_on_failure
 
     return [cb for cb in dag.default_args.get("on_failure_callback") or []
             if cb is not close_mlflow_run_on_failure]
@@ -152,7 +152,7 @@ def _teardown_failure_callbacks(dag) -> list:
 
 def _schedule(spec: PipelineSpec) -> Any:
     """The spec's schedule in Airflow's terms: cron/preset string, None, or asset condition."""
-    from operators.spec.pipeline import AssetSchedule
+    from trainforge.pipeline.pipeline import AssetSchedule
 
     schedule = spec.pipeline.schedule
     if not isinstance(schedule, AssetSchedule):
@@ -177,7 +177,7 @@ def _default_args(spec: PipelineSpec) -> dict[str, Any]:
     }
     if p.defaults.execution_timeout:
         args["execution_timeout"] = dt.timedelta(seconds=p.defaults.execution_timeout)
-    from operators.callbacks import close_mlflow_run_on_failure
+    from trainforge.callbacks import close_mlflow_run_on_failure
 
     args["on_failure_callback"] = [close_mlflow_run_on_failure]
     email = p.notifications.email

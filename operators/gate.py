@@ -7,7 +7,7 @@ The ``register_model`` task registers the version (alias ``challenger``), then a
 3. the validated metrics miss an absolute threshold (``validation.max_val_loss``, ...) →
    ``fail``;
 4. no champion yet (the first model ever) → ``pass``: it met every absolute threshold;
-5. else candidate and champion are evaluated by ``python -m trainer.evaluate`` in one child
+5. else candidate and champion are evaluated by ``python -m trainforge.trainer.evaluate`` in one child
    process on the same validation split (`evaluator_argv`); with equal tokenizers the spec's
    metric is compared, with different tokenizers ``val_bits_per_byte`` (`compare`).
 
@@ -38,7 +38,7 @@ class GateDecision:
     decision: str  # PASS | FAIL | SKIPPED
     reason: str
     metric: str
-    method: str  # "tokens" | "text" (trainer.evaluate), "thresholds", "none"
+    method: str  # "tokens" | "text" (trainforge.trainer.evaluate), "thresholds", "none"
     candidate_version: str
     candidate_value: float | None = None
     champion_version: str | None = None  # the champion compared against (before the gate)
@@ -125,7 +125,7 @@ def decide(*, enabled: bool, metric: str, min_improvement: float, candidate_vers
             thresholds and for the first model ever).
         threshold_failures: the spec's absolute thresholds the candidate misses.
         champion_version: the version ``champion`` points at now, None when there is none.
-        evaluation: the ``trainer.evaluate`` report with models ``candidate`` and ``champion``
+        evaluation: the ``trainforge.trainer.evaluate`` report with models ``candidate`` and ``champion``
             (needed only when there is a champion other than the candidate).
     Raises:
         ValueError: a champion to compare against but no evaluation (a programming error).
@@ -167,8 +167,8 @@ def decide(*, enabled: bool, metric: str, min_improvement: float, candidate_vers
 
 def evaluator_argv(python: str, dataset_dir: str, models: dict[str, str], report_path: str,
                    max_eval_tokens: int) -> list[str]:
-    """Pure: ``python -m trainer.evaluate`` for ``{name: model URI}`` on one dataset."""
-    argv = [python, "-m", "trainer.evaluate", "--dataset", dataset_dir, "--report", report_path,
+    """Pure: ``python -m trainforge.trainer.evaluate`` for ``{name: model URI}`` on one dataset."""
+    argv = [python, "-m", "trainforge.trainer.evaluate", "--dataset", dataset_dir, "--report", report_path,
             "--max-eval-tokens", str(max_eval_tokens)]
     for name, uri in models.items():
         argv += ["--model", f"{name}={uri}"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from operators.backends.base import JobIdentity, TrainingJob
-from operators.spec.model import PipelineSpec
+from trainforge.backends.base import JobIdentity, TrainingJob
+from trainforge.pipeline.model import PipelineSpec
 
 JOB_FORMAT = "trainforge.job/v1"
 

@@ -22,8 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from operators.errors import TrainforgeError
-from operators.paths import safe_segment
+from trainforge.errors import TrainforgeError
+from trainforge.paths import safe_segment
 
 #: The file that marks a model version's Hugging Face folder in its artifacts.
 WEIGHTS_FILE = "model.safetensors"
@@ -57,7 +57,7 @@ def registered_init(client: Any, tracking_uri: str, uri: str, engine: str, dest_
             encoded with another version's tokenizer, or the engine cannot read the weights.
     """
 
-    from operators.prepare import _artifact_repository, _find_file, resolve_model_version
+    from trainforge.prepare import _artifact_repository, _find_file, resolve_model_version
 
     name, version = resolve_model_version(client, uri, InitSourceError)
     resolved = f"models:/{name}/{version.version}"

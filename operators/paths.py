@@ -1,9 +1,8 @@
 """Where trainforge keeps runtime state, and how spec paths resolve.
 
 ``TRAINFORGE_HOME`` (environment) is the root of everything a pipeline writes locally: corpus
-cache, prepared datasets, job folders, checkpoints. Without it, ``.trainforge/`` in the
-checkout is used when trainforge runs from a checkout (as ``make`` does), else
-``~/.trainforge``. Relative paths in a pipeline spec
+cache, prepared datasets, job folders, checkpoints; ``~/.trainforge`` without it (``make`` sets
+it to ``.trainforge/`` in the checkout). Relative paths in a pipeline spec
 (``data.sources``, ``data.output_uri``, ``training.checkpoint.uri``) resolve against it.
 """
 
@@ -19,9 +18,6 @@ def trainforge_home() -> Path:
     home = os.environ.get("TRAINFORGE_HOME")
     if home:
         return Path(home).expanduser().absolute()
-    checkout = Path(__file__).resolve().parents[1]
-    if (checkout / "dags" / "pipelines").is_dir() and (checkout / "pyproject.toml").is_file():
-        return checkout / ".trainforge"
     return Path.home() / ".trainforge"
 
 

@@ -1,6 +1,6 @@
 """The ``prepare_data`` task: stream, clean, split, tokenise and shard the corpus; log lineage.
 
-The work itself is :func:`operators.data.prepare.prepare_dataset` (no Airflow, no MLflow); this
+The work itself is :func:`trainforge.data.prepare.prepare_dataset` (no Airflow, no MLflow); this
 operator
 
 1. maps the spec onto its settings, resolving a ``models:/name@alias`` tokenizer source to the
@@ -27,9 +27,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from operators.base import TrainforgeStageOperator, fail_permanently
-from operators.paths import resolve, safe_segment, trainforge_home
-from operators.spec.model import PipelineSpec
+from trainforge.base import TrainforgeStageOperator, fail_permanently
+from trainforge.paths import resolve, safe_segment, trainforge_home
+from trainforge.pipeline.model import PipelineSpec
 
 _MODELS_URI = re.compile(r"^models:/([^/@]+)(?:@([^/]+)|/([0-9]+))$")
 #: Folders searched below a model version's artifact root for ``tokenizer.json``.
@@ -62,7 +62,7 @@ def prepare_settings(spec: PipelineSpec, tokenizer_uri: str | None = None):
 
     ``tokenizer_uri`` replaces ``data.tokenizer.source`` (a downloaded ``models:/`` tokenizer).
     """
-    from operators.data.settings import PrepareSettings
+    from trainforge.data.settings import PrepareSettings
 
     data = spec.data
     source = tokenizer_uri or data.tokenizer.source
@@ -90,7 +90,7 @@ def prepare_settings(spec: PipelineSpec, tokenizer_uri: str | None = None):
 
 def connection_s3_client(spec: PipelineSpec) -> Any:
     """The data step's S3 client with the keys of Airflow connection ``storage.aws_conn_id``
-    (operators.hooks.s3), or None without one (the data step then makes its own client on
+    (trainforge.hooks.s3), or None without one (the data step then makes its own client on
     boto3's standard chain and the spec's endpoint).
 
     Raises:
@@ -99,8 +99,8 @@ def connection_s3_client(spec: PipelineSpec) -> Any:
     """
     if spec.storage.aws_conn_id is None:
         return None
-    from operators.data import s3
-    from operators.hooks.s3 import S3ConnectionError, S3Hook
+    from trainforge.data import s3
+    from trainforge.hooks.s3 import S3ConnectionError, S3Hook
 
     hook = S3Hook.for_spec(spec)
     try:
@@ -158,7 +158,7 @@ def fetch_registered_tokenizer(client: Any, tracking_uri: str, uri: str, dest_ro
         TokenizerSourceError: no such model version, or no tokenizer.json in its artifacts.
     """
 
-    from operators.data.errors import TokenizerSourceError
+    from trainforge.data.errors import TokenizerSourceError
 
     name, version = resolve_model_version(client, uri, TokenizerSourceError)
     resolved = f"models:/{name}/{version.version}"
@@ -234,8 +234,8 @@ class PrepareDataOperator(TrainforgeStageOperator):
         return dataset_asset(spec)
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.data.errors import DataPrepError
-        from operators.data.prepare import prepare_dataset
+        from trainforge.data.errors import DataPrepError
+        from trainforge.data.prepare import prepare_dataset
 
         spec = self.resolved_spec(context)
         run_id = self.mlflow_run_id(context, spec)

@@ -7,8 +7,8 @@ spec's aliases (``challenger``). The idempotency key — MLflow run id + checkpo
 looked up before anything is created, so a retry or a second run of this task never adds a
 second version.
 
-Then the eval gate (operators.gate, docs/registry.md) decides whether the version also takes
-``champion``; comparing with an existing champion runs ``python -m trainer.evaluate`` on both
+Then the eval gate (trainforge.gate, docs/registry.md) decides whether the version also takes
+``champion``; comparing with an existing champion runs ``python -m trainforge.trainer.evaluate`` on both
 versions, loaded back from the registry, as a child process. A gate failure is a normal outcome:
 the task logs it plainly and succeeds. When ``champion`` moves, the task emits an asset event for
 ``Asset("trainforge-model-<name>")`` through the ``AssetAlias`` outlet that the DAG builder
@@ -25,10 +25,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from operators.base import TrainforgeStageOperator, fail_permanently
-from operators.gate import PASS, GateDecision, decide, evaluator_argv
-from operators.paths import dataset_location
-from operators.validation import s3_env, threshold_failures
+from trainforge.base import TrainforgeStageOperator, fail_permanently
+from trainforge.gate import PASS, GateDecision, decide, evaluator_argv
+from trainforge.paths import dataset_location
+from trainforge.validation import s3_env, threshold_failures
 
 # Rounds of "evaluate against the champion, then check it did not move meanwhile" before giving up.
 MAX_GATE_ROUNDS = 3
@@ -125,7 +125,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
         prepared = ti.xcom_pull(task_ids=self.prepare_task_id) or {}
         validated = ti.xcom_pull(task_ids=self.validate_task_id) or {}
         if validated.get("stage"):  # the chosen leaf stage (docs/stages.md): its settings
-            from operators.spec.stages import stage_spec
+            from trainforge.pipeline.stages import stage_spec
 
             spec = stage_spec(spec, validated["stage"])
         if not validated.get("checkpoint") or not validated.get("checkpoint_digest"):
@@ -141,7 +141,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
                               existing["name"], existing["version"], validated["checkpoint_digest"])
             else:
                 rc = self.run_streaming(
-                    [self.python(), "-m", "trainer.export", "--checkpoint", validated["checkpoint"],
+                    [self.python(), "-m", "trainforge.trainer.export", "--checkpoint", validated["checkpoint"],
                      "--dataset", dataset_location(prepared), "--out", str(hf_dir)],
                     timeout_s=self.timeout_s, env=s3_env(spec),
                 )
@@ -190,7 +190,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
     # -- the gate ---------------------------------------------------------------------------
     @property
     def _registry(self):
-        from operators.hooks.mlflow_registry import ModelRegistry
+        from trainforge.hooks.mlflow_registry import ModelRegistry
 
         return ModelRegistry(self.mlflow_hook)
 
@@ -198,7 +198,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
                  run_id: str) -> GateDecision:
         """Decide, and move ``champion`` on a pass (module doc). Returns the decision with
         ``champion_after`` filled in."""
-        from operators.hooks.mlflow_registry import CHAMPION
+        from trainforge.hooks.mlflow_registry import CHAMPION
 
         registry = self._registry
         name, version = registered["name"], str(registered["version"])
@@ -242,7 +242,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
 
     def _evaluate(self, name: str, version: str, champion_version: str, prepared: dict, spec,
                   run_id: str) -> dict[str, Any]:
-        """Run trainer.evaluate on both versions; fail the task when the candidate does not load
+        """Run trainforge.trainer.evaluate on both versions; fail the task when the candidate does not load
         back or evaluate (a registered version must be usable)."""
         with tempfile.TemporaryDirectory(prefix="trainforge-gate-") as tmp:
             report_path = Path(tmp) / "evaluation.json"
@@ -256,7 +256,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
                    "MLFLOW_TRACKING_URI": self.mlflow_hook.tracking_uri}
             rc = self.run_streaming(argv, timeout_s=self.timeout_s, env=env)
             if not report_path.exists():
-                raise RuntimeError(f"trainer.evaluate wrote no report for {name} v{version} vs "
+                raise RuntimeError(f"trainforge.trainer.evaluate wrote no report for {name} v{version} vs "
                                    f"v{champion_version} (exit code {rc}); retrying may help")
             report = json.loads(report_path.read_text(encoding="utf-8"))
         self.mlflow_hook.log_dict_artifact(run_id, report, GATE_REPORT_ARTIFACT)

@@ -30,11 +30,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from operators.paths import trainforge_home
-from operators.spec.model import PipelineSpec
+from trainforge.paths import trainforge_home
+from trainforge.pipeline.model import PipelineSpec
 
-DAGS_FOLDER = Path(__file__).resolve().parent.parent / "dags"
-PLUGINS_FOLDER = Path(__file__).resolve().parent.parent / "plugins"
 _STRUCTLOG = re.compile(r"^\S+Z \[(?P<level>\w+)\s*\] (?P<event>.*?) \[(?P<logger>[\w.]+)\] loc=")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)\b[\w.]*: \S")
 _TASK_START = re.compile(r"\[DAG TEST\] starting task_id=(\S+)")
@@ -89,9 +87,9 @@ class ConsoleFilter:
             self._state = None
             return f"<== task {ended[1]}: {outcome}"
         if "TrainingJobTrigger" in logger:
-            # "[job-key] [default0]:<time> rank0 INFO trainer.train: step 10/300 | ..."
+            # "[job-key] [default0]:<time> rank0 INFO trainforge.trainer.train: step 10/300 | ..."
             return "    " + re.sub(r"^\[[^\]]+\] (\[default\d+\]:)?(\S+ \S+ )?", "", event)
-        if logger.startswith(("airflow.task.operators.operators.", "operators.", "trainforge")):
+        if logger.startswith(("airflow.task.operators.trainforge.", "operators.", "trainforge")):
             return f"    {event}"
         if level in ("warning", "error", "critical") and "py.warnings" not in logger:
             return f"    {level.upper()}: {event} [{logger}]"
@@ -103,16 +101,42 @@ def console_line(line: str) -> str | None:
     return ConsoleFilter()(line)
 
 
-def airflow_env(home: Path, pipelines: list[Path] | None = None) -> dict[str, str]:
-    """Environment for Airflow commands run by trainforge on this machine."""
+# The DAG file trainforge writes into the Airflow home it runs (the same one line a deployment
+# copies into its DAGs folder): it compiles the specs TRAINFORGE_PIPELINES names.
+DAG_FILE = '''"""trainforge pipelines (written by trainforge; the specs come from TRAINFORGE_PIPELINES)."""
+
+from trainforge.dag_files import folder_dags
+
+globals().update(folder_dags(__file__))
+'''
+
+
+def airflow_env(home: Path, pipelines: list[Path] | None = None,
+                dags_folder: Path | None = None) -> dict[str, str]:
+    """Environment for Airflow commands run by trainforge on this machine.
+
+    ``dags_folder`` is the DAGs folder to serve; without it, ``AIRFLOW_HOME/dags`` holding
+    :data:`DAG_FILE` (compiling ``pipelines``). The plugin comes from the installed package's
+    entry point; the plugins folder is an empty one inside ``AIRFLOW_HOME``.
+    """
     airflow_home = home / "airflow"
     airflow_home.mkdir(parents=True, exist_ok=True)
+    if dags_folder is None:
+        dags_folder = airflow_home / "dags"
+        dags_folder.mkdir(exist_ok=True)
+        dag_file = dags_folder / "trainforge_pipelines.py"
+        if not dag_file.is_file() or dag_file.read_text() != DAG_FILE:
+            tmp = dag_file.with_name(f".{dag_file.name}.tmp-{os.getpid()}")
+            tmp.write_text(DAG_FILE)
+            os.replace(tmp, dag_file)
+    plugins_folder = airflow_home / "plugins"
+    plugins_folder.mkdir(exist_ok=True)
     env = dict(os.environ)
     env.update({
         "TRAINFORGE_HOME": str(home),
         "AIRFLOW_HOME": str(airflow_home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS_FOLDER),
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(PLUGINS_FOLDER),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags_folder),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(plugins_folder),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{airflow_home / 'airflow.db'}",
         "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "120",
@@ -219,8 +243,8 @@ def stop_local_jobs(home: Path, dag_id: str, since_epoch_s: float | None = None)
     Jobs of ``dag_id`` submitted at or after ``since_epoch_s`` (the run's start, Unix seconds)
     that are already cancelled are listed as ``already_cancelled``; without it none are.
     """
-    from operators.backends.base import JobState
-    from operators.backends.local import LocalBackend
+    from trainforge.backends.base import JobState
+    from trainforge.backends.local import LocalBackend
 
     backend = LocalBackend(home / "runs")
     stopped = StoppedJobs()
@@ -264,7 +288,7 @@ def split_teardown(task_times: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str, Any],
                     task_times: dict[str, Any]) -> dict[str, Any]:
     """What the run recorded in MLflow, gathered for the summary."""
-    from operators.hooks.mlflow import MlflowHook
+    from trainforge.hooks.mlflow import MlflowHook
 
     hook = MlflowHook(tracking_uri=tracking_uri)
     run_id = hook.find_run(spec.experiment_name, spec.dag_id, airflow_run["run_id"])
@@ -317,7 +341,7 @@ def _stage_summary(spec: PipelineSpec, summary: dict[str, Any], metrics: dict[st
                    tags: dict[str, str]) -> None:
     """With ``stages`` (docs/stages.md): one entry per training stage, totals over the stages,
     and the leaf stage whose checkpoint was chosen."""
-    from operators.spec.stages import resolve_stages
+    from trainforge.pipeline.stages import resolve_stages
 
     names = [s.name for s in resolve_stages(spec) if s.name]
     if not names:
@@ -424,7 +448,7 @@ def derived_spec(spec: PipelineSpec, engine: str, ray_address: str | None = None
         ValueError: the spec does not fit the engine without made-up values (e.g. the
             kubernetes engine needs a container image the spec does not name).
     """
-    from operators.cli import for_engine
+    from trainforge.cli import for_engine
 
     switched, placeholders = for_engine(spec, engine)
     if placeholders:
@@ -460,7 +484,7 @@ def ray_cluster(spec: PipelineSpec, stack: contextlib.ExitStack, console: Consol
     import shutil
     import tempfile
 
-    from operators.backends.ray_head import LocalRayHead, job_api_ready
+    from trainforge.backends.ray_head import LocalRayHead, job_api_ready
 
     block = spec.training.engine_block
     if block.connection_id:
@@ -492,7 +516,7 @@ def cancel_ray_jobs(address: str, dag_id: str, since_epoch_s: float | None = Non
     """
     from ray.job_submission import JobStatus
 
-    from operators.backends.ray import RayBackend
+    from trainforge.backends.ray import RayBackend
 
     backend = RayBackend(address=address)
     stopped = StoppedJobs()
@@ -562,8 +586,8 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         stack.enter_context(termination_as_interrupt())
         tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not tracking_uri:
-            from mlflow_setup import start_server
-            from mlflow_setup.errors import ServerStartError
+            from trainforge.mlflow_setup import start_server
+            from trainforge.mlflow_setup.errors import ServerStartError
 
             # Port 5000 when free, so the run URLs printed below stay valid later under
             # `make mlflow` (same store, same port); any free port otherwise.
@@ -578,7 +602,7 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         env["MLFLOW_TRACKING_URI"] = tracking_uri
         ray_address = None
         if spec.training.engine == "ray":
-            from operators.backends.ray_head import RayHeadError
+            from trainforge.backends.ray_head import RayHeadError
 
             try:
                 ray_address = ray_cluster(spec, stack, console, env)

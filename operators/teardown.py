@@ -41,9 +41,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from operators.backends.base import JobHandle, JobIdentity, JobState
-from operators.base import TrainforgeStageOperator
-from operators.errors import TrainforgeError
+from trainforge.backends.base import JobHandle, JobIdentity, JobState
+from trainforge.base import TrainforgeStageOperator
+from trainforge.errors import TrainforgeError
 
 CLOSE_RUN_TASK_ID = "close_run"
 TAG_CLOSED_BY = "trainforge.closed_by"
@@ -166,7 +166,7 @@ class CloseRunOperator(TrainforgeStageOperator):
         self.register_task_id = register_task_id
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.spec.model import PipelineSpec
+        from trainforge.pipeline.model import PipelineSpec
 
         ti = context["ti"]
         # The spec as written: trigger params touch only optimisation fields, and a bad one
@@ -217,9 +217,9 @@ class CloseRunOperator(TrainforgeStageOperator):
 
     def _close_jobs(self, spec: Any, stage: str | None, dag_id: str, run_id: str, task_id: str,
                     report: CloseReport) -> TaskJobs:
-        from operators.backends import backend_kwargs, get_backend
-        from operators.paths import trainforge_home
-        from operators.spec.stages import stage_spec
+        from trainforge.backends import backend_kwargs, get_backend
+        from trainforge.paths import trainforge_home
+        from trainforge.pipeline.stages import stage_spec
 
         out = TaskJobs(task_id)
         try:
@@ -260,7 +260,7 @@ class CloseRunOperator(TrainforgeStageOperator):
     def _close_runs(self, spec: Any, dag_id: str, run_id: str, states: dict[str, str],
                     results: dict[str, Any], jobs: dict[str, TaskJobs],
                     report: CloseReport) -> None:
-        from operators.spec.stages import stage_task_id
+        from trainforge.pipeline.stages import stage_task_id
 
         hook = self.mlflow_hook
         try:

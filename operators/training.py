@@ -1,6 +1,6 @@
 """The ``train`` task: render the job, submit it to the engine, defer until it ends.
 
-While the job runs the worker slot is free: :class:`~operators.triggers.TrainingJobTrigger`
+While the job runs the worker slot is free: :class:`~trainforge.triggers.TrainingJobTrigger`
 polls the engine in the triggerer and passes rank 0's log lines into this task's log. When the
 trigger fires, :meth:`TrainingLaunchOperator.execute_complete` validates the event and either
 returns the job's outputs (XCom) or fails the task — permanently (no retry) for a bad config or
@@ -18,7 +18,7 @@ cancels the task's live jobs before failing.
 Waiting in the worker slot (``training.fault.deferrable: false``, like the ``deferrable`` option of
 Airflow's provider operators): :meth:`TrainingLaunchOperator.execute` does everything up to the
 deferral, then runs the very same trigger coroutine in the task process to its first event
-(:meth:`~operators.triggers.TrainingJobTrigger.wait_here`) and hands that event to
+(:meth:`~trainforge.triggers.TrainingJobTrigger.wait_here`) and hands that event to
 :meth:`execute_complete` — one code path for events, logs and deadlines. The task process is
 alive during the wait, so Airflow's own ``execution_timeout`` (SIGALRM in the task process) and
 signals reach it: a SIGTERM runs :meth:`on_kill` (Airflow's Task SDK handler) and then ends the
@@ -35,11 +35,11 @@ import threading
 import time
 from typing import Any
 
-from operators.backends.base import JobIdentity
-from operators.base import TrainforgeStageOperator, fail_permanently
-from operators.errors import TriggerEventError
-from operators.paths import checkpoint_root, dataset_location, trainforge_home
-from operators.triggers import EVENT_STATUSES, TrainingJobTrigger
+from trainforge.backends.base import JobIdentity
+from trainforge.base import TrainforgeStageOperator, fail_permanently
+from trainforge.errors import TriggerEventError
+from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
+from trainforge.triggers import EVENT_STATUSES, TrainingJobTrigger
 
 # Seconds the trigger's own deadline comes before Airflow's trigger timeout (plus one poll), so
 # that the trigger's ``timeout`` event — which cancels the job and says why — wins the race.
@@ -130,20 +130,20 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
 
     def resolved_spec(self, context: Any):
         """The run's spec (trigger params applied) as this task's stage sees it."""
-        from operators.spec.stages import stage_spec
+        from trainforge.pipeline.stages import stage_spec
 
         return stage_spec(super().resolved_spec(context), self.stage)
 
     def _checkpoint_dir(self, spec: Any, ti: Any) -> str:
-        from operators.spec.stages import stage_folder
+        from trainforge.pipeline.stages import stage_folder
 
         return stage_folder(checkpoint_root(spec.training.checkpoint.uri, ti.dag_id, ti.run_id),
                             self.stage)
 
     def _stage_init(self, spec: Any, ti: Any) -> dict[str, str] | None:
         """The job config's ``init`` block of a stage with ``init_from``, else None."""
-        from operators.jobconfig import init_block
-        from operators.spec.stages import stage_init_from
+        from trainforge.jobconfig import init_block
+        from trainforge.pipeline.stages import stage_init_from
 
         checkpoint = self._init_checkpoint(spec, ti)
         if checkpoint is None:
@@ -151,9 +151,9 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         return init_block(checkpoint, f"stage:{stage_init_from(spec, self.stage)}")
 
     def _registered_init(self, spec: Any, prepared: dict[str, Any]) -> dict[str, str]:
-        """The ``init`` block of ``model.init_from`` (operators.model_init); a version that
+        """The ``init`` block of ``model.init_from`` (trainforge.model_init); a version that
         cannot be used fails the task without retries."""
-        from operators.model_init import InitSourceError, registered_init
+        from trainforge.model_init import InitSourceError, registered_init
 
         try:
             init = registered_init(self.mlflow_hook.client, self.mlflow_hook.tracking_uri,
@@ -184,7 +184,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
 
     def _init_checkpoint(self, spec: Any, ti: Any) -> str | None:
         """The final checkpoint of the stage this one starts from (``init_from``), or None."""
-        from operators.spec.stages import stage_init_from, stage_task_id
+        from trainforge.pipeline.stages import stage_init_from, stage_task_id
 
         init_from = stage_init_from(spec, self.stage)
         if init_from is None:
@@ -216,13 +216,13 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
 
     @staticmethod
     def _backend_kwargs(spec: Any) -> dict[str, Any]:
-        from operators.backends import backend_kwargs
+        from trainforge.backends import backend_kwargs
 
         return backend_kwargs(spec.training, runs_root=str(trainforge_home() / "runs"))
 
     def execute(self, context: Any) -> Any:
-        from operators.backends import get_backend
-        from operators.jobconfig import build_training_job
+        from trainforge.backends import get_backend
+        from trainforge.jobconfig import build_training_job
 
         spec = self.resolved_spec(context)
         ti = context["ti"]
@@ -353,10 +353,10 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
 
     def _s3_access(self, spec: Any) -> tuple[dict[str, str], dict[str, str]]:
         """(plain env, secret env) of the ranks for ``storage.aws_conn_id``: region and
-        endpoint, and the connection's keys (operators.hooks.s3). Empty without a connection.
+        endpoint, and the connection's keys (trainforge.hooks.s3). Empty without a connection.
         A connection that cannot be read, or a connection with an engine that would have to
         write its keys into a manifest or script, fails the task without retries."""
-        from operators.hooks.s3 import S3ConnectionError, S3Hook
+        from trainforge.hooks.s3 import S3ConnectionError, S3Hook
 
         hook = S3Hook.for_spec(spec)
         if hook.aws_conn_id is None:
@@ -389,7 +389,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         A failed or cancelled earlier job is not adopted: this try launches a new job, which
         resumes from the newest valid checkpoint of the shared checkpoint folder.
         """
-        from operators.backends.base import JobState
+        from trainforge.backends.base import JobState
 
         mine = backend.find(identity)
         if mine is not None:
@@ -426,7 +426,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
 
     def _cancel_live_jobs(self, context: Any) -> None:
         """Cancel every non-terminal job of this task (this try's and earlier tries')."""
-        from operators.backends import get_backend
+        from trainforge.backends import get_backend
 
         spec = self.resolved_spec(context)
         if not spec.training.fault.cancel_on_kill:
@@ -444,7 +444,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         self, context: Any, event: Any = None, first_start_epoch_s: float | None = None,
         init: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        from operators.backends import get_backend
+        from trainforge.backends import get_backend
 
         event = validate_event(event)
         self._handle = event["handle"]
@@ -464,7 +464,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
                      "train/final_loss": result.get("final_train_loss")}
             prefix = f"{self.stage}/" if self.stage else ""  # one series per stage
             if event.get("wall_s") is not None:
-                from operators.accounting import account
+                from trainforge.accounting import account
 
                 usage = account(spec, event["wall_s"])
                 final.update({f"accounting/{prefix}{k}": v for k, v in usage.items()})
@@ -529,10 +529,10 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         if self._handle is None:
             self._end_mlflow_run_killed()
             return
-        from operators.backends import get_backend
-        from operators.spec.model import PipelineSpec
+        from trainforge.backends import get_backend
+        from trainforge.pipeline.model import PipelineSpec
 
-        from operators.spec.stages import stage_spec
+        from trainforge.pipeline.stages import stage_spec
 
         spec = stage_spec(PipelineSpec.model_validate(self.spec), self.stage)
         if not spec.training.fault.cancel_on_kill:

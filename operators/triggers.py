@@ -109,7 +109,7 @@ class TrainingJobTrigger(BaseTrigger):
         )
 
     def _backend(self):
-        from operators.backends import get_backend
+        from trainforge.backends import get_backend
 
         return get_backend(self.engine, **self.backend_kwargs)
 
@@ -151,7 +151,7 @@ class TrainingJobTrigger(BaseTrigger):
         Raises:
             TriggerEventError: the wait ended without an event (never expected).
         """
-        from operators.errors import TriggerEventError
+        from trainforge.errors import TriggerEventError
 
         self._in_task_process = True
 
@@ -284,7 +284,7 @@ class TrainingJobTrigger(BaseTrigger):
 
     # -- the wait ---------------------------------------------------------------------------
     async def _wait(self) -> AsyncIterator[TriggerEvent]:
-        from operators.backends.base import JobState
+        from trainforge.backends.base import JobState
 
         backend = await asyncio.to_thread(self._backend)
         key = self.handle.get("key")

@@ -1,6 +1,6 @@
 """The ``validate_checkpoint`` task: a checkpoint is registered only after it passes every check.
 
-The checks themselves run in the trainer's own validator (``python -m trainer.validate``, the
+The checks themselves run in the trainer's own validator (``python -m trainforge.trainer.validate``, the
 same code that loads checkpoints for resume), as a child process: Airflow never imports the
 trainer. This task tells it what to expect (the job config the ``train`` task ran with, rendered
 again from the same spec, so the config digest, architecture and vocabulary must match), which
@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from operators.base import TrainforgeStageOperator, fail_permanently
-from operators.paths import dataset_location
-from operators.spec.model import PipelineSpec
+from trainforge.base import TrainforgeStageOperator, fail_permanently
+from trainforge.paths import dataset_location
+from trainforge.pipeline.model import PipelineSpec
 
 REPORT_ARTIFACT = "validation/report.json"
 
@@ -50,8 +50,8 @@ def expected_job_config(spec: PipelineSpec, dataset_dir: str, checkpoint_dir: st
                         init: dict[str, str] | None = None) -> dict[str, Any]:
     """The job config the ``train`` task handed the trainer (its digest ignores ``identity``;
     ``init``: the ``init`` block it was given, if any)."""
-    from operators.backends.base import JobIdentity
-    from operators.jobconfig import render_job_config
+    from trainforge.backends.base import JobIdentity
+    from trainforge.jobconfig import render_job_config
 
     identity = JobIdentity(dag_id, run_id, train_task_id, 1)
     return render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init)
@@ -59,10 +59,10 @@ def expected_job_config(spec: PipelineSpec, dataset_dir: str, checkpoint_dir: st
 
 def s3_env(spec: PipelineSpec) -> dict[str, str] | None:
     """The environment of a validator or exporter child process for the spec's S3 access
-    (``storage.aws_conn_id`` keys, the S3 endpoint; operators.hooks.s3.spec_child_env), or None
+    (``storage.aws_conn_id`` keys, the S3 endpoint; trainforge.hooks.s3.spec_child_env), or None
     to inherit this process's. A connection that cannot be used fails the task without
     retries, naming it."""
-    from operators.hooks.s3 import S3ConnectionError, spec_child_env
+    from trainforge.hooks.s3 import S3ConnectionError, spec_child_env
 
     try:
         return spec_child_env(spec)
@@ -81,10 +81,10 @@ def best_leaf(results: list[dict[str, Any]]) -> dict[str, Any] | None:
 def validator_argv(python: str, spec: PipelineSpec, checkpoint_dir: str, dataset_dir: str,
                    report_path: str, expect_path: str, final_step: int | None,
                    vocab_size: int | None) -> list[str]:
-    """Pure: the exact ``python -m trainer.validate`` command line of this task."""
+    """Pure: the exact ``python -m trainforge.trainer.validate`` command line of this task."""
     rules = spec.validation
     argv = [
-        python, "-m", "trainer.validate",
+        python, "-m", "trainforge.trainer.validate",
         "--checkpoints", checkpoint_dir,
         "--dataset", dataset_dir,
         "--report", report_path,
@@ -136,7 +136,7 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
     def _validate_leaves(self, context: Any, spec: PipelineSpec) -> dict[str, Any]:
         from airflow.sdk.exceptions import AirflowFailException
 
-        from operators.spec.stages import stage_spec, stage_task_id
+        from trainforge.pipeline.stages import stage_spec, stage_task_id
 
         results, leaves = [], []
         for stage in self.leaf_stages or []:

@@ -1,12 +1,9 @@
-"""Airflow plugin of trainforge: registers the extra links shown on trainforge tasks."""
+"""Checkout-only shim: the plugin lives in the installed package (:mod:`trainforge.plugin`) and
+Airflow loads it through the ``airflow.plugins`` entry point. This file keeps an Airflow whose
+plugins folder is this checkout's ``plugins/`` working; the plugins manager registers a plugin
+name once, whichever way it was found first.
+"""
 
-from __future__ import annotations
+from trainforge.plugin import TrainforgePlugin
 
-from airflow.plugins_manager import AirflowPlugin
-
-from operators.links import MlflowRunLink
-
-
-class TrainforgePlugin(AirflowPlugin):
-    name = "trainforge"
-    operator_extra_links = [MlflowRunLink()]
+__all__ = ["TrainforgePlugin"]

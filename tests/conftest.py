@@ -15,7 +15,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     Started with ``mlflow_setup`` on a free port; stopped (whole process group) at the end.
     """
-    from mlflow_setup import start_server
+    from trainforge.mlflow_setup import start_server
 
     with start_server(tmp_path_factory.mktemp("mlflow"), port=0, timeout_s=120.0) as server:
         yield server.url

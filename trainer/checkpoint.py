@@ -12,7 +12,7 @@ A folder counts as a checkpoint only when `verify` finds no problem. ``step`` is
 optimizer steps completed; resuming from step-00000100 continues with step index 100.
 
 Every function also takes an ``s3://bucket/prefix`` string for the root or the folder: the same
-layout is then read and written on S3 (trainer.checkpoint_s3: the manifest object is uploaded
+layout is then read and written on S3 (trainforge.trainer.checkpoint_s3: the manifest object is uploaded
 last and is what makes a checkpoint exist). Paths (``pathlib.Path``) are always local.
 """
 
@@ -31,9 +31,9 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from trainer.errors import CheckpointError
-from trainer.fsutil import atomic_write_json, chmod_like_umask, fsync_dir, fsync_file
-from trainer.hashing import sha256_files
+from trainforge.trainer.errors import CheckpointError
+from trainforge.trainer.fsutil import atomic_write_json, chmod_like_umask, fsync_dir, fsync_file
+from trainforge.trainer.hashing import sha256_files
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +41,13 @@ CHECKPOINT_FORMAT = "trainforge.checkpoint/v1"
 MANIFEST = "manifest.json"
 WEIGHTS, OPTIMIZER, TRAINER_STATE, META = "model.safetensors", "optimizer.pt", "trainer_state.pt", "meta.json"
 REQUIRED_FILES = (WEIGHTS, OPTIMIZER, TRAINER_STATE, META)
-# Written into a folder before it is moved aside (trainer.quarantine): such a folder never verifies.
+# Written into a folder before it is moved aside (trainforge.trainer.quarantine): such a folder never verifies.
 QUARANTINE_REASON = "QUARANTINE_REASON.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
 def _on_s3(path: Any) -> bool:
-    """``s3://`` roots and folders go to trainer.checkpoint_s3 (same layout, same rules)."""
+    """``s3://`` roots and folders go to trainforge.trainer.checkpoint_s3 (same layout, same rules)."""
     return isinstance(path, str) and path.startswith("s3://")
 
 
@@ -66,7 +66,7 @@ def step_dir_name(step: int) -> str:
 def list_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
     """``(step, folder)`` of every ``step-*`` folder under ``root``, oldest first (valid or not)."""
     if _on_s3(root):
-        from trainer import checkpoint_s3
+        from trainforge.trainer import checkpoint_s3
 
         return checkpoint_s3.list_step_dirs(root)  # type: ignore[return-value]
     root = Path(root)
@@ -83,7 +83,7 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
         CheckpointError: missing, unreadable, not JSON, or not a trainforge.checkpoint/v1 manifest.
     """
     if _on_s3(step_dir):
-        from trainer import checkpoint_s3
+        from trainforge.trainer import checkpoint_s3
 
         return checkpoint_s3.read_manifest(step_dir)
     path = Path(step_dir) / MANIFEST
@@ -107,10 +107,10 @@ def verify(step_dir: str | Path, hashes: bool = True, max_threads: int | None = 
     Checks the manifest (present, format, step = folder name, lists every required file), that
     the folder was not quarantined (`QUARANTINE_REASON` present), and each listed file's size
     and, when ``hashes``, SHA-256 (4 MiB reads; files hashed in parallel on up to
-    ``max_threads`` threads, default one per file up to the usable cores: see trainer.hashing).
+    ``max_threads`` threads, default one per file up to the usable cores: see trainforge.trainer.hashing).
     """
     if _on_s3(step_dir):
-        from trainer import checkpoint_s3
+        from trainforge.trainer import checkpoint_s3
 
         return checkpoint_s3.verify(step_dir, hashes, max_threads)
     step_dir = Path(step_dir)
@@ -179,7 +179,7 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
         CheckpointError: a file could not be written (disk full, permissions).
     """
     if _on_s3(root):
-        from trainer import checkpoint_s3
+        from trainforge.trainer import checkpoint_s3
 
         return checkpoint_s3.write_checkpoint(root, step, weights, optimizer_state, trainer_state, meta)  # type: ignore
     step_dir = Path(root) / step_dir_name(step)
@@ -220,7 +220,7 @@ def apply_retention(root: str | Path, keep_last: int) -> list[Path]:
     anything newer than it (it may be a write in progress).
     """
     if _on_s3(root):
-        from trainer import checkpoint_s3
+        from trainforge.trainer import checkpoint_s3
 
         return checkpoint_s3.apply_retention(root, keep_last)  # type: ignore[return-value]
     if keep_last < 1:
@@ -257,7 +257,7 @@ def load_checkpoint(step_dir: str | Path) -> Checkpoint:
         CheckpointError: a file is missing or cannot be decoded.
     """
     if _on_s3(step_dir):
-        from trainer import checkpoint_s3
+        from trainforge.trainer import checkpoint_s3
 
         return checkpoint_s3.load_checkpoint(step_dir)
     step_dir = Path(step_dir)

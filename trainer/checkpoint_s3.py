@@ -1,15 +1,15 @@
-"""Checkpoints on S3: the local layout (trainer.checkpoint) under ``s3://bucket/prefix/``.
+"""Checkpoints on S3: the local layout (trainforge.trainer.checkpoint) under ``s3://bucket/prefix/``.
 
     s3://bucket/<root>/step-00000100/{model.safetensors, optimizer.pt, trainer_state.pt, meta.json}
     s3://bucket/<root>/step-00000100/manifest.json      uploaded LAST: it makes the checkpoint exist
 
 S3 has no rename, so the commit point is the manifest object: the files are written to a local
-staging folder exactly as on disk, uploaded (multipart, retried: trainer.s3), and only then is
+staging folder exactly as on disk, uploaded (multipart, retried: trainforge.trainer.s3), and only then is
 ``manifest.json`` put, in one PutObject. A reader that sees the manifest sees every file it lists;
 an attempt killed mid-upload leaves objects without a manifest, which are not a checkpoint.
 Rewriting a step whose manifest does not verify deletes that manifest first.
 
-`trainer.checkpoint`'s functions call these when their root or folder is an ``s3://`` string;
+`trainforge.trainer.checkpoint`'s functions call these when their root or folder is an ``s3://`` string;
 callers never need to import this module.
 """
 
@@ -23,10 +23,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from trainer import checkpoint as ckpt
-from trainer import s3
-from trainer.errors import CheckpointError
-from trainer.hashing import hash_threads
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer import s3
+from trainforge.trainer.errors import CheckpointError
+from trainforge.trainer.hashing import hash_threads
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def write_checkpoint(root: str, step: int, weights, optimizer_state: dict, train
 
 
 def apply_retention(root: str, keep_last: int) -> list[str]:
-    """`trainer.checkpoint.apply_retention` on S3 (same rules); returns the prefixes deleted."""
+    """`trainforge.trainer.checkpoint.apply_retention` on S3 (same rules); returns the prefixes deleted."""
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: expected >= 1")
     dirs = list_step_dirs(root)
@@ -150,7 +150,7 @@ def apply_retention(root: str, keep_last: int) -> list[str]:
 def fetch(step_uri: str, dest: str | Path) -> Path:
     """Download the manifest and every file it lists into ``dest/<step-name>/``; returns it.
 
-    Nothing is verified here: `trainer.checkpoint.verify` the local copy (same bytes).
+    Nothing is verified here: `trainforge.trainer.checkpoint.verify` the local copy (same bytes).
 
     Raises:
         CheckpointError: no readable manifest, or a download failed.
@@ -168,7 +168,7 @@ def fetch(step_uri: str, dest: str | Path) -> Path:
 
 
 def load_checkpoint(step_uri: str) -> ckpt.Checkpoint:
-    """`trainer.checkpoint.load_checkpoint` of an S3 step (downloaded to a temporary folder)."""
+    """`trainforge.trainer.checkpoint.load_checkpoint` of an S3 step (downloaded to a temporary folder)."""
     with tempfile.TemporaryDirectory(prefix="trainforge-load-") as tmp:
         loaded = ckpt.load_checkpoint(fetch(step_uri, tmp))
     loaded.path = step_uri  # type: ignore[assignment]
@@ -176,7 +176,7 @@ def load_checkpoint(step_uri: str) -> ckpt.Checkpoint:
 
 
 def quarantine(step_uri: str, reasons: list[str], failed_checks: list[str] = (), step: int | None = None,
-               by: str = "trainer.validate") -> str:
+               by: str = "trainforge.trainer.validate") -> str:
     """Move ``step_uri`` to ``<root>/quarantine/<name>[.N]/`` on S3 with a QUARANTINE_REASON.json.
 
     The reason object is written into the step prefix first (it then never verifies), every

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import ConfigError
+from trainforge.trainer.errors import ConfigError
 
 JOB_FORMAT = "trainforge.job/v1"
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -65,7 +65,7 @@ class ModelConfig:
     dropout: float  # attention dropout probability, [0, 1)
     tie_word_embeddings: bool
     # further LlamaConfig keys (spec model.config_overrides); checked against LlamaConfig by
-    # trainer.model.llama_config
+    # trainforge.trainer.model.llama_config
     config_overrides: dict[str, Any] = field(default_factory=dict)
 
 
@@ -380,7 +380,7 @@ def parse_job_config(obj: Any) -> JobConfig:
 
 
 def _overrides(value: Any, path: str) -> dict[str, Any]:
-    """``model.config_overrides``: a JSON object of scalars (which keys: trainer.model.llama_config)."""
+    """``model.config_overrides``: a JSON object of scalars (which keys: trainforge.trainer.model.llama_config)."""
     if not isinstance(value, dict):
         raise ConfigError(f"{path}={_show(value)}: expected a JSON object")
     for key, item in value.items():

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.errors import DatasetError
-from trainer.fsutil import sha256_file
+from trainforge.trainer.errors import DatasetError
+from trainforge.trainer.fsutil import sha256_file
 
 DATASET_FORMAT = "trainforge.dataset/v1"
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -84,7 +84,7 @@ def open_dataset(dataset_dir: str | Path, verify_hashes: bool = True) -> Dataset
     tokens x itemsize, split token counts = sum of their shards, a ``train`` and a
     ``validation`` split.
 
-    An ``s3://bucket/prefix/<digest>`` URI is read through this machine's cache (trainer.data_s3:
+    An ``s3://bucket/prefix/<digest>`` URI is read through this machine's cache (trainforge.trainer.data_s3:
     downloaded once, verified, renamed into place); ``Dataset.dir`` is then the local copy.
 
     Raises:
@@ -92,7 +92,7 @@ def open_dataset(dataset_dir: str | Path, verify_hashes: bool = True) -> Dataset
         S3Error: an ``s3://`` dataset could not be read after retries (transient).
     """
     if isinstance(dataset_dir, str) and dataset_dir.startswith("s3://"):
-        from trainer.data_s3 import cached_dataset
+        from trainforge.trainer.data_s3 import cached_dataset
 
         return cached_dataset(dataset_dir, verify_hashes)
     root = Path(dataset_dir)

@@ -9,13 +9,13 @@ pod or Ray worker has no copy of it, so `cached_dataset` downloads it once per m
     <cache>/.<digest>.lock              held while one process checks or downloads
 
 The files go into the temporary folder, are checked against the manifest (size, SHA-256, token
-ids < vocab_size: `trainer.data.open_dataset`) and only then is the folder renamed to
+ids < vocab_size: `trainforge.trainer.data.open_dataset`) and only then is the folder renamed to
 ``<digest>/``, so a half-downloaded or damaged copy is never used. A cached copy that no longer
 verifies is deleted and downloaded again. Several ranks on one machine share one download (the
 lock). The cache folder is ``TRAINFORGE_DATASET_CACHE``, else ``$TRAINFORGE_HOME/cache/datasets``,
 else ``~/.cache/trainforge/datasets``.
 
-Credentials and endpoint: trainer.s3 (boto3's standard chain; ``AWS_ENDPOINT_URL_S3`` or
+Credentials and endpoint: trainforge.trainer.s3 (boto3's standard chain; ``AWS_ENDPOINT_URL_S3`` or
 ``AWS_ENDPOINT_URL`` for an S3-compatible store).
 """
 
@@ -34,13 +34,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from trainer import s3
-from trainer.errors import DatasetError
+from trainforge.trainer import s3
+from trainforge.trainer.errors import DatasetError
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-#: Parallel object downloads (each one multipart above trainer.s3.MULTIPART_BYTES).
+#: Parallel object downloads (each one multipart above trainforge.trainer.s3.MULTIPART_BYTES).
 DOWNLOAD_THREADS = 4
 _DIGEST = re.compile(r"^[0-9a-f]{16,128}$")
 
@@ -107,13 +107,13 @@ def cached_dataset(uri: str, verify_hashes: bool = True):
     """Open the S3 dataset ``uri`` from this machine's cache, downloading it first when needed.
 
     Returns:
-        trainer.data.Dataset of the local copy ``<cache>/<digest>/`` (checked: the fresh download
+        trainforge.trainer.data.Dataset of the local copy ``<cache>/<digest>/`` (checked: the fresh download
         always with SHA-256s; a cached copy with them when ``verify_hashes``).
     Raises:
         DatasetError: no manifest on S3, or the downloaded files do not match it (exit code 78).
         S3Error: S3 could not be read after botocore's retries (transient: the task retries).
     """
-    from trainer.data import open_dataset
+    from trainforge.trainer.data import open_dataset
 
     manifest_bytes, manifest, digest = _read_manifest(uri)
     root = cache_root()
@@ -138,7 +138,7 @@ def cached_dataset(uri: str, verify_hashes: bool = True):
 
 def _download(uri: str, manifest_bytes: bytes, manifest: dict[str, Any], target: Path) -> None:
     """Download every listed file into a temporary sibling of ``target``, verify, rename."""
-    from trainer.data import open_dataset
+    from trainforge.trainer.data import open_dataset
 
     names = listed_files(manifest, s3.join(uri, MANIFEST))
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")

@@ -16,8 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from trainer.config import JobConfig
-from trainer.errors import ConfigError
+from trainforge.trainer.config import JobConfig
+from trainforge.trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

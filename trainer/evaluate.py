@@ -1,6 +1,6 @@
 """Evaluate language models on a dataset's validation split, comparably across tokenizers.
 
-    python -m trainer.evaluate --dataset DIR --model NAME=URI [--model NAME=URI ...] \
+    python -m trainforge.trainer.evaluate --dataset DIR --model NAME=URI [--model NAME=URI ...] \
         --report OUT.json [--max-eval-tokens 65536] [--device cpu]
 
 URI: ``models:/<name>/<version>`` or ``models:/<name>@<alias>`` (MLflow transformers flavour,
@@ -14,7 +14,7 @@ Two methods, chosen once for all models of a call:
 ``tokens`` (every model's tokenizer equals the dataset's: same vocabulary and same ids on a
 sample): the dataset's validation token ids, read as consecutive non-overlapping windows of each
 model's own context length (``max_position_embeddings``), over the first ``max_eval_tokens``
-targets. Metrics as in ``trainer.validate``:
+targets. Metrics as in ``trainforge.trainer.validate``:
 
     val_loss           = total nats / val_tokens
     val_perplexity     = exp(val_loss)
@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from trainer.data import Dataset, TokenStream, open_dataset, validation_windows
-from trainer.errors import EXIT_CONFIG, ConfigError, TrainerError
-from trainer.fsutil import atomic_write_json
+from trainforge.trainer.data import Dataset, TokenStream, open_dataset, validation_windows
+from trainforge.trainer.errors import EXIT_CONFIG, ConfigError, TrainerError
+from trainforge.trainer.fsutil import atomic_write_json
 
 EVAL_FORMAT = "trainforge.evaluation/v1"
 _SAMPLE_CHARS = 2000  # text encoded by both tokenizers to confirm they agree
@@ -179,7 +179,7 @@ def load_model(uri: str, dataset: Dataset) -> tuple[torch.nn.Module, Any]:
         elif uri.startswith("s3://"):
             import tempfile
 
-            from trainer.checkpoint_s3 import fetch
+            from trainforge.trainer.checkpoint_s3 import fetch
 
             with tempfile.TemporaryDirectory(prefix="trainforge-eval-") as tmp:
                 model, tokenizer = _from_checkpoint(fetch(uri, tmp), dataset)
@@ -199,9 +199,9 @@ def load_model(uri: str, dataset: Dataset) -> tuple[torch.nn.Module, Any]:
 def _from_checkpoint(step_dir: Path, dataset: Dataset) -> tuple[torch.nn.Module, Any]:
     from transformers import PreTrainedTokenizerFast
 
-    from trainer import checkpoint as ckpt
-    from trainer.config import parse_job_config
-    from trainer.model import build_model, llama_config, load_weights
+    from trainforge.trainer import checkpoint as ckpt
+    from trainforge.trainer.config import parse_job_config
+    from trainforge.trainer.model import build_model, llama_config, load_weights
 
     problems = ckpt.verify(step_dir)
     if problems:
@@ -285,7 +285,7 @@ def _model_arg(text: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.evaluate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainforge.trainer.evaluate", description=__doc__.split("\n")[0])
     p.add_argument("--dataset", required=True, help="prepared dataset folder (its validation split)")
     p.add_argument("--model", type=_model_arg, action="append", required=True, metavar="NAME=URI")
     p.add_argument("--report", required=True, help="where to write the JSON report")
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = evaluate_models(dict(args.model), args.dataset, args.max_eval_tokens, device=args.device)
     except ConfigError as err:  # includes DatasetError
-        print(f"trainer.evaluate: {err}", file=sys.stderr)
+        print(f"trainforge.trainer.evaluate: {err}", file=sys.stderr)
         return EXIT_CONFIG
     atomic_write_json(args.report, report)
     print(f"method: {report['method']} ({report['reason']})")

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.errors import ConfigError
+from trainforge.trainer.errors import ConfigError
 
 
 def config_digest(job_config: dict[str, Any]) -> str:
     """SHA-256 hex of the canonical JSON of a job config without ``identity``.
 
-    The formula of `trainer.config.JobConfig.digest` (a test keeps the two equal), applied to a
+    The formula of `trainforge.trainer.config.JobConfig.digest` (a test keeps the two equal), applied to a
     raw dict so that a job config this trainer version cannot parse still gets a digest.
     """
     body = {k: v for k, v in job_config.items() if k != "identity"}

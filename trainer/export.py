@@ -1,6 +1,6 @@
 """Export a checkpoint as a Hugging Face model folder (docs/contracts.md, "Model export").
 
-    python -m trainer.export --checkpoint STEP_DIR --dataset DIR --out HF_DIR
+    python -m trainforge.trainer.export --checkpoint STEP_DIR --dataset DIR --out HF_DIR
 
 HF_DIR gets ``config.json``, ``model.safetensors``, ``generation_config.json``, the tokenizer
 files (a `PreTrainedTokenizerFast` over the dataset's tokenizer.json, EOS = BOS = PAD = the
@@ -23,12 +23,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from trainer import checkpoint as ckpt
-from trainer.config import parse_job_config
-from trainer.data import open_dataset
-from trainer.errors import EXIT_CONFIG, EXIT_ERROR, CheckpointError, ConfigError
-from trainer.fsutil import chmod_like_umask
-from trainer.model import build_model, llama_config, load_weights
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer.config import parse_job_config
+from trainforge.trainer.data import open_dataset
+from trainforge.trainer.errors import EXIT_CONFIG, EXIT_ERROR, CheckpointError, ConfigError
+from trainforge.trainer.fsutil import chmod_like_umask
+from trainforge.trainer.model import build_model, llama_config, load_weights
 
 EXPORT_INFO = "trainforge_export.json"
 
@@ -50,7 +50,7 @@ def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: st
     if isinstance(step_dir, str) and step_dir.startswith("s3://"):
         import tempfile
 
-        from trainer.checkpoint_s3 import fetch
+        from trainforge.trainer.checkpoint_s3 import fetch
 
         with tempfile.TemporaryDirectory(prefix="trainforge-export-") as tmp:
             return export_checkpoint(fetch(step_dir, tmp), dataset_dir, out_dir, source=step_dir)
@@ -104,7 +104,7 @@ def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.export",
+    p = argparse.ArgumentParser(prog="python -m trainforge.trainer.export",
                                 description="Export a checkpoint as a Hugging Face model folder.")
     p.add_argument("--checkpoint", required=True, help="a step-XXXXXXXX/ folder")
     p.add_argument("--dataset", required=True, help="the dataset folder it was trained on (for the tokenizer)")
@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = export_checkpoint(args.checkpoint, args.dataset, args.out)
     except ConfigError as err:
-        print(f"trainer.export: {err}", file=sys.stderr)
+        print(f"trainforge.trainer.export: {err}", file=sys.stderr)
         return EXIT_CONFIG
     except CheckpointError as err:
-        print(f"trainer.export: {err}", file=sys.stderr)
+        print(f"trainforge.trainer.export: {err}", file=sys.stderr)
         return EXIT_ERROR
     print(f"exported {args.checkpoint} to {out}")
     return 0

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from trainer.fsutil import sha256_file
+from trainforge.trainer.fsutil import sha256_file
 
 # Beyond this, threads only contend for the disk; checkpoints hold a handful of large files.
 MAX_HASH_THREADS = 8

@@ -20,13 +20,13 @@ import torch
 from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainer.config import ModelConfig
-from trainer.errors import CheckpointError, ConfigError
+from trainforge.trainer.config import ModelConfig
+from trainforge.trainer.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
 #: LlamaConfig keys `llama_config` sets from first-class fields; an override may not touch them
-#: (the spec refuses them first: operators/spec/llama_keys.py).
+#: (the spec refuses them first: operators/pipeline/llama_keys.py).
 FIRST_CLASS_KEYS = frozenset({
     "attention_dropout", "bos_token_id", "eos_token_id", "hidden_size", "intermediate_size",
     "max_position_embeddings", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
@@ -207,7 +207,7 @@ def load_initial_weights(model: LlamaForCausalLM, location: str, tokenizer_path:
     * a trainer checkpoint ``step-XXXXXXXX/`` (verified against its manifest first);
     * a checkpoint root holding ``step-*`` folders: its newest valid one;
     * a Hugging Face model folder: ``config.json`` and ``model*.safetensors`` (what model
-      registration uploads; ``trainer.export`` writes the same names as ``build_model``).
+      registration uploads; ``trainforge.trainer.export`` writes the same names as ``build_model``).
 
     The source must have ``model``'s architecture (`ARCHITECTURE_KEYS`) and the dataset's
     tokenizer (``tokenizer_path`` / ``tokenizer_sha256``: the same file, or the same vocabulary).
@@ -218,8 +218,8 @@ def load_initial_weights(model: LlamaForCausalLM, location: str, tokenizer_path:
         ConfigError: architecture or tokenizer differ (exit 78: a retry cannot fix it).
         CheckpointError: nothing loadable at ``location``, or it does not verify.
     """
-    from trainer import checkpoint as ckpt
-    from trainer.s3 import is_s3
+    from trainforge.trainer import checkpoint as ckpt
+    from trainforge.trainer.s3 import is_s3
 
     with tempfile.TemporaryDirectory(prefix="trainforge-init-") as tmp:
         if is_s3(location) and not _s3_has(location, ckpt.MANIFEST) and _s3_has(location, "config.json"):
@@ -247,20 +247,20 @@ def load_initial_weights(model: LlamaForCausalLM, location: str, tokenizer_path:
 
 
 def _has(folder: str | Path, name: str) -> bool:
-    from trainer.s3 import is_s3
+    from trainforge.trainer.s3 import is_s3
 
     return _s3_has(str(folder), name) if is_s3(folder) else (Path(folder) / name).is_file()
 
 
 def _s3_has(prefix: str, name: str) -> bool:
-    from trainer import s3
+    from trainforge.trainer import s3
 
     return s3.size_of(s3.join(prefix, name)) is not None
 
 
 def _download_prefix(prefix: str, dest: Path) -> Path:
     """The files directly under an ``s3://`` prefix (an HF model folder), downloaded to ``dest``."""
-    from trainer import s3
+    from trainforge.trainer import s3
 
     base = prefix.rstrip("/") + "/"
     bucket, _ = s3.split(base)
@@ -281,7 +281,7 @@ def _hf_folder(folder: Path, tokenizer_path: str | Path, tokenizer_sha256: str
                ) -> tuple[LlamaConfig, dict[str, torch.Tensor], bool]:
     import safetensors.torch
 
-    from trainer.fsutil import sha256_file
+    from trainforge.trainer.fsutil import sha256_file
 
     files = sorted(folder.glob("model*.safetensors"))
     if not files:
@@ -300,8 +300,8 @@ def _hf_folder(folder: Path, tokenizer_path: str | Path, tokenizer_sha256: str
 
 def _trainer_checkpoint(location: str | Path, tokenizer_sha256: str
                         ) -> tuple[str, LlamaConfig, dict[str, torch.Tensor], bool]:
-    from trainer import checkpoint as ckpt
-    from trainer.config import parse_job_config
+    from trainforge.trainer import checkpoint as ckpt
+    from trainforge.trainer.config import parse_job_config
 
     step_dir: Any = location
     if not _has(location, ckpt.MANIFEST):

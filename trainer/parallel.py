@@ -57,9 +57,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.config import JobConfig
-from trainer.distributed import Dist
-from trainer.model import check_weights, enable_activation_checkpointing, load_weights, tied_aliases, weights_state_dict
+from trainforge.trainer.config import JobConfig
+from trainforge.trainer.distributed import Dist
+from trainforge.trainer.model import check_weights, enable_activation_checkpointing, load_weights, tied_aliases, weights_state_dict
 
 log = logging.getLogger(__name__)
 

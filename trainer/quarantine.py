@@ -6,7 +6,7 @@
                                               "reasons": [...], "failed_checks": [...], "by"}
 
 Order of operations: the reason file is written INTO the step folder first (atomically), which
-alone makes `trainer.checkpoint.verify` refuse the folder, then the folder is renamed into
+alone makes `trainforge.trainer.checkpoint.verify` refuse the folder, then the folder is renamed into
 ``quarantine/``. A crash between the two leaves a folder that resume and the validator already
 skip; nothing is ever deleted. ``quarantine/`` does not match ``step-*``, so resume
 (`checkpoint.newest_valid`) and retention (`checkpoint.apply_retention`) never see it.
@@ -25,9 +25,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint import QUARANTINE_REASON
-from trainer.errors import CheckpointError
-from trainer.fsutil import atomic_write_json, fsync_dir
+from trainforge.trainer.checkpoint import QUARANTINE_REASON
+from trainforge.trainer.errors import CheckpointError
+from trainforge.trainer.fsutil import atomic_write_json, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ QUARANTINE_FORMAT = "trainforge.quarantine/v1"
 
 
 def quarantine(step_dir: str | Path, reasons: Sequence[str], failed_checks: Sequence[str] = (),
-               step: int | None = None, by: str = "trainer.validate") -> Path:
+               step: int | None = None, by: str = "trainforge.trainer.validate") -> Path:
     """Move ``step_dir`` to ``<its parent>/quarantine/<name>[.N]/`` with a QUARANTINE_REASON.json.
 
     Args:

@@ -20,7 +20,7 @@ large ones, so ``standard`` is used. Each attempt has `CONNECT_TIMEOUT_S` / `REA
 request retried on its own.
 
 S3 has no rename: a checkpoint exists once its ``manifest.json`` object is written, which is
-why the manifest is always uploaded last (trainer.checkpoint_s3).
+why the manifest is always uploaded last (trainforge.trainer.checkpoint_s3).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from trainer.errors import CheckpointError
+from trainforge.trainer.errors import CheckpointError
 
 CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_S = 60

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from trainer.config import OptimConfig
+from trainforge.trainer.config import OptimConfig
 
 
 def lr_at(step: int, optim: OptimConfig) -> float:

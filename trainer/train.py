@@ -1,9 +1,9 @@
 """Train a small Llama-style LM on a prepared dataset: the program torchrun launches.
 
     # 2 processes on one machine (gloo on CPU, nccl when CUDA is available):
-    torchrun --standalone --nproc-per-node=2 -m trainer.train --config job.json
+    torchrun --standalone --nproc-per-node=2 -m trainforge.trainer.train --config job.json
     # one process, no torchrun (debugging):
-    python -m trainer.train --config job.json
+    python -m trainforge.trainer.train --config job.json
 
 Environment: MLFLOW_TRACKING_URI + MLFLOW_RUN_ID (rank 0 logs params and step metrics into that
 existing run; unset URI = no MLflow), TRAINFORGE_RESULT_FILE (rank 0 writes result.json there on
@@ -42,19 +42,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint as ckpt
-from trainer.amp import MIN_LOSS_SCALE, Precision
-from trainer.config import ConfigError, JobConfig, OptimConfig, load_job_config
-from trainer.data import BatchSampler, Dataset, TokenStream, open_dataset
-from trainer.distributed import Dist, setup_distributed, shut_down
-from trainer.errors import EXIT_OK, DivergedError, TerminatedError, TrainerError
-from trainer.fsutil import atomic_write_json
-from trainer.model import build_model, llama_config, lm_loss, load_initial_weights
-from trainer.parallel import Parallel, parallelize
-from trainer.schedule import lr_at
-from trainer.tracking import MlflowTracker
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer.amp import MIN_LOSS_SCALE, Precision
+from trainforge.trainer.config import ConfigError, JobConfig, OptimConfig, load_job_config
+from trainforge.trainer.data import BatchSampler, Dataset, TokenStream, open_dataset
+from trainforge.trainer.distributed import Dist, setup_distributed, shut_down
+from trainforge.trainer.errors import EXIT_OK, DivergedError, TerminatedError, TrainerError
+from trainforge.trainer.fsutil import atomic_write_json
+from trainforge.trainer.model import build_model, llama_config, lm_loss, load_initial_weights
+from trainforge.trainer.parallel import Parallel, parallelize
+from trainforge.trainer.schedule import lr_at
+from trainforge.trainer.tracking import MlflowTracker
 
-log = logging.getLogger("trainer.train")
+log = logging.getLogger("trainforge.trainer.train")
 
 __all__ = ["lr_at", "main", "make_optimizer", "should_step", "train"]
 
@@ -311,7 +311,7 @@ def sigterm_deferred() -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainforge.trainer.train", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="path of the job config JSON (trainforge.job/v1)")
     args = parser.parse_args(argv)
 

@@ -1,6 +1,6 @@
 """Validate checkpoints and write a report (docs/contracts.md "Validation report", docs/registry.md).
 
-    python -m trainer.validate --checkpoints DIR [--step N] --dataset DIR --report OUT.json \
+    python -m trainforge.trainer.validate --checkpoints DIR [--step N] --dataset DIR --report OUT.json \
         [--policy newest|best_val_loss] [--expect-job-config JOB.json] [--expect-vocab-size N] \
         [--expect-world-size N] [--quarantine]
 
@@ -12,7 +12,7 @@ Checks, in report order: ``manifest`` (present, trainforge.checkpoint/v1), ``fil
 (sizes + SHA-256, several files in parallel), ``meta`` (meta.json readable, its job config valid,
 vocabulary / EOS / tokenizer equal to the dataset's), ``consistency`` (meta.json against itself
 and what the pipeline expects: config digest, vocabulary size, architecture, sequence length,
-world size x micro batch x accumulation = global batch; see trainer.expectations),
+world size x micro batch x accumulation = global batch; see trainforge.trainer.expectations),
 ``weights_load`` (safetensors decodes; no pickle), ``shapes`` (names and shapes equal to the
 model the job config describes), ``finite`` (every tensor), ``eval`` (validation loss is
 finite), ``sample`` (greedy generation ran).
@@ -22,11 +22,11 @@ Policy: ``newest`` validates the newest step folder with a manifest (or ``--step
 (ties: the newer). With ``--quarantine``, a checkpoint whose failed checks show it is damaged
 (``integrity_failures``: manifest, file_hashes, weights_load, shapes, finite, or a non-finite
 eval) is moved to ``<checkpoints>/quarantine/step-XXXXXXXX/`` with a QUARANTINE_REASON.json
-(trainer.quarantine); one that is intact but not what the pipeline expects (meta, consistency)
+(trainforge.trainer.quarantine); one that is intact but not what the pipeline expects (meta, consistency)
 fails validation and stays where it is.
 
 Metrics, over the first ``max_eval_tokens`` target tokens of the validation split, read as
-consecutive non-overlapping windows of ``sequence_length`` (trainer.evaluate):
+consecutive non-overlapping windows of ``sequence_length`` (trainforge.trainer.evaluate):
 
     val_loss           = total nats / val_tokens
     val_perplexity     = exp(val_loss)
@@ -51,16 +51,16 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer import checkpoint_s3, s3
-from trainer.config import parse_job_config
-from trainer.data import Dataset, open_dataset
-from trainer.errors import EXIT_CONFIG, CheckpointError, ConfigError, TrainerError
-from trainer.evaluate import evaluate, greedy_sample
-from trainer.expectations import Expectations, check_consistency
-from trainer.fsutil import atomic_write_json
-from trainer.model import build_model, llama_config, load_weights
-from trainer.quarantine import quarantine
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer import checkpoint_s3, s3
+from trainforge.trainer.config import parse_job_config
+from trainforge.trainer.data import Dataset, open_dataset
+from trainforge.trainer.errors import EXIT_CONFIG, CheckpointError, ConfigError, TrainerError
+from trainforge.trainer.evaluate import evaluate, greedy_sample
+from trainforge.trainer.expectations import Expectations, check_consistency
+from trainforge.trainer.fsutil import atomic_write_json
+from trainforge.trainer.model import build_model, llama_config, load_weights
+from trainforge.trainer.quarantine import quarantine
 
 REPORT_FORMAT = "trainforge.validation/v1"
 DEFAULT_PROMPT = "ROMEO:"
@@ -317,7 +317,7 @@ def _validate_one(step_dir: str | Path, dataset_dir: str | Path, expect: Expecta
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.validate", description="Validate trainforge checkpoints.")
+    p = argparse.ArgumentParser(prog="python -m trainforge.trainer.validate", description="Validate trainforge checkpoints.")
     p.add_argument("--checkpoints", required=True, help="folder holding step-XXXXXXXX/ checkpoints")
     p.add_argument("--step", type=int, help="validate this step (policy newest; default: newest with a manifest)")
     p.add_argument("--dataset", required=True, help="prepared dataset folder (its validation split is evaluated)")
@@ -341,10 +341,10 @@ def main(argv: list[str] | None = None) -> int:
                                       quarantine_damaged=args.quarantine, max_eval_tokens=args.max_eval_tokens,
                                       prompt=args.prompt, max_new_tokens=args.sample_tokens, device=args.device)
     except ConfigError as err:  # includes DatasetError
-        print(f"trainer.validate: {err}", file=sys.stderr)
+        print(f"trainforge.trainer.validate: {err}", file=sys.stderr)
         return EXIT_CONFIG
     except CheckpointError as err:  # quarantine failed: report what we know, fail
-        print(f"trainer.validate: {err}", file=sys.stderr)
+        print(f"trainforge.trainer.validate: {err}", file=sys.stderr)
         return 1
     atomic_write_json(args.report, report)
     for c in report["checks"]:

@@ -1,4 +1,4 @@
-"""Cluster engines behind one contract (:mod:`operators.backends.base`).
+"""Cluster engines behind one contract (:mod:`trainforge.backends.base`).
 
 Engine modules are imported only when used, so parsing a DAG never imports an engine's client
 (``kubernetes``, ``ray``) or looks for an engine's tools (``sbatch``).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from operators.backends.base import Backend
+from trainforge.backends.base import Backend
 
 ENGINES = ("local", "kubernetes", "ray", "slurm")
 
@@ -20,19 +20,19 @@ def get_backend(engine: str, **kwargs: Any) -> Backend:
         ValueError: the engine is unknown.
     """
     if engine == "local":
-        from operators.backends.local import LocalBackend
+        from trainforge.backends.local import LocalBackend
 
         return LocalBackend(**kwargs)
     if engine == "kubernetes":
-        from operators.backends.kubernetes import KubernetesBackend
+        from trainforge.backends.kubernetes import KubernetesBackend
 
         return KubernetesBackend(**kwargs)
     if engine == "ray":
-        from operators.backends.ray import RayBackend
+        from trainforge.backends.ray import RayBackend
 
         return RayBackend(**kwargs)
     if engine == "slurm":
-        from operators.backends.slurm import SlurmBackend
+        from trainforge.backends.slurm import SlurmBackend
 
         return SlurmBackend(**kwargs)
     raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
@@ -42,7 +42,7 @@ def backend_kwargs(training: Any, runs_root: str) -> dict[str, Any]:
     """Plain keyword arguments of :func:`get_backend` for a spec's ``training`` section.
 
     Only where and how to reach the engine (these travel inside the trigger); what to run is
-    in the :class:`~operators.backends.base.TrainingJob`.
+    in the :class:`~trainforge.backends.base.TrainingJob`.
     """
     engine = training.engine
     if engine == "local":
@@ -54,7 +54,7 @@ def backend_kwargs(training: Any, runs_root: str) -> dict[str, Any]:
     if engine == "ray":
         return {"address": block.address, "conn_id": block.connection_id}
     if engine == "slurm":
-        from operators.paths import resolve
+        from trainforge.paths import resolve
 
         # Job folders live on the file system shared with the compute nodes.
         return {"runs_root": resolve(block.job_root) if block.job_root else runs_root,

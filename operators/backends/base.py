@@ -81,7 +81,7 @@ class TrainingJob:
 
     Attributes:
         identity: who the job belongs to.
-        module: Python module run under torchrun (``trainer.train``).
+        module: Python module run under torchrun (``trainforge.trainer.train``).
         config: the job config (docs/contracts.md "Job config"), written to ``job.json``.
         nodes: number of machines.
         processes_per_node: ranks per machine (torchrun ``--nproc-per-node``).
@@ -109,7 +109,7 @@ class TrainingJob:
 
     identity: JobIdentity
     config: dict[str, Any]
-    module: str = "trainer.train"
+    module: str = "trainforge.trainer.train"
     nodes: int = 1
     processes_per_node: int = 1
     env: dict[str, str] = field(default_factory=dict)

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from operators.errors import BackendError
+from trainforge.errors import BackendError
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ Two custom resources, chosen by ``training.kubernetes.api``:
 * ``PyTorchJob`` (``kubeflow.org/v1``, Kubeflow training operator 1.9): a ``Master`` replica and
   ``nodes - 1`` ``Worker`` replicas with full pod templates (container ``pytorch``).
 
-Both run the same launcher: ``torchrun ... -m trainer.train --config /etc/trainforge/job.json``
+Both run the same launcher: ``torchrun ... -m trainforge.trainer.train --config /etc/trainforge/job.json``
 wrapped in a short POSIX shell script (:data:`LAUNCH_SCRIPT`) that forwards SIGTERM to torchrun and
 copies rank 0's result file (docs/contracts.md) into the container's termination message, so the
 backend can tell a permanent failure (exit 78/79) from a transient one although torchrun itself
@@ -28,7 +28,7 @@ import json
 import re
 from typing import Any
 
-from operators.backends.base import LAUNCH_ENV, JobIdentity, TrainingJob
+from trainforge.backends.base import LAUNCH_ENV, JobIdentity, TrainingJob
 
 TRAINJOB_GROUP, TRAINJOB_VERSION, TRAINJOB_PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 PYTORCHJOB_GROUP, PYTORCHJOB_VERSION, PYTORCHJOB_PLURAL = "kubeflow.org", "v1", "pytorchjobs"
@@ -150,7 +150,7 @@ def _quantity(gib: float) -> str:
 
 def _options(job: TrainingJob) -> dict[str, Any]:
     """The kubernetes block with defaults filled in (``engine_options`` is its JSON dump)."""
-    from operators.spec.engines import KubernetesEngine
+    from trainforge.pipeline.engines import KubernetesEngine
 
     return KubernetesEngine.model_validate(job.engine_options).model_dump(mode="json")
 

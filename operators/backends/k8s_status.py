@@ -1,7 +1,7 @@
 """Pure reading of Kubernetes status: job conditions, pods and Kueue workloads → neutral states.
 
 Everything here works on the plain JSON the API returns (dicts), so it is tested without a
-server. The backend (:mod:`operators.backends.kubernetes`) fetches; this module decides.
+server. The backend (:mod:`trainforge.backends.kubernetes`) fetches; this module decides.
 
 The job's outcome comes from the custom resource's ``status.conditions`` only — never from
 whether a pod still exists. Pods are read for what conditions do not say: whether rank 0 has
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from operators.backends.base import FailureKind, JobState
+from trainforge.backends.base import FailureKind, JobState
 
 # Trainer exit codes (docs/contracts.md): permanent failures that a retry cannot fix.
 PERMANENT_EXIT_CODES = {78, 79}

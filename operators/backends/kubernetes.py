@@ -1,9 +1,9 @@
 """The ``kubernetes`` engine: a Kubeflow ``TrainJob`` or ``PyTorchJob``, optionally queued by Kueue.
 
-What is submitted is :func:`operators.backends.k8s_render.render_objects` — a ConfigMap with the
+What is submitted is :func:`trainforge.backends.k8s_render.render_objects` — a ConfigMap with the
 job config and the custom resource — created with the official ``kubernetes`` client
 (``CoreV1Api``, ``CustomObjectsApi``). Status comes from the resource's conditions through the
-commented tables in :mod:`operators.backends.k8s_status`; pods are read only for what conditions
+commented tables in :mod:`trainforge.backends.k8s_status`; pods are read only for what conditions
 do not say (rank 0 started, why it is pending, its exit code, restarts).
 
 Handle (JSON)::
@@ -26,9 +26,9 @@ import time
 from functools import cached_property
 from typing import Any
 
-from operators.backends import k8s_render as r
-from operators.backends import k8s_status as s
-from operators.backends.base import (
+from trainforge.backends import k8s_render as r
+from trainforge.backends import k8s_status as s
+from trainforge.backends.base import (
     Backend,
     FailureKind,
     JobHandle,
@@ -38,7 +38,7 @@ from operators.backends.base import (
     LogChunk,
     TrainingJob,
 )
-from operators.errors import BackendError, JobNotFoundError
+from trainforge.errors import BackendError, JobNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class KubernetesBackend(Backend):
         request_timeout_s: timeout of every API call, seconds.
         poll_interval_s: how often :meth:`cancel` checks that the job is gone, seconds.
 
-    Every method except :meth:`render` raises :class:`~operators.errors.BackendError` when the
+    Every method except :meth:`render` raises :class:`~trainforge.errors.BackendError` when the
     API cannot be reached or refuses a request.
     """
 
@@ -116,7 +116,7 @@ class KubernetesBackend(Backend):
     # -- clients ----------------------------------------------------------------------------
     @cached_property
     def _api(self) -> Any:
-        from operators.backends.k8s_client import api_client
+        from trainforge.backends.k8s_client import api_client
 
         return api_client(self.conn_id, self.kubeconfig, self.context)
 

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from operators.backends.base import (
+from trainforge.backends.base import (
     LAUNCH_ENV,
     Backend,
     FailureKind,
@@ -50,8 +50,8 @@ from operators.backends.base import (
     TrainingJob,
     whole_lines,
 )
-from operators.backends.local_supervisor import write_json_atomic
-from operators.errors import BackendError, JobNotFoundError
+from trainforge.backends.local_supervisor import write_json_atomic
+from trainforge.errors import BackendError, JobNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class LocalBackend(Backend):
         write_json_atomic(job_dir / "request.json", {k: v for k, v in request.items() if k != "config"})
         try:
             proc = subprocess.Popen(
-                [self.python, "-m", "operators.backends.local_supervisor", str(job_dir)],
+                [self.python, "-m", "trainforge.backends.local_supervisor", str(job_dir)],
                 cwd=request["cwd"],
                 env={**os.environ, **job.secret_env} if job.secret_env else None,
                 stdin=subprocess.DEVNULL,

@@ -1,4 +1,4 @@
-"""Supervisor of one local training job: ``python -m operators.backends.local_supervisor DIR``.
+"""Supervisor of one local training job: ``python -m trainforge.backends.local_supervisor DIR``.
 
 The local engine starts this small process in a session of its own, detached from the Airflow
 task that submitted the job, so the job outlives the task's deferral. It runs the command of
@@ -76,6 +76,6 @@ def main(job_dir: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python -m operators.backends.local_supervisor JOB_DIR", file=sys.stderr)
+        print("usage: python -m trainforge.backends.local_supervisor JOB_DIR", file=sys.stderr)
         sys.exit(64)
     sys.exit(main(sys.argv[1]))

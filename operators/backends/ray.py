@@ -26,7 +26,7 @@ Airflow worker; the result comes back through the job's log, so nothing is read 
 cluster's disks either. (Dataset and checkpoint locations in the config must of course be
 reachable from the cluster: a shared path or ``s3://``.)
 
-State mapping (Ray ``JobStatus`` → :class:`~operators.backends.base.JobState`):
+State mapping (Ray ``JobStatus`` → :class:`~trainforge.backends.base.JobState`):
 
 ===========  ==============================  ===================================================
 Ray          condition                       JobState
@@ -57,7 +57,7 @@ import shlex
 import time
 from typing import Any
 
-from operators.backends.base import (
+from trainforge.backends.base import (
     LAUNCH_ENV,
     Backend,
     FailureKind,
@@ -69,8 +69,8 @@ from operators.backends.base import (
     TrainingJob,
     whole_lines,
 )
-from operators.backends.ray_client import connection_settings, timeout_client_class
-from operators.errors import BackendError, JobNotFoundError
+from trainforge.backends.ray_client import connection_settings, timeout_client_class
+from trainforge.errors import BackendError, JobNotFoundError
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from operators.errors import BackendError
+from trainforge.errors import BackendError
 
 _CLIENT_CLASS = None
 

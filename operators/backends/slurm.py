@@ -22,8 +22,8 @@ running, and for ``MinJobAge``, 300 s by default, after it ended); then ``sacct`
 Slurm's accounting database, slurmdbd); then the job folder's ``exit.json``. A cluster without
 accounting is therefore fully supported as long as the job folder is shared.
 
-State mapping: see :data:`~operators.backends.slurm_script.STATES` (Slurm state -> JobState) and
-:data:`~operators.backends.slurm_script.NEVER_RUNS`. A job still pending after
+State mapping: see :data:`~trainforge.backends.slurm_script.STATES` (Slurm state -> JobState) and
+:data:`~trainforge.backends.slurm_script.NEVER_RUNS`. A job still pending after
 ``startup_timeout_s`` is cancelled and FAILED (transient) with Slurm's reason; a pending reason
 that can never clear (time limit above the partition's, unknown account, ...) fails it at once,
 permanently. A failure is permanent when the trainer's result says ``bad_config`` or
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from operators.backends.base import (
+from trainforge.backends.base import (
     Backend,
     FailureKind,
     JobHandle,
@@ -52,8 +52,8 @@ from operators.backends.base import (
     TrainingJob,
     whole_lines,
 )
-from operators.backends.local_supervisor import write_json_atomic
-from operators.backends.slurm_script import (
+from trainforge.backends.local_supervisor import write_json_atomic
+from trainforge.backends.slurm_script import (
     LOG_NAME,
     NEVER_RUNS,
     SCRIPT_NAME,
@@ -61,7 +61,7 @@ from operators.backends.slurm_script import (
     reason_text,
     render_script,
 )
-from operators.errors import BackendError, JobNotFoundError
+from trainforge.errors import BackendError, JobNotFoundError
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The ``slurm`` engine's pure parts: the sbatch script of a job, and Slurm's vocabulary.
 
-:func:`render_script` turns a :class:`~operators.backends.base.TrainingJob` into the exact batch
-script that :class:`~operators.backends.slurm.SlurmBackend` writes and hands to ``sbatch``:
+:func:`render_script` turns a :class:`~trainforge.backends.base.TrainingJob` into the exact batch
+script that :class:`~trainforge.backends.slurm.SlurmBackend` writes and hands to ``sbatch``:
 
 * ``#SBATCH`` lines: the job name is the identity's key (what ``find`` looks for), the comment
   carries the full identity; one task per node (``--ntasks-per-node=1``) with every CPU of the
@@ -28,7 +28,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from operators.backends.base import LAUNCH_ENV, JobState, TrainingJob
+from trainforge.backends.base import LAUNCH_ENV, JobState, TrainingJob
 
 SCRIPT_NAME = "job.sbatch"
 LOG_NAME = "job.log"
@@ -131,7 +131,7 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
     """The batch script of ``job`` whose files live in ``job_dir`` (shared storage). Pure.
 
     ``job.engine_options`` is the spec's ``training.slurm`` block (see
-    :class:`operators.spec.engines.SlurmEngine`); absent keys take that block's defaults.
+    :class:`trainforge.pipeline.engines.SlurmEngine`); absent keys take that block's defaults.
     """
     opts = job.engine_options or {}
     identity = job.identity

@@ -3,11 +3,11 @@ clean, deduplicate and split them by document, train (or reuse) a byte-level BPE
 encode token shards in parallel workers and write a manifest (docs/contracts.md, "Dataset";
 docs/data.md). No Airflow, no MLflow; the ``prepare_data`` operator wraps :func:`prepare_dataset`.
 
-The demo corpus fetcher lives in :mod:`operators.data.corpus`
-(``python -m operators.data.corpus fetch --dest DIR``).
+The demo corpus fetcher lives in :mod:`trainforge.data.corpus`
+(``python -m trainforge.data.corpus fetch --dest DIR``).
 """
 
-from operators.data.errors import (
+from trainforge.data.errors import (
     CorpusFetchError,
     DataPrepError,
     DatasetInvalidError,
@@ -20,16 +20,16 @@ from operators.data.errors import (
     SourceNotFoundError,
     TokenizerSourceError,
 )
-from operators.data.settings import EOS_TOKEN, PrepareSettings
+from trainforge.data.settings import EOS_TOKEN, PrepareSettings
 
 # numpy and tokenizers load only when these are first used, so that importing the settings
 # and errors (e.g. at DAG-parse time) stays cheap (STYLE habit 13).
 _LAZY = {
-    "FORMAT": "operators.data.manifest",
-    "load_manifest": "operators.data.manifest",
-    "verify_dataset": "operators.data.manifest",
-    "PreparedDataset": "operators.data.prepare",
-    "prepare_dataset": "operators.data.prepare",
+    "FORMAT": "trainforge.data.manifest",
+    "load_manifest": "trainforge.data.manifest",
+    "verify_dataset": "trainforge.data.manifest",
+    "PreparedDataset": "trainforge.data.prepare",
+    "prepare_dataset": "trainforge.data.prepare",
 }
 
 
@@ -38,7 +38,7 @@ def __getattr__(name: str):
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'operators.data' has no attribute {name!r}")
+    raise AttributeError(f"module 'trainforge.data' has no attribute {name!r}")
 
 __all__ = [
     "EOS_TOKEN",

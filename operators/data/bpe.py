@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from operators.data.errors import DataPrepError, TokenizerSourceError
+from trainforge.data.errors import DataPrepError, TokenizerSourceError
 
 
 def new_tokenizer() -> Tokenizer:
@@ -55,7 +55,7 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int, special_tokens: Se
     if eos_id != 0:
         raise DataPrepError(
             f"tokenizer training gave the EOS token {special_tokens[0]!r} id {eos_id}, "
-            "expected 0 (docs/contracts.md); this is a bug in operators.data.bpe"
+            "expected 0 (docs/contracts.md); this is a bug in trainforge.data.bpe"
         )
     return tokenizer
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from operators.data.errors import SourceDecodeError
+from trainforge.data.errors import SourceDecodeError
 
 _BOM = b"\xef\xbb\xbf"
 _START = re.compile(

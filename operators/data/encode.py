@@ -1,6 +1,6 @@
 """Encode the spooled documents into token shards with parallel worker processes.
 
-Workers are ``python -m operators.data.encode`` subprocesses (not ``multiprocessing``: nothing
+Workers are ``python -m trainforge.data.encode`` subprocesses (not ``multiprocessing``: nothing
 of the caller's ``__main__`` is re-imported, nothing is forked from a threaded parent). Each
 loads the tokenizer once and encodes whole spool ranges with one tokenizer thread
 (``TOKENIZERS_PARALLELISM=false``, ``RAYON_NUM_THREADS=1``); requests and replies are pickles
@@ -29,10 +29,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from operators.data.errors import DataPrepError
-from operators.data.manifest import sha256_file
-from operators.data.shards import ShardWriter
-from operators.data.spool import Range, read_range
+from trainforge.data.errors import DataPrepError
+from trainforge.data.manifest import sha256_file
+from trainforge.data.shards import ShardWriter
+from trainforge.data.spool import Range, read_range
 
 #: Text per ``encode_batch`` call inside a worker (bytes): bounds the tokenizer's transient
 #: per-token objects.
@@ -101,12 +101,10 @@ class _Worker:
     """One encoding subprocess and its pipes."""
 
     def __init__(self, tokenizer_path: Path, dtype: str, eos_id: int) -> None:
-        root = str(Path(__file__).resolve().parents[2])  # the folder holding ``operators``
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(
-                       [root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        # The installed package (wheel or editable) is importable by this interpreter as it is.
+        env = dict(os.environ, TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "operators.data.encode", str(tokenizer_path), dtype,
+            [sys.executable, "-m", "trainforge.data.encode", str(tokenizer_path), dtype,
              str(eos_id)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
 
     def send(self, rng: Range) -> None:
@@ -222,7 +220,7 @@ def _serve(tokenizer_path: str, dtype: str, eos_id: int, requests: BinaryIO,
 
 
 if __name__ == "__main__":
-    # Run the module's own copy, so that replies pickle as operators.data.encode.EncodedRange.
-    from operators.data.encode import _serve as serve
+    # Run the module's own copy, so that replies pickle as trainforge.data.encode.EncodedRange.
+    from trainforge.data.encode import _serve as serve
 
     serve(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.stdin.buffer, sys.stdout.buffer)

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 
 class DataPrepError(Exception):
-    """Base class of every error raised by ``operators.data``."""
+    """Base class of every error raised by ``trainforge.data``."""
 
 
 class InvalidSettingsError(DataPrepError):
-    """A :class:`~operators.data.settings.PrepareSettings` field has a value that cannot work."""
+    """A :class:`~trainforge.data.settings.PrepareSettings` field has a value that cannot work."""
 
     def __init__(self, field: str, value: object, expected: str) -> None:
         self.field = field
@@ -33,7 +33,7 @@ class SourceNotFoundError(DataPrepError):
         super().__init__(
             f"no files match source pattern {pattern!r} (searched {resolved!r}); "
             "check the path, or fetch the demo corpus with "
-            "`python -m operators.data.corpus fetch --dest DIR`"
+            "`python -m trainforge.data.corpus fetch --dest DIR`"
         )
 
 

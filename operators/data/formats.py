@@ -7,7 +7,7 @@
   per row group. A document is named ``<file>:<row group>:<row in the group>``.
 - ``auto``: each file by its suffix (see ``SourceFile.format``), so one corpus may mix them.
 
-Each may be gzip- or zstd-compressed (see :mod:`operators.data.sources`); a compressed Parquet
+Each may be gzip- or zstd-compressed (see :mod:`trainforge.data.sources`); a compressed Parquet
 file is first decompressed into a temporary file, since Parquet needs random access.
 
 Malformed records (not UTF-8, not JSON, not an object, text field missing or not a string, null
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from operators.data.clean import _BOM, CleanCounts, _Cleaner, decode_lines
-from operators.data.errors import MalformedRecordError, SourceDecodeError
-from operators.data.settings import PrepareSettings
-from operators.data.sources import (
+from trainforge.data.clean import _BOM, CleanCounts, _Cleaner, decode_lines
+from trainforge.data.errors import MalformedRecordError, SourceDecodeError
+from trainforge.data.settings import PrepareSettings
+from trainforge.data.sources import (
     SourceFile, check_unchanged, decompressed, open_random_access, open_raw,
 )
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from operators.data.errors import DatasetInvalidError
+from trainforge.data.errors import DatasetInvalidError
 
 FORMAT = "trainforge.dataset/v1"
 MANIFEST_NAME = "manifest.json"

@@ -8,7 +8,7 @@ docs/data.md for every option).
 Everything is written into ``output_root/.<digest>.tmp-<pid>/`` and renamed to
 ``output_root/<digest>/`` at the end, so a dataset folder either is complete or does not exist.
 When ``output_root/<digest>/`` already verifies, it is reused as is. An ``s3://`` output root is
-prepared in a local staging folder and uploaded, manifest last (:mod:`operators.data.remote`).
+prepared in a local staging folder and uploaded, manifest last (:mod:`trainforge.data.remote`).
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from typing import Any
 
 import tokenizers
 
-from operators.data import s3
-from operators.data.bpe import load_tokenizer, train_tokenizer
-from operators.data.encode import encode_splits
-from operators.data.errors import InvalidSettingsError, SourceAccessError, TokenizerSourceError
-from operators.data.manifest import (
+from trainforge.data import s3
+from trainforge.data.bpe import load_tokenizer, train_tokenizer
+from trainforge.data.encode import encode_splits
+from trainforge.data.errors import InvalidSettingsError, SourceAccessError, TokenizerSourceError
+from trainforge.data.manifest import (
     FORMAT, MANIFEST_NAME, RECIPE_VERSION, SPLITS, TOKENIZER_NAME, dataset_digest, load_manifest,
     sha256_file, verify_dataset, write_json_atomic,
 )
-from operators.data.scan import ScanResult, scan_sources
-from operators.data.settings import PrepareSettings
-from operators.data.sources import SourceFile, resolve_sources
-from operators.data.spool import read_range
+from trainforge.data.scan import ScanResult, scan_sources
+from trainforge.data.settings import PrepareSettings
+from trainforge.data.sources import SourceFile, resolve_sources
+from trainforge.data.spool import read_range
 
 logger = logging.getLogger(__name__)
 Log = logging.Logger | logging.LoggerAdapter
@@ -139,7 +139,7 @@ def prepare_dataset(settings: PrepareSettings, output_root: Path | str, *,
     Raises:
         SourceNotFoundError, MalformedRecordError, SourceChangedError, SourceAccessError,
         TokenizerSourceError, EmptyCorpusError, InvalidSettingsError: see
-            ``operators.data.errors``; all are :class:`DataPrepError`.
+            ``trainforge.data.errors``; all are :class:`DataPrepError`.
         OSError: the output folder cannot be written.
     """
     started = time.monotonic()
@@ -163,7 +163,7 @@ def prepare_dataset(settings: PrepareSettings, output_root: Path | str, *,
         if staging_root is None:
             raise InvalidSettingsError("staging_root", None,
                                        "a local folder for the local copy of an s3:// output")
-        from operators.data.remote import prepare_remote
+        from trainforge.data.remote import prepare_remote
 
         return prepare_remote(root, Path(staging_root).absolute(), digest, build, client(),
                               started, log)

@@ -23,12 +23,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from operators.data import s3
-from operators.data.errors import DatasetInvalidError
-from operators.data.manifest import (
+from trainforge.data import s3
+from trainforge.data.errors import DatasetInvalidError
+from trainforge.data.manifest import (
     MANIFEST_NAME, dataset_files, load_manifest, verify_dataset,
 )
-from operators.data.prepare import PreparedDataset
+from trainforge.data.prepare import PreparedDataset
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from operators.data.errors import SourceAccessError, SourceChangedError
+from trainforge.data.errors import SourceAccessError, SourceChangedError
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def make_client(endpoint_url: str | None = None, session: Any = None) -> Any:
     """A boto3 S3 client with bounded timeouts and retries (see the module doc).
 
     ``session``: a ``boto3.session.Session`` holding the credentials to use (an Airflow
-    connection's, ``operators.hooks.s3``); default a new one on boto3's standard chain.
+    connection's, ``trainforge.hooks.s3``); default a new one on boto3's standard chain.
     """
     import boto3
     from botocore.config import Config

@@ -2,13 +2,13 @@
 
 For each document, in corpus order (sources by name, records in file order):
 
-1. cleaned (``operators.data.clean``); a malformed record goes to the :class:`MalformedLog`;
+1. cleaned (``trainforge.data.clean``); a malformed record goes to the :class:`MalformedLog`;
 2. dropped when empty, shorter than ``min_document_chars`` or longer than
    ``max_document_chars`` (``removed.empty`` / ``too_short`` / ``too_long``);
 3. dropped when its text's SHA-256 was seen before (``removed.duplicate``, exact dedup across
    files and formats; memory: one 32-byte hash per kept document);
 4. appended to the validation or train spool by the content-hash rule of
-   :mod:`operators.data.split`, whose fallback is applied at the end without rereading.
+   :mod:`trainforge.data.split`, whose fallback is applied at the end without rereading.
 
 Memory stays bounded by one document plus the hash set; the text goes to disk.
 """
@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from operators.data.clean import CleanCounts
-from operators.data.errors import EmptyCorpusError
-from operators.data.formats import MalformedLog, read_source
-from operators.data.settings import PrepareSettings
-from operators.data.sources import SourceFile
-from operators.data.split import in_validation
-from operators.data.spool import Range, SpoolWriter, record_at, without_record
+from trainforge.data.clean import CleanCounts
+from trainforge.data.errors import EmptyCorpusError
+from trainforge.data.formats import MalformedLog, read_source
+from trainforge.data.settings import PrepareSettings
+from trainforge.data.sources import SourceFile
+from trainforge.data.split import in_validation
+from trainforge.data.spool import Range, SpoolWriter, record_at, without_record
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def scan_sources(sources: list[SourceFile], settings: PrepareSettings, client_fa
 
 def _fallback(writers: dict[str, SpoolWriter], lowest_train: _Extreme | None,
               highest_validation: _Extreme | None, result: ScanResult) -> None:
-    """Close the spools; move one document when a split is empty (see operators.data.split)."""
+    """Close the spools; move one document when a split is empty (see trainforge.data.split)."""
     train, validation = writers["train"], writers["validation"]
     if validation.documents == 0 and train.documents >= 2 and lowest_train is not None:
         train_ranges = train.close()

@@ -1,6 +1,6 @@
 """Settings of one dataset preparation: everything that changes the output.
 
-The pipeline spec (``operators.spec``) owns the user-facing defaults; this dataclass has none for
+The pipeline spec (``trainforge.pipeline``) owns the user-facing defaults; this dataclass has none for
 tunable values (STYLE habit 1), only the EOS token fixed by ``docs/contracts.md``.
 """
 
@@ -11,7 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from operators.data.errors import InvalidSettingsError
+from trainforge.data.errors import InvalidSettingsError
 
 #: End-of-document token; id 0 in every tokenizer (docs/contracts.md, "Dataset").
 EOS_TOKEN = "<|endoftext|>"
@@ -55,7 +55,7 @@ class PrepareSettings:
         on_malformed: ``fail`` raises :class:`MalformedRecordError` at the first unreadable
             record (naming file and line or row group); ``skip`` counts and skips them.
         strip_gutenberg_boilerplate: drop Project Gutenberg licence headers, footers and the
-            ``<<THIS ELECTRONIC VERSION ...>>`` notices (see ``operators.data.clean``).
+            ``<<THIS ELECTRONIC VERSION ...>>`` notices (see ``trainforge.data.clean``).
         normalize_whitespace: collapse runs of horizontal whitespace to one space, strip
             trailing whitespace, collapse runs of blank lines to one blank line, trim blank lines
             at both ends.

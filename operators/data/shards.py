@@ -2,7 +2,7 @@
 
 ``<split>-00000.bin``, ``<split>-00001.bin``, ...: each is a raw array of ``uint16`` (or
 ``uint32``) token ids, no header; documents are concatenated with the EOS id after each one
-(including the last); :mod:`operators.data.encode` produces them. A shard holds at most
+(including the last); :mod:`trainforge.data.encode` produces them. A shard holds at most
 ``shard_tokens`` ids; a document may straddle two shards (readers treat a split as one stream).
 """
 

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from operators.data import s3
-from operators.data.errors import SourceChangedError, SourceNotFoundError
-from operators.data.manifest import sha256_file
+from trainforge.data import s3
+from trainforge.data.errors import SourceChangedError, SourceNotFoundError
+from trainforge.data.manifest import sha256_file
 
 #: Read buffer of the streamed readers (bytes).
 READ_BUFFER_BYTES = 1 << 20

@@ -11,7 +11,7 @@ when train is empty, the document with the largest hash (nearest the threshold f
 to train.
 
 :func:`deduplicate` and :func:`split_documents` are the rule on documents in memory; the data
-step applies the same rule (:func:`in_validation`) while streaming (:mod:`operators.data.scan`).
+step applies the same rule (:func:`in_validation`) while streaming (:mod:`trainforge.data.scan`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ class HookError(Exception):
 
 
 class MlflowHookError(HookError):
-    """Base class of the errors raised by ``operators.hooks.mlflow.MlflowHook``."""
+    """Base class of the errors raised by ``trainforge.hooks.mlflow.MlflowHook``."""
 
 
 class MlflowConfigError(MlflowHookError):

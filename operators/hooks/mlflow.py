@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from operators.hooks.errors import (
+from trainforge.hooks.errors import (
     MlflowConfigError,
     MlflowInvalidArgumentError,
     MlflowParamConflictError,

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from operators.hooks.mlflow import MlflowHook, _mlflow_errors
+from trainforge.hooks.mlflow import MlflowHook, _mlflow_errors
 
 log = logging.getLogger(__name__)
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from operators.hooks.errors import HookError
+from trainforge.hooks.errors import HookError
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.dag_files import COMPANION, MARKER, companion_dags, write_companions
-from operators.spec import SpecError, load_spec
+from trainforge.dag_files import COMPANION, MARKER, companion_dags, write_companions
+from trainforge.pipeline import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"

@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def shakespeare_corpus(request) -> Path:
     """The real demo corpus, fetched once into pytest's cache folder (like `make demo` does)."""
-    from operators.data.corpus import fetch_corpus
+    from trainforge.data.corpus import fetch_corpus
 
     dest = Path(request.config.cache.mkdir("trainforge-data")) / "shakespeare"
     return Path(fetch_corpus(dest, timeout_s=300).dest)

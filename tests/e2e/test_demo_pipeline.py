@@ -104,7 +104,7 @@ def test_exactly_one_model_version_with_the_alias(demo_run, mlflow_server):
 
 
 def test_checkpoint_chosen_has_a_verifying_manifest(demo_run):
-    from trainer.checkpoint import verify
+    from trainforge.trainer.checkpoint import verify
 
     _, summary, _ = demo_run
     chosen = Path(summary["checkpoint"])

@@ -53,7 +53,7 @@ def test_every_stage_task_succeeds_in_order(staged_run):
 def test_finetune_started_from_pretrains_final_weights(staged_run, mlflow_server):
     from mlflow import MlflowClient
 
-    from trainer.checkpoint import verify
+    from trainforge.trainer.checkpoint import verify
 
     home, summary, _ = staged_run
     chosen = Path(summary["checkpoint"])

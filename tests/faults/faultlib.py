@@ -162,7 +162,7 @@ class AirflowStandalone:
     """``airflow standalone`` on loopback with the suite's pipeline; REST calls as ``admin``."""
 
     def __init__(self, home: Path, mlflow_url: str, pipelines: list[Path]):
-        from operators.runner import airflow_env
+        from trainforge.runner import airflow_env
 
         self.home = home
         self.port = free_port()
@@ -209,7 +209,7 @@ class AirflowStandalone:
         wait_for("airflow standalone to serve the fault_tiny DAG", ready, timeout_s, 2.0)
 
     def stop(self) -> None:
-        from operators.standalone import _stop_tree
+        from trainforge.standalone import _stop_tree
 
         for proc in self.extra:
             _stop_tree(proc, grace_s=20)
@@ -311,7 +311,7 @@ class AirflowStandalone:
         training process behind."""
         from urllib.parse import quote
 
-        from operators.backends.local import LocalBackend
+        from trainforge.backends.local import LocalBackend
 
         for dag in self.api("GET", "/api/v2/dags?limit=100").get("dags", []):
             runs = self.api("GET", f"/api/v2/dags/{dag['dag_id']}/dagRuns?limit=100")

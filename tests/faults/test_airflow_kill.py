@@ -28,7 +28,7 @@ from faultlib import (
     wait_for,
 )
 
-from operators.backends.base import JobIdentity
+from trainforge.backends.base import JobIdentity
 
 pytestmark = [pytest.mark.airflow, pytest.mark.integration]
 
@@ -109,7 +109,7 @@ def test_triggerer_restart_keeps_the_job_and_the_run_finishes(airflow_standalone
 
 
 def rank_processes(path: Path) -> list[psutil.Process]:
-    return [p for p in job_processes(path) if "trainer.train" in p.cmdline()
+    return [p for p in job_processes(path) if "trainforge.trainer.train" in p.cmdline()
             and "torch.distributed.run" not in p.cmdline()]
 
 
@@ -174,7 +174,7 @@ def test_diverged_loss_fails_at_once_without_retry(airflow_standalone, mlflow_se
     result = json.loads((path / "result.json").read_text())
     assert result["status"] == "diverged" and result["exit_code"] == 79
     # No checkpoint after the diverged step is valid: the newest valid one precedes it.
-    from trainer import checkpoint as ckpt
+    from trainforge.trainer import checkpoint as ckpt
 
     newest = ckpt.newest_valid(Path(result["last_checkpoint"]).parent)
     assert newest is not None and int(newest.name.split("-")[1]) < result["final_step"]

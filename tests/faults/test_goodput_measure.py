@@ -13,7 +13,7 @@ T0 = dt.datetime(2026, 1, 1, 12, 0, 0)
 
 def _line(t: float, text: str) -> str:
     stamp = (T0 + dt.timedelta(seconds=t)).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
-    return f"[default0]:{stamp} rank0 INFO trainer.train: {text}"
+    return f"[default0]:{stamp} rank0 INFO trainforge.trainer.train: {text}"
 
 
 def test_measure_a_run_with_one_kill():

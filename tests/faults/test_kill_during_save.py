@@ -16,7 +16,7 @@ import pytest
 
 from faultlib import wait_for
 from tests.trainer.conftest import REPO_ROOT, make_job, trainer_command, trainer_env, write_job
-from trainer import checkpoint as ckpt
+from trainforge.trainer import checkpoint as ckpt
 
 pytestmark = [pytest.mark.integration]
 

@@ -35,7 +35,7 @@ def test_hung_rank_is_detected_within_the_collective_timeout_and_the_group_resta
         distributed={"backend": "gloo", "collective_timeout_s": COLLECTIVE_TIMEOUT_S},
     ))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-            "--max-restarts=1", "-m", "trainer.train", "--config", str(job)]
+            "--max-restarts=1", "-m", "trainforge.trainer.train", "--config", str(job)]
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=trainer_env(tmp_path / "result.json"),
@@ -45,13 +45,13 @@ def test_hung_rank_is_detected_within_the_collective_timeout_and_the_group_resta
                  (tmp_path / "ck" / "step-00000010" / "manifest.json").exists(), 240, 0.05)
         assert proc.poll() is None, log_path.read_text()[-3000:]
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "trainer.train" in p.cmdline()]
+                 if "trainforge.trainer.train" in p.cmdline()]
         victim = next(p for p in ranks if "RANK" in p.environ() and p.environ()["RANK"] == "1")
         victim.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         # The group restarts: a second "model:" line from the new rank 0.
         wait_for("the restarted group", lambda: len(re.findall(
-            r"rank0 INFO trainer.train: model:", log_path.read_text(errors="replace"))) >= 2,
+            r"rank0 INFO trainforge.trainer.train: model:", log_path.read_text(errors="replace"))) >= 2,
             COLLECTIVE_TIMEOUT_S + 120, 0.2)
         noticed_s = time.monotonic() - stopped_at
         proc.wait(timeout=300)

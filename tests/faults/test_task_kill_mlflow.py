@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from operators.backends.base import JobIdentity, JobState, TrainingJob
-from operators.backends.local import LocalBackend
-from operators.spec.loader import load_spec
-from operators.training import TrainingLaunchOperator
+from trainforge.backends.base import JobIdentity, JobState, TrainingJob
+from trainforge.backends.local import LocalBackend
+from trainforge.pipeline.loader import load_spec
+from trainforge.training import TrainingLaunchOperator
 
 pytestmark = [pytest.mark.integration]
 

@@ -1,4 +1,4 @@
-"""mlflow_setup.bootstrap against the session's real MLflow server."""
+"""trainforge.mlflow_setup.bootstrap against the session's real MLflow server."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from mlflow_setup import bootstrap
+from trainforge.mlflow_setup import bootstrap
 
 pytestmark = pytest.mark.integration
 

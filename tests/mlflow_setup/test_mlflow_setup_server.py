@@ -1,4 +1,4 @@
-"""mlflow_setup.server: command building, health waits, start/stop of a real server."""
+"""trainforge.mlflow_setup.server: command building, health waits, start/stop of a real server."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlflow_setup import (
+from trainforge.mlflow_setup import (
     HealthTimeoutError,
     ServerConfig,
     ServerStartError,
@@ -23,7 +23,7 @@ from mlflow_setup import (
     start_server,
     wait_healthy,
 )
-from mlflow_setup.server import PID_FILE_NAME, client_url
+from trainforge.mlflow_setup.server import PID_FILE_NAME, client_url
 
 REPO_ROOT = Path(__file__).parents[2]
 
@@ -143,7 +143,7 @@ def test_start_reports_an_early_exit_with_the_log_tail(tmp_path: Path) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "mlflow_setup", *args],
+        [sys.executable, "-m", "trainforge.mlflow_setup", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

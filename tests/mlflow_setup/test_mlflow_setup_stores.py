@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlflow_setup import ServerConfig, StoreArgumentError, StoreUnreachableError, build_server_command
-from mlflow_setup.server import PID_FILE_NAME, free_port, server_env, wait_healthy
-from mlflow_setup.stores import check_stores, redact
+from trainforge.mlflow_setup import ServerConfig, StoreArgumentError, StoreUnreachableError, build_server_command
+from trainforge.mlflow_setup.server import PID_FILE_NAME, free_port, server_env, wait_healthy
+from trainforge.mlflow_setup.stores import check_stores, redact
 
 REPO_ROOT = Path(__file__).parents[2]
 
@@ -64,7 +64,7 @@ def test_a_password_goes_through_the_environment_not_the_command_line(tmp_path):
 
 
 def test_serve_exits_2_on_a_bad_scheme(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "mlflow_setup", "serve", "--home", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "trainforge.mlflow_setup", "serve", "--home", str(tmp_path),
                            "--backend-store-uri", "mysql://u:topsecret@db/m"],
                           capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert proc.returncode == 2
@@ -102,7 +102,7 @@ def test_missing_artifact_bucket_is_named(s3_server, monkeypatch, tmp_path):
 
 @pytest.fixture
 def postgres_s3_server(postgres_server, s3_server, tmp_path):
-    """``python -m mlflow_setup serve`` on a PostgreSQL backend store with S3 artifacts, as a
+    """``python -m trainforge.mlflow_setup serve`` on a PostgreSQL backend store with S3 artifacts, as a
     container would run it; yields (url, bucket, home, pid) and stops its process group."""
     import boto3
 
@@ -116,7 +116,7 @@ def postgres_s3_server(postgres_server, s3_server, tmp_path):
     home = tmp_path / "home"
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow_setup", "serve", "--home", str(home), "--port", str(port),
+        [sys.executable, "-m", "trainforge.mlflow_setup", "serve", "--home", str(home), "--port", str(port),
          "--backend-store-uri", postgres_server["uri"], "--artifacts-destination", f"s3://{bucket}/mlflow"],
         env=env, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -143,7 +143,7 @@ def test_server_on_postgres_with_s3_artifacts(postgres_s3_server, postgres_serve
     import psycopg2
     from mlflow import MlflowClient
 
-    from mlflow_setup import bootstrap
+    from trainforge.mlflow_setup import bootstrap
 
     url, bucket, home, pid, s3_endpoint = postgres_s3_server
     # The password is in no command line of the server's processes.
@@ -176,7 +176,7 @@ def test_server_on_postgres_with_s3_artifacts(postgres_s3_server, postgres_serve
 
 @pytest.mark.integration
 def test_start_on_postgres_keeps_the_password_out_of_files_and_is_idempotent(postgres_server, tmp_path):
-    from mlflow_setup import start_server
+    from trainforge.mlflow_setup import start_server
 
     uri = postgres_server["uri"]
     with start_server(tmp_path, port=0, backend_store_uri=uri, timeout_s=180) as server:

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.accounting import account
-from operators.spec import load_spec, validate_overrides
+from trainforge.accounting import account
+from trainforge.pipeline import load_spec, validate_overrides
 
 DEMO = Path(__file__).resolve().parents[2] / "dags" / "pipelines" / "shakespeare_llm.yaml"
 

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from operators.callbacks import close_mlflow_run_on_failure
-from operators.hooks.mlflow import MlflowHook
-from operators.spec import load_spec
+from trainforge.callbacks import close_mlflow_run_on_failure
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.pipeline import load_spec
 
 DEMO = Path(__file__).resolve().parents[2] / "dags" / "pipelines" / "shakespeare_llm.yaml"
 

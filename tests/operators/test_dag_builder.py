@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.dag_builder import build_dag, build_dags
-from operators.spec import SpecError, load_spec
+from trainforge.dag_builder import build_dag, build_dags
+from trainforge.pipeline import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
@@ -48,7 +48,7 @@ def test_a_broken_spec_never_hides_the_others(tmp_path):
 def test_a_spec_whose_dag_cannot_be_built_never_hides_the_others(tmp_path, monkeypatch):
     """A valid spec that still fails to build (a bug of ours, a limit of Airflow's) is that
     file's error, not the whole DAG file's import error."""
-    import operators.dag_builder as builder
+    import trainforge.dag_builder as builder
 
     good = DEMO.read_text()
     (tmp_path / "a_good.yaml").write_text(good)
@@ -73,7 +73,7 @@ def test_dag_file_warns_per_yaml_file_and_line_and_imports_nothing_heavy(tmp_pat
     (tmp_path / "good.yaml").write_text(DEMO.read_text())
     code = (
         "import sys, warnings; sys.path.insert(0, 'dags')\n"
-        "import operators.dag_builder  # Airflow's logging set-up first: it captures warnings\n"
+        "import trainforge.dag_builder  # Airflow's logging set-up first: it captures warnings\n"
         "with warnings.catch_warnings(record=True) as w:\n"
         "    warnings.simplefilter('always')\n"
         "    import trainforge_pipelines as m\n"
@@ -98,7 +98,7 @@ def test_dag_file_warns_per_yaml_file_and_line_and_imports_nothing_heavy(tmp_pat
 def test_bad_trigger_params_fail_the_first_task_before_anything_runs(override, fragment):
     from airflow.sdk.exceptions import AirflowFailException
 
-    from operators.prepare import PrepareDataOperator
+    from trainforge.prepare import PrepareDataOperator
 
     spec = load_spec(DEMO)
     op = PrepareDataOperator(task_id="prepare_data", spec=spec.model_dump(mode="json"))
@@ -134,7 +134,7 @@ stages:
 
 
 def _staged(kind: str):
-    from operators.spec import parse_spec_text
+    from trainforge.pipeline import parse_spec_text
 
     return parse_spec_text(DEMO.read_text() + STAGED_TAIL[kind], f"{kind}.yaml")
 
@@ -148,8 +148,8 @@ def _edges(dag) -> set[tuple[str, str]]:
 def test_every_task_feeds_the_close_run_teardown_which_never_decides_the_run(kind):
     from airflow.task.trigger_rule import TriggerRule
 
-    from operators.callbacks import close_mlflow_run_on_failure
-    from operators.teardown import CloseRunOperator
+    from trainforge.callbacks import close_mlflow_run_on_failure
+    from trainforge.teardown import CloseRunOperator
 
     spec = load_spec(DEMO) if kind == "single" else _staged(kind)
     dag = build_dag(spec, f"{kind}.yaml")
@@ -210,14 +210,14 @@ def test_a_stage_task_resolves_its_merged_training_with_trigger_params():
 def test_pipeline_task_settings_of_train_apply_to_every_stage_task():
     text = DEMO.read_text().replace(
         "pipeline:\n", "pipeline:\n  tasks:\n    train:\n      retries: 4\n", 1)
-    from operators.spec import parse_spec_text
+    from trainforge.pipeline import parse_spec_text
 
     dag = build_dag(parse_spec_text(text + STAGED_TAIL["sweep"], "s.yaml"), "s.yaml")
     assert dag.get_task("train_lr_high").retries == dag.get_task("train_lr_low").retries == 4
 
 
 def test_validation_picks_the_valid_leaf_with_the_lowest_validation_loss():
-    from operators.validation import best_leaf
+    from trainforge.validation import best_leaf
 
     results = [{"stage": "a", "metrics": {"val_loss": 2.5}},
                {"stage": "b", "metrics": {"val_loss": 2.1}},

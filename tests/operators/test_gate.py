@@ -1,10 +1,10 @@
-"""operators.gate: the eval gate's decisions, pure (no MLflow, no Airflow DB)."""
+"""trainforge.gate: the eval gate's decisions, pure (no MLflow, no Airflow DB)."""
 
 from __future__ import annotations
 
 import pytest
 
-from operators.gate import FAIL, PASS, SKIPPED, GateDecision, compare, decide, evaluator_argv
+from trainforge.gate import FAIL, PASS, SKIPPED, GateDecision, compare, decide, evaluator_argv
 
 
 def _evaluation(method: str, candidate: dict, champion: dict, champion_ok: bool = True) -> dict:
@@ -89,6 +89,6 @@ def test_tags_round_trip_and_summary():
 
 def test_evaluator_argv():
     argv = evaluator_argv("/py", "/data", {"candidate": "models:/m/2", "champion": "models:/m/1"}, "/r.json", 512)
-    assert argv == ["/py", "-m", "trainer.evaluate", "--dataset", "/data", "--report", "/r.json",
+    assert argv == ["/py", "-m", "trainforge.trainer.evaluate", "--dataset", "/data", "--report", "/r.json",
                     "--max-eval-tokens", "512", "--model", "candidate=models:/m/2", "--model",
                     "champion=models:/m/1"]

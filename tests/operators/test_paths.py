@@ -1,4 +1,4 @@
-"""Local paths and s3:// URIs of checkpoints and datasets: operators.paths and the spec's
+"""Local paths and s3:// URIs of checkpoints and datasets: trainforge.paths and the spec's
 ``training.checkpoint.uri`` (pure unit tests)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from operators.paths import checkpoint_root, dataset_location, resolve
-from operators.spec.model import CheckpointSection
+from trainforge.paths import checkpoint_root, dataset_location, resolve
+from trainforge.pipeline.model import CheckpointSection
 
 
 def test_checkpoint_root_keeps_s3_uris_intact(monkeypatch, tmp_path):

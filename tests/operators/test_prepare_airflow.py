@@ -22,9 +22,9 @@ import datetime as dt
 
 from airflow.sdk import DAG
 
-from operators.prepare import PrepareDataOperator
-from operators.spec.loader import load_spec
-from operators.spec.model import PipelineSpec
+from trainforge.prepare import PrepareDataOperator
+from trainforge.pipeline.loader import load_spec
+from trainforge.pipeline.model import PipelineSpec
 
 raw = load_spec({spec!r}).model_dump(mode="json")
 raw["data"].update(sources=["corpus/*.txt"], tokenizer={{"vocab_size": 320}}, encode_workers=2)

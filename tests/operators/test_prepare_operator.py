@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from operators.prepare import (
+from trainforge.prepare import (
     PrepareDataOperator, dataset_asset, dataset_root_uri, fetch_registered_tokenizer,
     prepare_settings, staging_root,
 )
-from operators.spec.data import DataSection
-from operators.spec.loader import load_spec
-from operators.spec.model import PipelineSpec
+from trainforge.pipeline.data import DataSection
+from trainforge.pipeline.loader import load_spec
+from trainforge.pipeline.model import PipelineSpec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,7 @@ def test_the_dataset_asset_is_the_dataset_root(monkeypatch, tmp_path):
 
 
 def test_the_dag_declares_the_asset_as_prepare_data_outlet(monkeypatch, tmp_path):
-    from operators.dag_builder import build_dag
+    from trainforge.dag_builder import build_dag
 
     monkeypatch.setenv("TRAINFORGE_HOME", str(tmp_path))
     dag = build_dag(PipelineSpec.model_validate(tiny_spec()))
@@ -154,7 +154,7 @@ def test_fetch_registered_tokenizer_by_alias_and_version(mlflow_server, tmp_path
     again, _ = fetch_registered_tokenizer(client, mlflow_server, f"models:/{name}/{version}",
                                           tmp_path / "dl")
     assert again == path
-    from operators.data import TokenizerSourceError
+    from trainforge.data import TokenizerSourceError
 
     with pytest.raises(TokenizerSourceError, match="the registry has no such version"):
         fetch_registered_tokenizer(client, mlflow_server, f"models:/{name}@nope", tmp_path / "dl")

@@ -1,5 +1,5 @@
 """register_model end to end against a real MLflow server on loopback: registration, the eval
-gate against the champion (trainer.evaluate as a child process), aliases, tags, the asset event,
+gate against the champion (trainforge.trainer.evaluate as a child process), aliases, tags, the asset event,
 and loading ``models:/<name>@champion`` back to generate text.
 
 The operator runs outside Airflow's DB: its context is a small fake task instance, which is all
@@ -21,10 +21,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from operators.hooks.mlflow import MlflowHook
-from operators.registration import RegisterModelOperator, champion_outlet, model_asset_name
-from operators.spec.loader import load_spec
-from operators.spec.model import PipelineSpec
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.registration import RegisterModelOperator, champion_outlet, model_asset_name
+from trainforge.pipeline.loader import load_spec
+from trainforge.pipeline.model import PipelineSpec
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,7 @@ class FakeTI:
 @pytest.fixture(scope="module")
 def case(tmp_path_factory, mlflow_server) -> dict[str, Any]:
     from tests.trainer.conftest import build_dataset, make_job, run_trainer, write_job
-    from trainer.validate import validate_checkpoint
+    from trainforge.trainer.validate import validate_checkpoint
 
     root = tmp_path_factory.mktemp("gate")
     dataset = build_dataset(root / "dataset")
@@ -62,7 +62,7 @@ def case(tmp_path_factory, mlflow_server) -> dict[str, Any]:
     safetensors.torch.save_file({k: torch.zeros_like(v) for k, v in weights.items()}, zero / "model.safetensors",
                                 metadata={"format": "pt"})
     manifest = json.loads((zero / "manifest.json").read_text())
-    from trainer.fsutil import atomic_write_json, sha256_file
+    from trainforge.trainer.fsutil import atomic_write_json, sha256_file
 
     manifest["files"]["model.safetensors"] = {"bytes": (zero / "model.safetensors").stat().st_size,
                                               "sha256": sha256_file(zero / "model.safetensors")}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from operators.runner import ConsoleFilter, console_line, gate_line
+from trainforge.runner import ConsoleFilter, console_line, gate_line
 
 
 def test_task_boundaries_trainer_lines_and_failures_are_shown_and_chatter_is_not():
@@ -10,11 +10,11 @@ def test_task_boundaries_trainer_lines_and_failures_are_shown_and_chatter_is_not
         "2026-11-29T20:06:29.291153Z [info     ] [DAG TEST] starting task_id=train map_index=-1 "
         "[airflow.sdk.definitions.dag] loc=dag.py:1501": "==> task train",
         "2026-11-29T20:07:43.673937Z [info     ] [shakespeare-llm-train-t1-dc7ff02cca] "
-        "[default0]:2026-11-29 20:07:43,513 rank0 INFO trainer.train: step 100/300 | loss 5.2 "
-        "[operators.triggers.TrainingJobTrigger] loc=triggers.py:98":
-            "    rank0 INFO trainer.train: step 100/300 | loss 5.2",
-        "operators.data.errors.SourceNotFoundError: no files match source pattern 'x'":
-            "    !! operators.data.errors.SourceNotFoundError: no files match source pattern 'x'",
+        "[default0]:2026-11-29 20:07:43,513 rank0 INFO trainforge.trainer.train: step 100/300 | loss 5.2 "
+        "[trainforge.triggers.TrainingJobTrigger] loc=triggers.py:98":
+            "    rank0 INFO trainforge.trainer.train: step 100/300 | loss 5.2",
+        "trainforge.data.errors.SourceNotFoundError: no files match source pattern 'x'":
+            "    !! trainforge.data.errors.SourceNotFoundError: no files match source pattern 'x'",
         "  - eval: val_perplexity 900 does not beat the unigram baseline 560":
             "    !! - eval: val_perplexity 900 does not beat the unigram baseline 560",
         "2026-11-29T20:06:29.227360Z [info     ] Task instance state updated    "
@@ -89,8 +89,8 @@ def test_the_gate_row_says_whether_the_gate_ran_and_where_the_champion_is(summar
 def test_the_summary_lists_the_teardown_apart_from_the_stages():
     from rich.console import Console
 
-    from operators.runner import TEARDOWN_TASK_IDS, print_summary, split_teardown
-    from operators.teardown import CLOSE_RUN_TASK_ID
+    from trainforge.runner import TEARDOWN_TASK_IDS, print_summary, split_teardown
+    from trainforge.teardown import CLOSE_RUN_TASK_ID
 
     assert TEARDOWN_TASK_IDS == (CLOSE_RUN_TASK_ID,)
     times = {"prepare_data": {"state": "success", "seconds": 3.0},

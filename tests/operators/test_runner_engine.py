@@ -9,9 +9,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from operators.cli import app
-from operators.runner import derived_spec, ray_cluster, write_spec
-from operators.spec import load_spec
+from trainforge.cli import app
+from trainforge.runner import derived_spec, ray_cluster, write_spec
+from trainforge.pipeline import load_spec
 
 SPEC = Path(__file__).resolve().parents[1] / "e2e" / "tiny_shakespeare.yaml"
 
@@ -79,7 +79,7 @@ def test_an_interrupted_ray_run_names_the_jobs_stopped_before_it_looked(ray_head
 
     from ray.job_submission import JobSubmissionClient
 
-    from operators.runner import cancel_ray_jobs
+    from trainforge.runner import cancel_ray_jobs
 
     client = JobSubmissionClient(ray_head.address)
     since = time.time()

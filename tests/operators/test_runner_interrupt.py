@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from operators.backends.base import JobIdentity, JobState, TrainingJob
-from operators.backends.local import LocalBackend
-from operators.runner import StoppedJobs, stop_local_jobs
+from trainforge.backends.base import JobIdentity, JobState, TrainingJob
+from trainforge.backends.local import LocalBackend
+from trainforge.runner import StoppedJobs, stop_local_jobs
 
 FAKE_DIR = Path(__file__).resolve().parent / "backends"
 

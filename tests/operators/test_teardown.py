@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from operators.backends.base import JobIdentity, JobState, TrainingJob
-from operators.backends.local import LocalBackend
-from operators.hooks.mlflow import MlflowHook
-from operators.spec import load_spec, parse_spec_text
-from operators.teardown import (
+from trainforge.backends.base import JobIdentity, JobState, TrainingJob
+from trainforge.backends.local import LocalBackend
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.pipeline import load_spec, parse_spec_text
+from trainforge.teardown import (
     TAG_CANCELLED_JOBS,
     TAG_CLOSED_BY,
     TAG_KEPT_JOBS,
@@ -76,7 +76,7 @@ def _operator(raw, server, train_tasks=None, retries=0) -> CloseRunOperator:
 
 
 def _spec(raw):
-    from operators.spec.model import PipelineSpec
+    from trainforge.pipeline.model import PipelineSpec
 
     return PipelineSpec.model_validate(raw)
 
@@ -256,15 +256,15 @@ import datetime as dt
 from airflow.providers.standard.operators.python import PythonOperator
 from airflow.sdk import DAG
 
-from operators.spec.loader import load_spec
-from operators.teardown import CloseRunOperator
+from trainforge.pipeline.loader import load_spec
+from trainforge.teardown import CloseRunOperator
 
 raw = load_spec({spec!r}).model_dump(mode="json")
 raw["pipeline"]["mlflow_experiment"] = {experiment!r}
 
 
 def open_run(ti, **_):
-    from operators.hooks.mlflow import MlflowHook
+    from trainforge.hooks.mlflow import MlflowHook
 
     MlflowHook().get_or_create_run({experiment!r}, ti.dag_id, ti.run_id)
 

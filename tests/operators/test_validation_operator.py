@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from operators.spec.loader import load_spec
-from operators.spec.model import PipelineSpec
-from operators.spec.registry import RegistrySection, ValidationSection
-from operators.validation import expected_job_config, validator_argv
+from trainforge.pipeline.loader import load_spec
+from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.registry import RegistrySection, ValidationSection
+from trainforge.validation import expected_job_config, validator_argv
 
 SPEC = Path(__file__).resolve().parents[1] / "e2e" / "tiny_shakespeare.yaml"
 
@@ -33,7 +33,7 @@ def _options(argv: list[str]) -> dict[str, str | None]:
 
 def test_validator_argv_newest_pins_the_final_step():
     argv = validator_argv("/py", _spec(), "/ck", "/ds", "/r.json", "/e.json", 200, 1024)
-    assert argv[:3] == ["/py", "-m", "trainer.validate"]
+    assert argv[:3] == ["/py", "-m", "trainforge.trainer.validate"]
     pairs = _options(argv)
     assert pairs["--policy"] == "newest" and pairs["--step"] == "200"
     assert pairs["--expect-job-config"] == "/e.json" and pairs["--expect-vocab-size"] == "1024"
@@ -47,9 +47,9 @@ def test_validator_argv_best_val_loss_lets_the_validator_choose():
 
 
 def test_expected_job_config_has_the_train_tasks_digest():
-    from operators.backends.base import JobIdentity
-    from operators.jobconfig import render_job_config
-    from trainer.expectations import config_digest
+    from trainforge.backends.base import JobIdentity
+    from trainforge.jobconfig import render_job_config
+    from trainforge.trainer.expectations import config_digest
 
     spec = _spec()
     expected = expected_job_config(spec, "/ds", "/ck", "dag", "run", "train")

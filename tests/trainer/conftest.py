@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from operators.backends.base import LAUNCH_ENV
+from trainforge.backends.base import LAUNCH_ENV
 
 EOS = "<|endoftext|>"
 WORDS = (
@@ -222,9 +222,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def trainer_command(job_path: Path, nproc: int | None = None) -> list[str]:
-    """argv of ``python -m trainer.train`` (nproc None) or torchrun with ``nproc`` processes."""
+    """argv of ``python -m trainforge.trainer.train`` (nproc None) or torchrun with ``nproc`` processes."""
     if nproc is None:
-        return [sys.executable, "-m", "trainer.train", "--config", str(job_path)]
+        return [sys.executable, "-m", "trainforge.trainer.train", "--config", str(job_path)]
     return [
         sys.executable,
         "-m",
@@ -232,7 +232,7 @@ def trainer_command(job_path: Path, nproc: int | None = None) -> list[str]:
         "--standalone",
         f"--nproc-per-node={nproc}",
         "-m",
-        "trainer.train",
+        "trainforge.trainer.train",
         "--config",
         str(job_path),
     ]

@@ -1,4 +1,4 @@
-"""trainer.checkpoint: layout, verification (tamper detection), newest valid, retention, loading."""
+"""trainforge.trainer.checkpoint: layout, verification (tamper detection), newest valid, retention, loading."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
+from trainforge.trainer import checkpoint as ckpt
 
 
 def _write(root, step: int, value: float = 1.0):

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer import checkpoint_s3, s3
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer import checkpoint_s3, s3
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +82,7 @@ def test_tampering_partial_uploads_and_retention(bucket):
 def test_multipart_upload_survives_server_side_503_slowdown(bucket, throttling_s3_proxy, monkeypatch):
     """Real HTTP 503 SlowDown answers from a throttling proxy in front of the S3 server: the
     first two UploadPart requests of the weights and the manifest's PutObject are refused, and
-    botocore's retries (trainer.s3.RETRY_MODE, MAX_ATTEMPTS) send them again after a back-off."""
+    botocore's retries (trainforge.trainer.s3.RETRY_MODE, MAX_ATTEMPTS) send them again after a back-off."""
     proxy = throttling_s3_proxy
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     assert s3.client().meta.endpoint_url == proxy.url
@@ -135,8 +135,8 @@ def test_s3_error_after_the_last_attempt_names_the_object(bucket, throttling_s3_
 
 
 def test_validator_quarantines_on_s3_and_export_reads_from_s3(bucket, trained_run, dataset_dir, tmp_path):
-    from trainer.export import export_checkpoint
-    from trainer.validate import validate_checkpoints
+    from trainforge.trainer.export import export_checkpoint
+    from trainforge.trainer.validate import validate_checkpoints
 
     root = f"{bucket}/runs/v"
     for step in (10, 20):

@@ -1,4 +1,4 @@
-"""trainer.config: every field checked once, errors name the field, the value and the expectation."""
+"""trainforge.trainer.config: every field checked once, errors name the field, the value and the expectation."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from trainer.config import load_job_config, parse_job_config
-from trainer.errors import ConfigError
+from trainforge.trainer.config import load_job_config, parse_job_config
+from trainforge.trainer.errors import ConfigError
 
 
 def _set(job: dict, dotted: str, value) -> dict:

@@ -1,4 +1,4 @@
-"""trainer.data: dataset manifest checks, cross-shard reads, deterministic sampling, eval windows."""
+"""trainforge.trainer.data: dataset manifest checks, cross-shard reads, deterministic sampling, eval windows."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data import BatchSampler, TokenStream, open_dataset, validation_windows
-from trainer.errors import DatasetError
+from trainforge.trainer.data import BatchSampler, TokenStream, open_dataset, validation_windows
+from trainforge.trainer.errors import DatasetError
 
 
 def _all_tokens(ds, split: str) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Datasets read from S3 (trainer.data_s3) against a real S3-compatible server on loopback (moto
+"""Datasets read from S3 (trainforge.trainer.data_s3) against a real S3-compatible server on loopback (moto
 in server mode): downloaded once into a cache keyed by the digest, verified before use, never a
 half-downloaded or tampered copy."""
 
@@ -10,9 +10,9 @@ import uuid
 
 import pytest
 
-from trainer import s3
-from trainer.data import open_dataset
-from trainer.errors import DatasetError
+from trainforge.trainer import s3
+from trainforge.trainer.data import open_dataset
+from trainforge.trainer.errors import DatasetError
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +78,7 @@ def test_trainer_reads_s3_dataset_and_resumes_from_s3_checkpoints(s3_dataset, tm
     """The trainer with ``data.dataset_dir`` and ``checkpoint.dir`` both on S3: checkpoints are
     written manifest last and pruned on S3, and a second launch resumes from the newest step
     whose manifest verifies, ignoring a torn upload."""
-    from trainer import checkpoint as ckpt
+    from trainforge.trainer import checkpoint as ckpt
 
     bucket = s3.split(s3_dataset)[0]
     root = f"s3://{bucket}/checkpoints/tiny/manual__1"

@@ -1,4 +1,4 @@
-"""trainer.export: the HF folder loads with transformers, matches the checkpoint, and generates."""
+"""trainforge.trainer.export: the HF folder loads with transformers, matches the checkpoint, and generates."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import shutil
 import pytest
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.config import parse_job_config
-from trainer.errors import CheckpointError, ConfigError
-from trainer.export import export_checkpoint, main
-from trainer.model import build_model, llama_config, load_weights
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer.config import parse_job_config
+from trainforge.trainer.errors import CheckpointError, ConfigError
+from trainforge.trainer.export import export_checkpoint, main
+from trainforge.trainer.model import build_model, llama_config, load_weights
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_export_refuses_bad_inputs(trained_run, dataset_dir, tmp_path, capsys):
 
     assert main(["--checkpoint", str(broken), "--dataset", str(dataset_dir), "--out", str(tmp_path / "o")]) == 1
     assert main(["--checkpoint", str(step_dir), "--dataset", str(dataset_dir), "--out", str(taken)]) == 78
-    assert "trainer.export:" in capsys.readouterr().err
+    assert "trainforge.trainer.export:" in capsys.readouterr().err
 
 
 def test_mlflow_transformers_log_model_accepts_the_folder(hf_dir, tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer import checkpoint as ckpt
+from trainforge.trainer import checkpoint as ckpt
 
 pytestmark = pytest.mark.distributed
 

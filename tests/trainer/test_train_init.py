@@ -14,7 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer import checkpoint as ckpt
+from trainforge.trainer import checkpoint as ckpt
 
 
 def _init_job(tools, tmp_path, dataset_dir, source, **sections):
@@ -63,7 +63,7 @@ def test_another_architecture_fails_as_a_bad_config(tmp_path, dataset_dir, tools
 def test_an_architecture_difference_names_the_spec_field(change, named):
     from transformers import LlamaConfig
 
-    from trainer.model import architecture_differences
+    from trainforge.trainer.model import architecture_differences
 
     base = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}

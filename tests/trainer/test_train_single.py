@@ -1,4 +1,4 @@
-"""``python -m trainer.train`` as one process (no torchrun): exit paths and resume rules."""
+"""``python -m trainforge.trainer.train`` as one process (no torchrun): exit paths and resume rules."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import safetensors.torch
 import torch
 
-from trainer import checkpoint as ckpt
+from trainforge.trainer import checkpoint as ckpt
 
 
 def _job(tools, tmp_path, dataset_dir, checkpoint_dir=None, **sections):

@@ -1,4 +1,4 @@
-"""trainer.train pieces that need no process: learning-rate schedule, optimizer parameter groups."""
+"""trainforge.trainer.train pieces that need no process: learning-rate schedule, optimizer parameter groups."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from trainer.config import ModelConfig, OptimConfig
-from trainer.model import build_model, llama_config
-from trainer.train import lr_at, make_optimizer
+from trainforge.trainer.config import ModelConfig, OptimConfig
+from trainforge.trainer.model import build_model, llama_config
+from trainforge.trainer.train import lr_at, make_optimizer
 
 OPTIM = OptimConfig(
     max_steps=110,

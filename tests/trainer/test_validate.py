@@ -1,4 +1,4 @@
-"""trainer.validate on checkpoints of a real (single-process) training run: good, NaN, tampered."""
+"""trainforge.trainer.validate on checkpoints of a real (single-process) training run: good, NaN, tampered."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import shutil
 import pytest
 import safetensors.torch
 
-from trainer import checkpoint as ckpt
-from trainer.fsutil import atomic_write_json, sha256_file
-from trainer.validate import main, pick_checkpoint, validate_checkpoint
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer.fsutil import atomic_write_json, sha256_file
+from trainforge.trainer.validate import main, pick_checkpoint, validate_checkpoint
 
 CHECK_NAMES = ["manifest", "file_hashes", "meta", "consistency", "weights_load", "shapes", "finite", "eval", "sample"]
 

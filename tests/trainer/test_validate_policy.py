@@ -1,5 +1,5 @@
-"""trainer.validate beyond one checkpoint: expectations (consistency), policies, quarantine;
-trainer.evaluate's two methods. Checkpoints come from the session's real training run."""
+"""trainforge.trainer.validate beyond one checkpoint: expectations (consistency), policies, quarantine;
+trainforge.trainer.evaluate's two methods. Checkpoints come from the session's real training run."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.config import load_job_config
-from trainer.evaluate import evaluate_models
-from trainer.expectations import Expectations, check_consistency, config_digest
-from trainer.fsutil import atomic_write_json, sha256_file
-from trainer.quarantine import QUARANTINE_DIR, is_quarantined, list_quarantined, quarantine
-from trainer.validate import main, validate_checkpoint, validate_checkpoints
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer.config import load_job_config
+from trainforge.trainer.evaluate import evaluate_models
+from trainforge.trainer.expectations import Expectations, check_consistency, config_digest
+from trainforge.trainer.fsutil import atomic_write_json, sha256_file
+from trainforge.trainer.quarantine import QUARANTINE_DIR, is_quarantined, list_quarantined, quarantine
+from trainforge.trainer.validate import main, validate_checkpoint, validate_checkpoints
 
 FAST = {"max_eval_tokens": 256, "max_new_tokens": 1}
 

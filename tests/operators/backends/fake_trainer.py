@@ -1,4 +1,4 @@
-"""A stand-in workload for backend tests, run under real torchrun like trainer.train.
+"""A stand-in workload for backend tests, run under real torchrun like trainforge.trainer.train.
 
 Reads ``--config job.json`` and does what its ``fake`` block says: print numbered lines, sleep,
 write the result file like the trainer does (rank 0), exit with a code.

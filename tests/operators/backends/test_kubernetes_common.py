@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from operators.backends.base import JobIdentity, TrainingJob
+from trainforge.backends.base import JobIdentity, TrainingJob
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
@@ -36,8 +36,8 @@ FULL_BLOCK: dict[str, Any] = {
 def spec_for(api: str, block: dict[str, Any] | None = None, resources: dict[str, Any] | None = None,
              fault: dict[str, Any] | None = None, optimization: dict[str, Any] | None = None):
     """The demo spec on the kubernetes engine with ``api`` and the extra settings given."""
-    from operators.spec import load_spec
-    from operators.spec.model import PipelineSpec
+    from trainforge.pipeline import load_spec
+    from trainforge.pipeline.model import PipelineSpec
 
     raw = load_spec(DEMO).model_dump(mode="json")
     training = raw["training"]
@@ -57,7 +57,7 @@ def job_for(spec, identity: JobIdentity = IDENTITY) -> TrainingJob:
     timeout the Kubernetes engine enforces."""
     import dataclasses
 
-    from operators.jobconfig import build_training_job
+    from trainforge.jobconfig import build_training_job
 
     job = build_training_job(
         spec, dataset_dir="s3://acme-ml/datasets/3f2a", checkpoint_dir=(

@@ -21,10 +21,10 @@ import kmock as kmocklib
 import pytest
 import pytest_asyncio
 
-from operators.backends.base import FailureKind, JobState
-from operators.backends.k8s_render import configmap_name, resource_name
-from operators.backends.kubernetes import KubernetesBackend
-from operators.errors import BackendError
+from trainforge.backends.base import FailureKind, JobState
+from trainforge.backends.k8s_render import configmap_name, resource_name
+from trainforge.backends.kubernetes import KubernetesBackend
+from trainforge.errors import BackendError
 from tests.operators.backends.test_kubernetes_common import IDENTITY, demo_job, full_job
 
 NS_DEMO, NS_FULL = "default", "ml-train"
@@ -417,7 +417,7 @@ async def test_unreachable_api_is_a_backend_error(tmp_path):
 @pytest.mark.asyncio
 async def test_training_trigger_follows_a_kubernetes_job_to_success(cluster, monkeypatch):
     """The deferred wait as the triggerer runs it: live rank-0 log lines, then one success event."""
-    from operators.triggers import TrainingJobTrigger
+    from trainforge.triggers import TrainingJobTrigger
 
     backend = cluster.backend()
     handle = await run(backend.submit, demo_job("trainjob"))

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from operators.backends.base import JobIdentity
-from operators.backends.k8s_render import (
+from trainforge.backends.base import JobIdentity
+from trainforge.backends.k8s_render import (
     configmap_name,
     identity_annotations,
     identity_from_annotations,

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.backends.k8s_render import LAUNCH_SCRIPT, RESULT_FILE, render_objects
-from operators.backends.kubernetes import KubernetesBackend
+from trainforge.backends.k8s_render import LAUNCH_SCRIPT, RESULT_FILE, render_objects
+from trainforge.backends.kubernetes import KubernetesBackend
 from tests.operators.backends.test_kubernetes_common import ENV, demo_job, full_job
 
 GOLDEN = Path(__file__).resolve().parent / "golden"

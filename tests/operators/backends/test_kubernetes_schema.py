@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 from referencing import Registry, Resource
 
-from operators.backends.k8s_render import render_objects
+from trainforge.backends.k8s_render import render_objects
 from tests.operators.backends.test_kubernetes_common import demo_job, full_job
 
 K8S_VERSION = "1.37"

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from operators.backends import k8s_status as s
-from operators.backends.base import FailureKind, JobState
-from operators.backends.k8s_client import connection_settings
-from operators.errors import BackendError
+from trainforge.backends import k8s_status as s
+from trainforge.backends.base import FailureKind, JobState
+from trainforge.backends.k8s_client import connection_settings
+from trainforge.errors import BackendError
 
 
 def _job(*conds):
@@ -87,7 +87,7 @@ def test_importing_the_engine_does_not_import_the_kubernetes_client():
     import subprocess
     import sys
 
-    code = ("import sys, operators.backends.kubernetes as k; "
+    code = ("import sys, trainforge.backends.kubernetes as k; "
             "k.KubernetesBackend(namespace='x'); "
             "print('kubernetes' in sys.modules, 'kubernetes.client' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -11,8 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from operators.backends.base import FailureKind, JobIdentity, JobState, TrainingJob
-from operators.backends.local import LocalBackend
+from trainforge.backends.base import FailureKind, JobIdentity, JobState, TrainingJob
+from trainforge.backends.local import LocalBackend
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden" / "local_render.json"
@@ -166,7 +166,7 @@ def test_a_vanished_supervisor_is_a_transient_failure(tmp_path):
 
 
 def test_an_interrupted_run_cancels_only_its_own_pipelines_jobs(tmp_path):
-    from operators.runner import cancel_running_jobs
+    from trainforge.runner import cancel_running_jobs
 
     backend = LocalBackend(tmp_path / "runs", cwd=str(HERE))
     mine = backend.submit(_job(JobIdentity("mine", "r", "train", 1), {"lines": 1, "sleep_s": 120}, 1))

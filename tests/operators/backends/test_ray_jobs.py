@@ -11,9 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from operators.backends.base import FailureKind, JobIdentity, JobState, TrainingJob
-from operators.backends.ray import RayBackend
-from operators.errors import JobNotFoundError
+from trainforge.backends.base import FailureKind, JobIdentity, JobState, TrainingJob
+from trainforge.backends.ray import RayBackend
+from trainforge.errors import JobNotFoundError
 
 HERE = Path(__file__).resolve().parent
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from operators.backends.base import JobIdentity, TrainingJob
-from operators.backends.ray import CONFIG_ENV, RESULT_MARKER, RayBackend, _parse_result
-from operators.backends.ray_head import free_port
-from operators.errors import BackendError
+from trainforge.backends.base import JobIdentity, TrainingJob
+from trainforge.backends.ray import CONFIG_ENV, RESULT_MARKER, RayBackend, _parse_result
+from trainforge.backends.ray_head import free_port
+from trainforge.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden" / "ray_render.json"

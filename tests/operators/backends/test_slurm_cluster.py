@@ -11,9 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from operators.backends.base import FailureKind, JobIdentity, JobState, TrainingJob
-from operators.backends.slurm import SlurmBackend
-from operators.errors import BackendError
+from trainforge.backends.base import FailureKind, JobIdentity, JobState, TrainingJob
+from trainforge.backends.slurm import SlurmBackend
+from trainforge.errors import BackendError
 from tests.slurm_cluster import slurm_cluster  # noqa: F401 - the session's Slurm cluster
 
 pytestmark = pytest.mark.integration

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from operators.backends import backend_kwargs, get_backend
-from operators.backends.base import JobIdentity, TrainingJob
-from operators.backends.slurm import SlurmBackend
-from operators.backends.slurm_script import time_limit
-from operators.cli import app
-from operators.errors import BackendError
-from operators.spec import SpecError, parse_spec_text
-from operators.spec.engines import SlurmEngine
-from tests.operators.spec.test_loader import MINIMAL
+from trainforge.backends import backend_kwargs, get_backend
+from trainforge.backends.base import JobIdentity, TrainingJob
+from trainforge.backends.slurm import SlurmBackend
+from trainforge.backends.slurm_script import time_limit
+from trainforge.cli import app
+from trainforge.errors import BackendError
+from trainforge.pipeline import SpecError, parse_spec_text
+from trainforge.pipeline.engines import SlurmEngine
+from tests.operators.pipeline.test_loader import MINIMAL
 
 HERE = Path(__file__).resolve().parent
 GOLDEN_SCRIPT = HERE / "golden" / "slurm_render.sbatch"

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from operators.cli import app
+from trainforge.cli import app
 
 ROOT = Path(__file__).resolve().parents[3]
 PIPELINES = sorted((ROOT / "dags" / "pipelines").glob("*.yaml"))
 GOLDEN = Path(__file__).resolve().parent / "golden"
-from operators.backends import ENGINES  # noqa: E402 - every engine that exists
+from trainforge.backends import ENGINES  # noqa: E402 - every engine that exists
 
 runner = CliRunner()
 
@@ -55,17 +55,17 @@ def test_render_matches_golden(path, engine, monkeypatch):
         assert rendered["train_request"]["job"]["kind"] == "TrainJob"
     if engine == "local":
         request = rendered["train_request"]
-        assert request["argv"][-4:] == ["-m", "trainer.train", "--config",
+        assert request["argv"][-4:] == ["-m", "trainforge.trainer.train", "--config",
                                         request["job_dir"] + "/job.json"]
     if engine == "ray":
         submit = rendered["train_request"]["submit_job"]
-        assert '-m trainer.train --config "$d/job.json"' in submit["entrypoint"]
+        assert '-m trainforge.trainer.train --config "$d/job.json"' in submit["entrypoint"]
         job_config = json.loads(submit["runtime_env"]["env_vars"]["TRAINFORGE_JOB_CONFIG"])
         assert job_config["identity"]["dag_id"] == rendered["dag_id"]
 
 
 def test_schema_prints_the_committed_schema():
-    from operators.spec.schema import SCHEMA_PATH
+    from trainforge.pipeline.schema import SCHEMA_PATH
 
     result = runner.invoke(app, ["schema"])
     assert result.exit_code == 0

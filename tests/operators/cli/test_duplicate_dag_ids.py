@@ -9,8 +9,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from operators.cli import app
-from operators.dag_files import write_companions
+from trainforge.cli import app
+from trainforge.dag_files import write_companions
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from operators.cli import app
-from operators.dag_builder import build_dag
-from operators.spec import load_spec
+from trainforge.cli import app
+from trainforge.dag_builder import build_dag
+from trainforge.pipeline import load_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
@@ -48,8 +48,8 @@ def _spec(tmp_path: Path, extra: str) -> Path:
              ["validate_checkpoint", "register_model"]]),
 ], ids=["single", "chain", "sweep"])
 def test_render_lists_the_edges_of_the_dag_airflow_builds(tmp_path, extra, edges):
-    from operators.cli import CLOSE_RUN_TASK_ID
-    from operators.teardown import CLOSE_RUN_TASK_ID as built_teardown
+    from trainforge.cli import CLOSE_RUN_TASK_ID
+    from trainforge.teardown import CLOSE_RUN_TASK_ID as built_teardown
 
     path = _spec(tmp_path, extra)
     result = runner.invoke(app, ["render", str(path)])
@@ -91,7 +91,7 @@ def test_render_imports_no_airflow():
     import subprocess
     import sys
 
-    code = ("import sys; from typer.testing import CliRunner; from operators.cli import app; "
+    code = ("import sys; from typer.testing import CliRunner; from trainforge.cli import app; "
             f"r = CliRunner().invoke(app, ['render', {str(DEMO)!r}]); assert r.exit_code == 0; "
             "print(sorted(m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from operators.data import PrepareSettings
+from trainforge.data import PrepareSettings
 
 _WORDS = (
     "thou art the king of verona and thy love is fair as summer night but "

@@ -7,15 +7,15 @@ import subprocess
 import sys
 import textwrap
 
-from operators.data.bpe import train_tokenizer
-from operators.data.settings import EOS_TOKEN
+from trainforge.data.bpe import train_tokenizer
+from trainforge.data.settings import EOS_TOKEN
 
 _TRAIN_SCRIPT = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[1])
     sys.path.insert(0, sys.argv[2])
     from conftest import make_text
-    from operators.data.bpe import train_tokenizer
+    from trainforge.data.bpe import train_tokenizer
     texts = [make_text(i, 40) for i in range(8)]
     tok = train_tokenizer(texts, vocab_size=400, special_tokens=["<|endoftext|>"])
     sys.stdout.write(tok.to_str(pretty=True))

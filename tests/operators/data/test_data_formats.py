@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tests.operators.data.conftest import SUFFIX, compress, corpus_texts, jsonl_bytes, parquet_bytes
 
-from operators.data import MalformedRecordError, SourceDecodeError, prepare_dataset
+from trainforge.data import MalformedRecordError, SourceDecodeError, prepare_dataset
 
 
 def shard_bytes(result) -> dict[str, bytes]:

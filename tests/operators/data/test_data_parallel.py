@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from tests.operators.data.conftest import jsonl_bytes, make_text
 
-from operators.data import DataPrepError, prepare_dataset
-from operators.data import prepare as prepare_mod
-from operators.data.encode import encode_splits
-from operators.data.spool import SpoolWriter
+from trainforge.data import DataPrepError, prepare_dataset
+from trainforge.data import prepare as prepare_mod
+from trainforge.data.encode import encode_splits
+from trainforge.data.spool import SpoolWriter
 
 
 def all_bytes(result) -> dict[str, bytes]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from operators.data import (
+from trainforge.data import (
     DatasetInvalidError,
     EmptyCorpusError,
     SourceDecodeError,

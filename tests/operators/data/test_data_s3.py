@@ -9,11 +9,11 @@ import json
 import pytest
 from tests.operators.data.conftest import compress, corpus_texts, jsonl_bytes, parquet_bytes
 
-from operators.data import (
+from trainforge.data import (
     SourceAccessError, SourceChangedError, SourceNotFoundError, prepare_dataset, verify_dataset,
 )
-from operators.data import prepare as prepare_mod
-from operators.data import s3
+from trainforge.data import prepare as prepare_mod
+from trainforge.data import s3
 
 pytestmark = pytest.mark.integration
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from operators.data import EOS_TOKEN, InvalidSettingsError
+from trainforge.data import EOS_TOKEN, InvalidSettingsError
 
 
 def test_valid_settings_normalise_types(make_settings):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from operators.data.split import Document, deduplicate, split_documents
+from trainforge.data.split import Document, deduplicate, split_documents
 
 
 def doc(text: str, name: str | None = None) -> Document:

@@ -12,7 +12,7 @@ import random
 import pytest
 from tests.operators.data.conftest import jsonl_bytes, make_text
 
-from operators.data import prepare_dataset
+from trainforge.data import prepare_dataset
 
 
 def index_of(result, split: str) -> list[tuple[str, str]]:

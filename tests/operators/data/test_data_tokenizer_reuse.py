@@ -8,7 +8,7 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from operators.data import TokenizerSourceError, prepare_dataset
+from trainforge.data import TokenizerSourceError, prepare_dataset
 
 
 @pytest.fixture

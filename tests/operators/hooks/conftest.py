@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.hooks.mlflow import MlflowHook
+from trainforge.hooks.mlflow import MlflowHook
 
 _CORPUS = [
     "ROMEO: But soft, what light through yonder window breaks?",
@@ -20,7 +20,7 @@ _CORPUS = [
 def tiny_hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hugging Face model folder: 1-layer Llama (hidden 16) + byte-level BPE tokenizer (300).
 
-    Built from scratch in the test (no hub download); what ``trainer.export`` writes, in small:
+    Built from scratch in the test (no hub download); what ``trainforge.trainer.export`` writes, in small:
     config.json, generation_config.json, model.safetensors, tokenizer files.
     """
     import torch

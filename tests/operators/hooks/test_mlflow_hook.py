@@ -1,4 +1,4 @@
-"""Unit tests of operators.hooks.mlflow: no server; fakes stand in for the MLflow client."""
+"""Unit tests of trainforge.hooks.mlflow: no server; fakes stand in for the MLflow client."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from operators.hooks.errors import (
+from trainforge.hooks.errors import (
     MlflowConfigError,
     MlflowInvalidArgumentError,
     MlflowRegistrationError,
     MlflowTimeoutError,
 )
-from operators.hooks.mlflow import (
+from trainforge.hooks.mlflow import (
     TAG_IDEMPOTENCY_KEY,
     MlflowHook,
     _fluent_tracking_uri,
@@ -31,7 +31,7 @@ CLOSED_URL = "http://127.0.0.1:9"  # nothing listens on the discard port; never 
 
 def test_importing_the_hook_does_not_import_mlflow() -> None:
     code = (
-        "import sys, operators.hooks.mlflow; "
+        "import sys, trainforge.hooks.mlflow; "
         "heavy = [m for m in ('mlflow', 'torch', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.hooks.errors import MlflowParamConflictError
-from operators.hooks.mlflow import (
+from trainforge.hooks.errors import MlflowParamConflictError
+from trainforge.hooks.mlflow import (
     DATASET_CONTEXT_TAG,
     TAG_AIRFLOW_RUN_ID,
     TAG_DAG_ID,

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from operators.hooks.mlflow import TAG_IDEMPOTENCY_KEY, MlflowHook
+from trainforge.hooks.mlflow import TAG_IDEMPOTENCY_KEY, MlflowHook
 
 pytestmark = pytest.mark.integration
 

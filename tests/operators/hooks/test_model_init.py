@@ -1,7 +1,7 @@
 """``model.init_from``: a registered model's weights start training (real MLflow server).
 
 The tiny Llama of ``tiny_hf_model_dir`` is registered, resolved by the ``train`` task's helper
-(operators.model_init) to its Hugging Face folder, and loaded by the trainer's one weights-only
+(trainforge.model_init) to its Hugging Face folder, and loaded by the trainer's one weights-only
 loader into a freshly built model: every tensor must equal the registered one before any step.
 """
 
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from operators.hooks.mlflow import MlflowHook
-from operators.model_init import InitSourceError, registered_init
-from trainer.config import ModelConfig
-from trainer.errors import ConfigError
-from trainer.fsutil import sha256_file
-from trainer.model import build_model, llama_config, load_initial_weights
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.model_init import InitSourceError, registered_init
+from trainforge.trainer.config import ModelConfig
+from trainforge.trainer.errors import ConfigError
+from trainforge.trainer.fsutil import sha256_file
+from trainforge.trainer.model import build_model, llama_config, load_initial_weights
 
 pytestmark = pytest.mark.integration
 
@@ -112,7 +112,7 @@ def test_the_trainer_reads_a_model_folder_from_s3(s3_server, monkeypatch, tiny_h
     """With an S3 artifact store the train task hands the trainer an s3:// folder URI."""
     from transformers import LlamaForCausalLM
 
-    from trainer import s3
+    from trainforge.trainer import s3
 
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_server}.items():

@@ -1,4 +1,4 @@
-"""S3 credentials from an Airflow connection (``storage.aws_conn_id``, operators.hooks.s3).
+"""S3 credentials from an Airflow connection (``storage.aws_conn_id``, trainforge.hooks.s3).
 
 Connections are given the way Airflow reads them from the environment
 (``AIRFLOW_CONN_<ID>`` as JSON). Unit tests parse connections and check the spec's rules; the
@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from operators.backends.base import JobIdentity, JobState
-from operators.hooks.s3 import S3ConnectionError, S3Hook, read_connection, spec_child_env
-from operators.spec.loader import load_spec
-from operators.spec.model import PipelineSpec
+from trainforge.backends.base import JobIdentity, JobState
+from trainforge.hooks.s3 import S3ConnectionError, S3Hook, read_connection, spec_child_env
+from trainforge.pipeline.loader import load_spec
+from trainforge.pipeline.model import PipelineSpec
 
 REPO = Path(__file__).resolve().parents[3]
 KEY_ID = "AKIATRAINFORGETEST01"
@@ -174,7 +174,7 @@ def test_one_endpoint_in_either_field_or_the_same_in_both():
     old = PipelineSpec.model_validate(tiny_spec(**{"data.s3_endpoint_url": "http://m:9000"}))
     assert old.s3_endpoint_url == "http://m:9000"
     k8s = PipelineSpec.model_validate(_k8s(**{"storage.endpoint_url": "http://m:9000"}))
-    from operators.jobconfig import build_training_job
+    from trainforge.jobconfig import build_training_job
 
     job = build_training_job(k8s, "s3://bkt/datasets/d", "s3://bkt/ckpt/x",
                              JobIdentity("d", "r", "train", 1), {"MLFLOW_RUN_ID": "r"})
@@ -198,8 +198,8 @@ def conn_bucket(s3_server: str, monkeypatch: pytest.MonkeyPatch, no_ambient_aws)
 @pytest.mark.integration
 def test_data_prep_reads_s3_with_the_connection_only(conn_bucket, s3_server, tmp_path,
                                                      monkeypatch):
-    from operators.data import SourceAccessError, prepare_dataset
-    from operators.prepare import connection_s3_client, prepare_settings
+    from trainforge.data import SourceAccessError, prepare_dataset
+    from trainforge.prepare import connection_s3_client, prepare_settings
     from tests.operators.data.conftest import make_text
 
     client = S3Hook("my_s3").client()
@@ -228,7 +228,7 @@ def test_data_prep_reads_s3_with_the_connection_only(conn_bucket, s3_server, tmp
 def test_missing_connection_fails_data_prep_naming_it(no_ambient_aws, monkeypatch):
     from airflow.sdk.exceptions import AirflowFailException
 
-    from operators.prepare import connection_s3_client
+    from trainforge.prepare import connection_s3_client
 
     monkeypatch.delenv("AIRFLOW_CONN_NOPE", raising=False)
     spec = PipelineSpec.model_validate(tiny_spec(**{"storage.aws_conn_id": "nope"}))
@@ -252,8 +252,8 @@ print("probe listed", len(keys), "objects", flush=True)
 
 
 def _train_job(spec: PipelineSpec, tmp_path: Path):
-    from operators.jobconfig import build_training_job
-    from operators.training import TrainingLaunchOperator
+    from trainforge.jobconfig import build_training_job
+    from trainforge.training import TrainingLaunchOperator
 
     op = TrainingLaunchOperator(task_id="train", spec=spec.model_dump(mode="json"))
     plain, secret = op._s3_access(spec)
@@ -269,7 +269,7 @@ def test_local_job_ranks_get_the_keys_but_no_file_or_render_holds_them(conn_buck
                                                                         tmp_path):
     import dataclasses
 
-    from operators.backends.local import LocalBackend
+    from trainforge.backends.local import LocalBackend
 
     S3Hook("my_s3").client().put_object(Bucket=conn_bucket, Key="marker", Body=b"1")
     spec = PipelineSpec.model_validate(tiny_spec(**{"storage.aws_conn_id": "my_s3",
@@ -280,7 +280,7 @@ def test_local_job_ranks_get_the_keys_but_no_file_or_render_holds_them(conn_buck
     assert SECRET not in repr(job)
     (tmp_path / "probe").mkdir()
     (tmp_path / "probe" / "s3_probe.py").write_text(PROBE % (conn_bucket, KEY_ID))
-    job = dataclasses.replace(job, module="s3_probe")  # in place of trainer.train
+    job = dataclasses.replace(job, module="s3_probe")  # in place of trainforge.trainer.train
     backend = LocalBackend(tmp_path / "runs", cwd=str(tmp_path / "probe"))
     rendered = backend.render(job)
     assert rendered["env"]["AWS_SECRET_ACCESS_KEY"] == "<from Airflow connection my_s3>"
@@ -304,7 +304,7 @@ def test_local_job_ranks_get_the_keys_but_no_file_or_render_holds_them(conn_buck
 
 
 def test_ray_request_shows_placeholders_and_only_the_api_call_has_the_keys(monkeypatch, tmp_path):
-    from operators.backends.ray import RayBackend
+    from trainforge.backends.ray import RayBackend
 
     monkeypatch.setenv("AIRFLOW_CONN_MY_S3", aws_conn(
         login=KEY_ID, password=SECRET, extra={"endpoint_url": "http://minio:9000"}))
@@ -349,7 +349,7 @@ def test_validator_and_exporter_children_get_the_connection_env(monkeypatch):
 def test_kubernetes_with_a_connection_fails_the_train_task():
     from airflow.sdk.exceptions import AirflowFailException
 
-    from operators.training import TrainingLaunchOperator
+    from trainforge.training import TrainingLaunchOperator
 
     # A spec validated without the connection, the connection added afterwards (model_copy
     # skips validation): the train task still refuses to inline the keys.

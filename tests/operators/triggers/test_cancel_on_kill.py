@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from operators.backends.base import JobIdentity, JobState, TrainingJob
-from operators.backends.local import LocalBackend
-from operators.triggers import TrainingJobTrigger
+from trainforge.backends.base import JobIdentity, JobState, TrainingJob
+from trainforge.backends.local import LocalBackend
+from trainforge.triggers import TrainingJobTrigger
 
 FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from operators.backends.base import JobIdentity, TrainingJob
-from operators.backends.local import LocalBackend
-from operators.triggers import EVENT_STATUSES, TrainingJobTrigger
+from trainforge.backends.base import JobIdentity, TrainingJob
+from trainforge.backends.local import LocalBackend
+from trainforge.triggers import EVENT_STATUSES, TrainingJobTrigger
 
 FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
 

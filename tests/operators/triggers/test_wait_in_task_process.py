@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from operators.backends.base import JobIdentity, JobState, TrainingJob
-from operators.backends.local import LocalBackend
-from operators.spec.loader import load_spec
-from operators.training import TaskProcessTerminated, TrainingLaunchOperator
-from operators.triggers import TrainingJobTrigger
+from trainforge.backends.base import JobIdentity, JobState, TrainingJob
+from trainforge.backends.local import LocalBackend
+from trainforge.pipeline.loader import load_spec
+from trainforge.training import TaskProcessTerminated, TrainingLaunchOperator
+from trainforge.triggers import TrainingJobTrigger
 
 FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
 FAULT_SPEC = Path(__file__).resolve().parents[2] / "faults" / "fault_tiny.yaml"

@@ -1,4 +1,4 @@
-"""Read a pipeline YAML file into a :class:`~operators.spec.model.PipelineSpec`.
+"""Read a pipeline YAML file into a :class:`~trainforge.pipeline.model.PipelineSpec`.
 
 Every problem is reported at once, one line each, in the form
 ``file:line:col: field.path: what is wrong (got X; expected Y)``.
@@ -12,7 +12,7 @@ YAML pitfalls handled here:
 * an unquoted key YAML reads as a boolean or number (``on:``, ``1:``) is an error naming the
   key as written, with the quoted form to use;
 * a quoted number given for a number field is an error (the published JSON Schema says
-  ``integer`` or ``number``), see :class:`operators.spec.base.SpecModel`.
+  ``integer`` or ``number``), see :class:`trainforge.pipeline.base.SpecModel`.
 
 pydantic's own wording is turned into the one-line form: a union reports only the member that
 fits the value's shape (or one "got a mapping; expected a number, string or boolean"), and an
@@ -30,8 +30,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from operators.spec.messages import _data_loc, _describe, _one_error_per_union, _position
-from operators.spec.model import PipelineSpec
+from trainforge.pipeline.messages import _data_loc, _describe, _one_error_per_union, _position
+from trainforge.pipeline.model import PipelineSpec
 
 _FLOAT = re.compile(
     r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?

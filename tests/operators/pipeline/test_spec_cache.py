@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from operators.spec import SpecError, load_spec
-from operators.spec import loader
+from trainforge.pipeline import SpecError, load_spec
+from trainforge.pipeline import loader
 
 DEMO = Path(__file__).resolve().parents[3] / "dags" / "pipelines" / "shakespeare_llm.yaml"
 

@@ -1,7 +1,7 @@
 """Which ``transformers.LlamaConfig`` keys ``model.config_overrides`` may set, and their types.
 
 Committed as data so that reading a spec never imports transformers; a test compares it with
-the installed ``LlamaConfig`` (tests/operators/spec/test_model_section.py), so a transformers
+the installed ``LlamaConfig`` (tests/operators/pipeline/test_model_section.py), so a transformers
 upgrade that adds, renames or retypes a key fails that test until this file is updated.
 
 Every key of ``LlamaConfig().to_dict()`` is in exactly one of the three tables below.

@@ -1,8 +1,8 @@
 """The pipeline spec's published forms: JSON Schema for editors, a Markdown reference for people.
 
-Both are generated from :class:`~operators.spec.model.PipelineSpec` and committed:
+Both are generated from :class:`~trainforge.pipeline.model.PipelineSpec` and committed:
 
-* ``operators/spec/pipeline.schema.json`` — point ``yaml-language-server`` at it;
+* ``operators/pipeline/pipeline.schema.json`` — point ``yaml-language-server`` at it;
 * ``docs/spec-reference.md`` — one table row per field.
 
 ``make schema`` (``trainforge schema --write``) regenerates them; a test fails when either is stale.
@@ -19,11 +19,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from operators.spec.model import PipelineSpec
+from trainforge.pipeline.model import PipelineSpec
 
-ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = Path(__file__).resolve().parent / "pipeline.schema.json"
-REFERENCE_PATH = ROOT / "docs" / "spec-reference.md"
+"""The schema shipped inside the package (``trainforge schema`` prints it)."""
+# Where the committed copies live in a checkout, relative to its root.
+CHECKOUT_SCHEMA = Path("operators") / "pipeline" / "pipeline.schema.json"
+CHECKOUT_REFERENCE = Path("docs") / "spec-reference.md"
 SCHEMA_ID = "https://trainforge.dev/schemas/pipeline.schema.json"
 
 
@@ -141,9 +143,18 @@ def reference_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_published() -> list[Path]:
-    """Regenerate the committed schema and reference; returns the paths written."""
-    SCHEMA_PATH.write_text(schema_text(), encoding="utf-8")
-    REFERENCE_PATH.parent.mkdir(parents=True, exist_ok=True)
-    REFERENCE_PATH.write_text(reference_markdown(), encoding="utf-8")
-    return [SCHEMA_PATH, REFERENCE_PATH]
+def write_published(checkout: Path) -> list[Path]:
+    """Regenerate the committed schema and reference in ``checkout``; returns the paths written.
+
+    Raises:
+        FileNotFoundError: ``checkout`` is not a trainforge checkout (no ``operators/pipeline``).
+    """
+    schema_path, reference_path = checkout / CHECKOUT_SCHEMA, checkout / CHECKOUT_REFERENCE
+    if not schema_path.parent.is_dir():
+        raise FileNotFoundError(
+            f"{checkout} is not a trainforge checkout: {CHECKOUT_SCHEMA.parent} is missing "
+            "(run `trainforge schema --write` from the checkout's root)")
+    schema_path.write_text(schema_text(), encoding="utf-8")
+    reference_path.parent.mkdir(parents=True, exist_ok=True)
+    reference_path.write_text(reference_markdown(), encoding="utf-8")
+    return [schema_path, reference_path]

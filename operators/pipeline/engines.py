@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from operators.spec.base import SpecModel
+from trainforge.pipeline.base import SpecModel
 
 # RFC 1123 label (namespaces, queue names, secret names, priority classes).
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")

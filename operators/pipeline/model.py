@@ -5,7 +5,7 @@ Nothing else parses pipeline YAML or re-declares a default: the DAG builder, the
 renderer, the CLI and the JSON Schema all read these classes.
 
 Units are in field names or descriptions: ``*_s`` seconds (written as durations, see
-:mod:`operators.spec.durations`), batch sizes in sequences of ``data.sequence_length`` tokens.
+:mod:`trainforge.pipeline.durations`), batch sizes in sequences of ``data.sequence_length`` tokens.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from operators.spec.base import SpecModel, field_errors
-from operators.spec.llama_keys import FIRST_CLASS, FIRST_CLASS_ALIASES, OVERRIDABLE
-from operators.spec.data import _MODELS, _S3, _SCHEME, DataSection, StorageSection, same_endpoint
-from operators.spec.durations import DurationS
-from operators.spec.engines import KubernetesEngine, LocalEngine, RayEngine, SlurmEngine
-from operators.spec.pipeline import PipelineSection
-from operators.spec.registry import RegistrySection, ValidationSection
-from operators.spec.stages import _rewrap, check_stages, stage_model
+from trainforge.pipeline.base import SpecModel, field_errors
+from trainforge.pipeline.llama_keys import FIRST_CLASS, FIRST_CLASS_ALIASES, OVERRIDABLE
+from trainforge.pipeline.data import _MODELS, _S3, _SCHEME, DataSection, StorageSection, same_endpoint
+from trainforge.pipeline.durations import DurationS
+from trainforge.pipeline.engines import KubernetesEngine, LocalEngine, RayEngine, SlurmEngine
+from trainforge.pipeline.pipeline import PipelineSection
+from trainforge.pipeline.registry import RegistrySection, ValidationSection
+from trainforge.pipeline.stages import _rewrap, check_stages, stage_model
 
 
 
@@ -429,7 +429,7 @@ def _storage_as_written(data: object, failed: list[tuple]) -> list[tuple]:
                        for loc in failed)]
 
 
-StageSpec = stage_model(TrainingSection)  # one entry of `stages` (operators/spec/stages.py)
+StageSpec = stage_model(TrainingSection)  # one entry of `stages` (operators/pipeline/stages.py)
 
 
 class PipelineSpec(SpecModel):
@@ -499,7 +499,7 @@ class PipelineSpec(SpecModel):
                            f"{self.storage.endpoint_url!r} and {given!r}; expected one of them, "
                            f"or the same URL in both)", self.storage.endpoint_url, ()))
         if self.storage.aws_conn_id is not None:
-            from operators.spec.stages import resolve_stages
+            from trainforge.pipeline.stages import resolve_stages
 
             engines = {stage.training.engine for stage in resolve_stages(self)}
             for engine in sorted(engines & {"kubernetes", "slurm"}):

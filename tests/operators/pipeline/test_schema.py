@@ -8,20 +8,20 @@ import jsonschema
 import pytest
 import yaml
 
-from operators.spec import schema as published
-from operators.spec.loader import _Loader
+from trainforge.pipeline import schema as published
+from trainforge.pipeline.loader import _Loader
 
 ROOT = Path(__file__).resolve().parents[3]
 PIPELINES = sorted((ROOT / "dags" / "pipelines").glob("*.yaml"))
 
 
 def test_committed_schema_is_current():
-    assert published.SCHEMA_PATH.read_text() == published.schema_text(), (
-        "operators/spec/pipeline.schema.json is stale: run `make schema`")
+    assert (ROOT / published.CHECKOUT_SCHEMA).read_text() == published.schema_text(), (
+        "operators/pipeline/pipeline.schema.json is stale: run `make schema`")
 
 
 def test_committed_reference_is_current():
-    assert published.REFERENCE_PATH.read_text() == published.reference_markdown(), (
+    assert (ROOT / published.CHECKOUT_REFERENCE).read_text() == published.reference_markdown(), (
         "docs/spec-reference.md is stale: run `make schema`")
 
 
@@ -53,7 +53,7 @@ def test_json_schema_rejects_what_the_model_rejects():
 
 def test_reference_shows_readable_types():
     text = published.reference_markdown()
-    assert "operators.spec" not in text and "Literal[" not in text
+    assert "trainforge.pipeline" not in text and "Literal[" not in text
     assert "| `training.kubernetes.tolerations` | list of mappings (key, operator, value, effect) |" in text
     assert "| `stages` | list of mappings (name, depends_on, init_from, training) or null |" in text
     assert "| `pipeline.tags` | list of string |" in text

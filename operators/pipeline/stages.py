@@ -14,7 +14,7 @@ with ``stages`` has one training task per stage, ``train_<name>``, wired by ``de
 Each stage's ``training`` block holds overrides only: it is deep-merged over the top-level
 ``training`` (mappings merge key by key; a scalar or a list replaces the inherited value; an
 unset or ``null`` key inherits) and the merged result is validated by the same
-:class:`~operators.spec.model.TrainingSection` as a single-stage spec, errors pointing at the
+:class:`~trainforge.pipeline.model.TrainingSection` as a single-stage spec, errors pointing at the
 stage. The leaves (stages no other stage depends on) are the candidates of
 ``validate_checkpoint``, which registers the best valid one by validation loss (docs/stages.md).
 
@@ -44,7 +44,7 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from operators.spec.base import SpecModel
+from trainforge.pipeline.base import SpecModel
 
 # A stage name becomes part of a task id (`train_<name>`) and of a checkpoint folder.
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")

@@ -1,6 +1,6 @@
 """The ``data`` section of a pipeline spec: sources and formats, cleaning, tokenizer, encoding.
 
-Relative paths resolve against ``TRAINFORGE_HOME`` (see :mod:`operators.paths`). Every option,
+Relative paths resolve against ``TRAINFORGE_HOME`` (see :mod:`trainforge.paths`). Every option,
 with examples, is in docs/data.md. Credentials never go here: S3 access uses the Airflow
 connection named by ``storage.aws_conn_id`` (:class:`StorageSection`), else the standard AWS
 chain (environment, ``~/.aws``, instance or pod role).
@@ -13,13 +13,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from operators.spec.base import SpecModel, field_errors
+from trainforge.pipeline.base import SpecModel, field_errors
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
 _S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
 _MODELS = re.compile(r"^models:/([^/@]+)(@[A-Za-z_][A-Za-z0-9_\-]*|/[0-9]+)$")
 _ENDPOINT = re.compile(r"^https?://[^/@\s]+(:[0-9]+)?/?$")
-#: Longest document the data step accepts (characters), as operators.data.settings.
+#: Longest document the data step accepts (characters), as trainforge.data.settings.
 MAX_DOCUMENT_CHARS = 100_000_000
 
 

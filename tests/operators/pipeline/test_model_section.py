@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from operators.backends.base import JobIdentity
-from operators.jobconfig import render_job_config
-from operators.spec import SpecError, parse_spec_text
-from operators.spec.llama_keys import FIRST_CLASS, NOT_ARCHITECTURE, OVERRIDABLE
-from tests.operators.spec.test_loader import MINIMAL
+from trainforge.backends.base import JobIdentity
+from trainforge.jobconfig import render_job_config
+from trainforge.pipeline import SpecError, parse_spec_text
+from trainforge.pipeline.llama_keys import FIRST_CLASS, NOT_ARCHITECTURE, OVERRIDABLE
+from tests.operators.pipeline.test_loader import MINIMAL
 
 _PY_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "null": type(None)}
 
@@ -20,7 +20,7 @@ def test_committed_key_list_covers_llama_config_exactly():
     keys = set(LlamaConfig().to_dict())
     tables = [set(OVERRIDABLE), set(FIRST_CLASS), set(NOT_ARCHITECTURE)]
     assert set.union(*tables) == keys, (
-        f"operators/spec/llama_keys.py is out of date with transformers' LlamaConfig: missing "
+        f"operators/pipeline/llama_keys.py is out of date with transformers' LlamaConfig: missing "
         f"{sorted(keys - set.union(*tables))}, gone {sorted(set.union(*tables) - keys)}")
     assert sum(len(t) for t in tables) == len(keys), "a key is in two tables"
 
@@ -34,8 +34,8 @@ def test_committed_types_match_llama_config_defaults(key):
 
 
 def test_trainer_applies_the_overrides_to_the_transformers_config():
-    from trainer.config import ModelConfig
-    from trainer.model import llama_config
+    from trainforge.trainer.config import ModelConfig
+    from trainforge.trainer.model import llama_config
 
     section = ModelConfig("llama", 64, 2, 4, 4, 128, 10_000.0, 0.0, True,
                           config_overrides={"rms_norm_eps": 1e-5, "attention_bias": True,
@@ -45,9 +45,9 @@ def test_trainer_applies_the_overrides_to_the_transformers_config():
 
 
 def test_trainer_refuses_a_first_class_key_even_when_the_spec_was_bypassed():
-    from trainer.config import ModelConfig
-    from trainer.errors import ConfigError
-    from trainer.model import llama_config
+    from trainforge.trainer.config import ModelConfig
+    from trainforge.trainer.errors import ConfigError
+    from trainforge.trainer.model import llama_config
 
     section = ModelConfig("llama", 64, 2, 4, 4, 128, 10_000.0, 0.0, True,
                           config_overrides={"vocab_size": 10})
@@ -88,7 +88,7 @@ IDENTITY = JobIdentity("tiny", "manual__1", "train", 1)
 
 
 def test_overrides_and_init_reach_the_job_config_the_trainer_accepts():
-    from trainer.config import parse_job_config
+    from trainforge.trainer.config import parse_job_config
 
     spec = _spec("  init_from: models:/tiny-llm@champion\n"
                  "  config_overrides: {rms_norm_eps: 1e-5, attention_bias: true}\n",

@@ -13,8 +13,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from operators.spec.base import SpecModel
-from operators.spec.durations import DurationS
+from trainforge.pipeline.base import SpecModel
+from trainforge.pipeline.durations import DurationS
 
 _DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
 _PRESETS = ("@once", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from operators.spec import SpecError, parse_spec_text, validate_overrides
-from operators.spec.model import PipelineSpec
-from operators.spec.stages import leaf_stages, resolve_stages, stage_folder, stage_spec
+from trainforge.pipeline import SpecError, parse_spec_text, validate_overrides
+from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.stages import leaf_stages, resolve_stages, stage_folder, stage_spec
 
 BASE = """\
 pipeline:
@@ -231,7 +231,7 @@ def test_the_published_schema_accepts_stages_and_checks_their_overrides():
     import jsonschema
     import yaml
 
-    from operators.spec.schema import json_schema
+    from trainforge.pipeline.schema import json_schema
 
     def load(text: str):  # plain YAML 1.1 reads 1e-3 as text; editors see what users write
         return yaml.safe_load(text.replace("1e-3", "0.001").replace("1e-4", "0.0001"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.spec import SpecError, load_spec, parse_spec_text, validate_overrides
+from trainforge.pipeline import SpecError, load_spec, parse_spec_text, validate_overrides
 
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
@@ -312,7 +312,7 @@ def test_a_value_yaml_cannot_read_does_not_hide_the_other_errors():
     ("KEYBOARD", False),
 ])
 def test_credential_names(name, secret):
-    from operators.spec.engines import is_credential_name
+    from trainforge.pipeline.engines import is_credential_name
 
     assert is_credential_name(name) is secret
 
@@ -373,7 +373,7 @@ def test_a_control_character_is_reported_at_its_line_not_as_a_traceback(char):
 
 
 def test_a_spec_with_a_control_character_never_hides_the_others(tmp_path):
-    from operators.dag_builder import build_dags
+    from trainforge.dag_builder import build_dags
 
     (tmp_path / "a.yaml").write_text(MINIMAL)
     (tmp_path / "b.yaml").write_text(MINIMAL.replace("name: tiny", "name: other\x00"))
