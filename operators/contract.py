@@ -1,0 +1,68 @@
+"""The job contract between the orchestrator and the trainer, in one place (docs/contracts.md).
+
+Both sides import this module: the Airflow side to render job configs and classify how a job
+ended, the trainer (:mod:`trainforge.trainer`) to read its config and report its result. It
+uses the standard library only, so importing it pulls neither Airflow nor torch.
+
+* Job config: JSON of format :data:`JOB_FORMAT`, passed as ``--config FILE`` to
+  ``python -m`` :data:`TRAINER_MODULE`.
+* Result file: rank 0 writes ``{"status", "exit_code", "message", ...}`` to the path in
+  :data:`RESULT_FILE_ENV` when it exits; :data:`RESULT_STATUSES` lists the statuses.
+* Exit codes: 0 finished, :data:`EXIT_CONFIG` (78, ``EX_CONFIG`` from sysexits.h) for a bad
+  config or a dataset that does not verify, :data:`EXIT_DIVERGED` (79, trainforge's own) for a
+  non-finite loss; both are permanent (a retry cannot fix them). Any other code is transient:
+  retried, resuming from the newest valid checkpoint.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+JOB_FORMAT = "trainforge.job/v1"
+"""``format`` field of every job config."""
+
+TRAINER_MODULE = "trainforge.trainer.train"
+"""What torchrun runs (``-m``) on every engine."""
+
+RESULT_FILE_ENV = "TRAINFORGE_RESULT_FILE"
+"""Environment variable naming the file rank 0 writes its result to."""
+JOB_DIR_ENV = "TRAINFORGE_JOB_DIR"
+"""Environment variable naming the job folder (where the engine keeps it on a shared disk)."""
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONFIG = 78
+EXIT_DIVERGED = 79
+EXIT_TERMINATED = 143
+
+PERMANENT_EXIT_CODES = frozenset({EXIT_CONFIG, EXIT_DIVERGED})
+"""Exit codes a retry cannot fix."""
+
+STATUS_SUCCESS = "success"
+STATUS_BAD_CONFIG = "bad_config"
+STATUS_DIVERGED = "diverged"
+STATUS_ERROR = "error"
+RESULT_STATUSES = (STATUS_SUCCESS, STATUS_BAD_CONFIG, STATUS_DIVERGED, STATUS_ERROR)
+PERMANENT_RESULTS = frozenset({STATUS_BAD_CONFIG, STATUS_DIVERGED})
+"""Result statuses a retry cannot fix."""
+
+
+class FailureKind(str, enum.Enum):
+    """Whether retrying a failed job can help."""
+
+    PERMANENT = "permanent"
+    TRANSIENT = "transient"
+
+
+def failure_kind(exit_code: int | None, result: Mapping[str, Any] | None = None) -> FailureKind:
+    """How a failed job ended, from its exit code and the trainer's result (either may be
+    unknown): permanent when the result's status or exit code, or the job's exit code, is one
+    a retry cannot fix; transient otherwise (a lost node, a kill, an unknown end)."""
+    result = result or {}
+    if (result.get("status") in PERMANENT_RESULTS
+            or result.get("exit_code") in PERMANENT_EXIT_CODES
+            or exit_code in PERMANENT_EXIT_CODES):
+        return FailureKind.PERMANENT
+    return FailureKind.TRANSIENT
