@@ -9,9 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from trainforge.backends.base import JobIdentity, TrainingJob
+from trainforge.contract import JOB_FORMAT
 from trainforge.pipeline.model import PipelineSpec
-
-JOB_FORMAT = "trainforge.job/v1"
 
 
 def init_block(checkpoint: str, source: str) -> dict[str, str]:

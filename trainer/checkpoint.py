@@ -11,9 +11,12 @@
 A folder counts as a checkpoint only when `verify` finds no problem. ``step`` is the number of
 optimizer steps completed; resuming from step-00000100 continues with step index 100.
 
-Every function also takes an ``s3://bucket/prefix`` string for the root or the folder: the same
-layout is then read and written on S3 (trainforge.trainer.checkpoint_s3: the manifest object is uploaded
-last and is what makes a checkpoint exist). Paths (``pathlib.Path``) are always local.
+The root is a local folder (``Path`` or a path string) or an ``s3://bucket/prefix`` string; the
+same layout and rules hold on both through :mod:`trainforge.storage`. The files are written into
+the step folder (on S3: a local staging folder, then uploaded, multipart and retried) and only
+then is ``manifest.json`` written in one atomic step (a rename on disk, one PutObject on S3): a
+reader that sees the manifest sees every file it lists, and an attempt killed before it leaves
+no checkpoint. Locations come back as the caller gave them: ``Path`` on disk, URI strings on S3.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import json
 import logging
 import random
 import re
-import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,9 +36,10 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from trainforge.storage import Location, Storage, StorageError, storage_for
+from trainforge.storage.files import chmod_like_umask
 from trainforge.trainer.errors import CheckpointError
-from trainforge.trainer.fsutil import atomic_write_json, chmod_like_umask, fsync_dir, fsync_file
-from trainforge.trainer.hashing import sha256_files
+from trainforge.trainer.hashing import hash_threads
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +49,19 @@ WEIGHTS, OPTIMIZER, TRAINER_STATE, META = "model.safetensors", "optimizer.pt", "
 REQUIRED_FILES = (WEIGHTS, OPTIMIZER, TRAINER_STATE, META)
 # Written into a folder before it is moved aside (trainforge.trainer.quarantine): such a folder never verifies.
 QUARANTINE_REASON = "QUARANTINE_REASON.json"
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
-def _on_s3(path: Any) -> bool:
-    """``s3://`` roots and folders go to trainforge.trainer.checkpoint_s3 (same layout, same rules)."""
-    return isinstance(path, str) and path.startswith("s3://")
+def _located(location: str | Path) -> tuple[Storage, Location]:
+    """The storage of ``location`` and the location in its own type (``Path`` on disk)."""
+    store = storage_for(location)
+    return store, store.join(location)
 
 
 def join(root: str | Path, name: str) -> str:
     """``root/name`` as a string, keeping an ``s3://`` URI intact (``Path`` would eat a slash)."""
-    if _on_s3(root):
-        return f"{str(root).rstrip('/')}/{name}"
-    return str(Path(root) / name)
+    store, root = _located(root)
+    return str(store.join(root, name))
 
 
 def step_dir_name(step: int) -> str:
@@ -63,16 +69,12 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def list_step_dirs(root: str | Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` of every ``step-*`` folder under ``root``, oldest first (valid or not)."""
-    if _on_s3(root):
-        from trainforge.trainer import checkpoint_s3
-
-        return checkpoint_s3.list_step_dirs(root)  # type: ignore[return-value]
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+def list_step_dirs(root: str | Path) -> list[tuple[int, Location]]:
+    """``(step, folder)`` of every ``step-*`` folder directly under ``root``, oldest first
+    (valid or not)."""
+    store, root = _located(root)
+    found = [(int(m.group(1)), store.join(root, name)) for name in store.list_dirs(root)
+             if (m := STEP_DIR.match(name))]
     return sorted(found)
 
 
@@ -82,22 +84,23 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: missing, unreadable, not JSON, or not a trainforge.checkpoint/v1 manifest.
     """
-    if _on_s3(step_dir):
-        from trainforge.trainer import checkpoint_s3
-
-        return checkpoint_s3.read_manifest(step_dir)
-    path = Path(step_dir) / MANIFEST
+    store, step_dir = _located(step_dir)
+    where = store.join(step_dir, MANIFEST)
     try:
-        manifest = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (a folder without a manifest is not a checkpoint)") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable ({err})") from err
+        data = store.read_bytes(where)
+    except StorageError as err:
+        raise CheckpointError(f"{where}: unreadable ({err.cause})") from err
+    if data is None:
+        raise CheckpointError(f"{where}: missing (a folder without a manifest is not a checkpoint)")
+    try:
+        manifest = json.loads(data)
+    except ValueError as err:
+        raise CheckpointError(f"{where}: unreadable ({err})") from err
     if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else manifest
-        raise CheckpointError(f"{path}: format={got!r}, expected {CHECKPOINT_FORMAT!r}")
+        raise CheckpointError(f"{where}: format={got!r}, expected {CHECKPOINT_FORMAT!r}")
     if not isinstance(manifest.get("files"), dict) or not isinstance(manifest.get("step"), int):
-        raise CheckpointError(f"{path}: needs an integer 'step' and a 'files' object")
+        raise CheckpointError(f"{where}: needs an integer 'step' and a 'files' object")
     return manifest
 
 
@@ -106,59 +109,65 @@ def verify(step_dir: str | Path, hashes: bool = True, max_threads: int | None = 
 
     Checks the manifest (present, format, step = folder name, lists every required file), that
     the folder was not quarantined (`QUARANTINE_REASON` present), and each listed file's size
-    and, when ``hashes``, SHA-256 (4 MiB reads; files hashed in parallel on up to
-    ``max_threads`` threads, default one per file up to the usable cores: see trainforge.trainer.hashing).
+    and, when ``hashes``, SHA-256 (4 MiB reads, streamed on S3; files hashed in parallel on up
+    to ``max_threads`` threads, default one per file up to the usable cores: see
+    trainforge.trainer.hashing).
     """
-    if _on_s3(step_dir):
-        from trainforge.trainer import checkpoint_s3
-
-        return checkpoint_s3.verify(step_dir, hashes, max_threads)
-    step_dir = Path(step_dir)
+    store, step_dir = _located(step_dir)
     try:
         manifest = read_manifest(step_dir)
     except CheckpointError as err:
         return [str(err)]
     problems = []
-    m = _STEP_DIR.match(step_dir.name)
+    m = STEP_DIR.match(store.name(step_dir))
     if m is None or int(m.group(1)) != manifest["step"]:
         problems.append(f"{step_dir}: manifest step {manifest['step']} does not match the folder name")
-    if (step_dir / QUARANTINE_REASON).exists():
-        problems.append(f"{step_dir / QUARANTINE_REASON}: the checkpoint was quarantined; it is never resumed "
-                        "from or registered")
-    for name in REQUIRED_FILES:
-        if name not in manifest["files"]:
-            problems.append(f"{step_dir / MANIFEST}: does not list required file {name}")
-    to_hash: dict[Path, str] = {}
+    manifest_at = store.join(step_dir, MANIFEST)
+    if store.size(store.join(step_dir, QUARANTINE_REASON)) is not None:
+        problems.append(f"{store.join(step_dir, QUARANTINE_REASON)}: the checkpoint was quarantined; it is "
+                        "never resumed from or registered")
+    problems += [f"{manifest_at}: does not list required file {name}"
+                 for name in REQUIRED_FILES if name not in manifest["files"]]
+    to_hash: dict[Location, str] = {}
     for name, entry in manifest["files"].items():
-        path = step_dir / name
         if Path(name).name != name or not isinstance(entry, dict):
-            problems.append(f"{step_dir / MANIFEST}: bad entry for {name!r}")
+            problems.append(f"{manifest_at}: bad entry for {name!r}")
             continue
-        try:
-            size = path.stat().st_size
-        except OSError:
-            problems.append(f"{path}: listed in the manifest but missing")
-            continue
-        if size != entry.get("bytes"):
-            problems.append(f"{path}: {size} bytes on disk, manifest says {entry.get('bytes')}")
+        where = store.join(step_dir, name)
+        size = store.size(where)
+        if size is None:
+            problems.append(f"{where}: listed in the manifest but missing")
+        elif size != entry.get("bytes"):
+            problems.append(f"{where}: {size} bytes on disk, manifest says {entry.get('bytes')}")
         elif hashes:
-            to_hash[path] = str(entry.get("sha256"))
-    for path, got in sha256_files(list(to_hash), max_threads).items():
-        if isinstance(got, OSError):
-            problems.append(f"{path}: unreadable ({got.strerror or got})")
-        elif got != to_hash[path]:
-            problems.append(f"{path}: SHA-256 {got[:16]}... does not match the manifest's {to_hash[path][:16]}...")
+            to_hash[where] = str(entry.get("sha256"))
+    if to_hash:
+        with ThreadPoolExecutor(hash_threads(len(to_hash), max_threads), thread_name_prefix="sha256") as pool:
+            digests = dict(zip(to_hash, pool.map(lambda where: _sha256_or_problem(store, where), to_hash)))
+        for where, got in digests.items():
+            if got.startswith("unreadable"):
+                problems.append(f"{where}: {got}")
+            elif got != to_hash[where]:
+                problems.append(f"{where}: SHA-256 {got[:16]}... does not match the manifest's "
+                                f"{to_hash[where][:16]}...")
     return problems
 
 
-def newest_valid(root: str | Path) -> Path | None:
+def _sha256_or_problem(store: Storage, where: Location) -> str:
+    """The file's SHA-256, or ``unreadable (<cause>)`` (one bad file must not hide the others)."""
+    try:
+        return store.sha256(where)
+    except StorageError as err:
+        return f"unreadable ({err.cause})"
+
+
+def newest_valid(root: str | Path) -> Location | None:
     """The newest step folder under ``root`` that verifies, or None. Logs the ones skipped.
 
     Only ``step-*`` folders directly under ``root`` are candidates: ``quarantine/`` is never
-    looked into, and a folder holding a QUARANTINE_REASON.json never verifies. For an ``s3://``
-    root the result is the step's URI string.
+    looked into, and a folder holding a QUARANTINE_REASON.json never verifies.
     """
-    for step, path in reversed(list_step_dirs(root)):
+    for _, path in reversed(list_step_dirs(root)):
         problems = verify(path)
         if not problems:
             return path
@@ -167,64 +176,61 @@ def newest_valid(root: str | Path) -> Path | None:
 
 
 def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict,
-                     trainer_state: dict, meta: dict) -> Path:
-    """Write ``root/step-XXXXXXXX/`` with the manifest last (rank 0 only).
+                     trainer_state: dict, meta: dict) -> Location:
+    """Write ``root/step-XXXXXXXX/`` with the manifest last (rank 0 only); returns the folder.
 
     An existing folder of the same step is kept when it verifies (nothing is rewritten) and
-    replaced otherwise (it is a partial write from a killed attempt).
+    replaced otherwise (a partial write from a killed attempt: its manifest is deleted first, so
+    it stops existing before anything else changes).
 
     Args:
         weights: name -> contiguous CPU tensor, no two sharing storage.
     Raises:
-        CheckpointError: a file could not be written (disk full, permissions).
+        CheckpointError: a file could not be written (disk full, permissions, S3 after retries).
     """
-    if _on_s3(root):
-        from trainforge.trainer import checkpoint_s3
-
-        return checkpoint_s3.write_checkpoint(root, step, weights, optimizer_state, trainer_state, meta)  # type: ignore
-    step_dir = Path(root) / step_dir_name(step)
-    if step_dir.exists():
-        if not verify(step_dir):
-            log.info("checkpoint %s already exists and verifies; not rewriting it", step_dir)
-            return step_dir
-        log.warning("replacing incomplete checkpoint folder %s", step_dir)
-        shutil.rmtree(step_dir)
+    store, root = _located(root)
+    step_dir = store.join(root, step_dir_name(step))
     try:
-        step_dir.mkdir(parents=True)
-        safetensors.torch.save_file(weights, step_dir / WEIGHTS, metadata={"format": "pt"})
-        chmod_like_umask(step_dir / WEIGHTS)
-        torch.save(optimizer_state, step_dir / OPTIMIZER)
-        torch.save(trainer_state, step_dir / TRAINER_STATE)
-        (step_dir / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        for name in REQUIRED_FILES:
-            fsync_file(step_dir / name)
-        digests = sha256_files([step_dir / name for name in REQUIRED_FILES])  # what is on disk, after fsync
-        files = {}
-        for name in REQUIRED_FILES:
-            digest = digests[step_dir / name]
-            if isinstance(digest, OSError):
-                raise digest
-            files[name] = {"bytes": (step_dir / name).stat().st_size, "sha256": digest}
-        atomic_write_json(step_dir / MANIFEST, {"format": CHECKPOINT_FORMAT, "step": step, "files": files})
-        fsync_dir(step_dir.parent)
-    except OSError as err:
+        if store.is_dir(step_dir):
+            if not verify(step_dir):
+                log.info("checkpoint %s already exists and verifies; not rewriting it", step_dir)
+                return step_dir
+            log.warning("replacing incomplete checkpoint folder %s (its manifest first)", step_dir)
+            store.delete_dir(step_dir, first=MANIFEST)
+        with store.staging_dir(step_dir) as folder:
+            safetensors.torch.save_file(weights, folder / WEIGHTS, metadata={"format": "pt"})
+            chmod_like_umask(folder / WEIGHTS)
+            torch.save(optimizer_state, folder / OPTIMIZER)
+            torch.save(trainer_state, folder / TRAINER_STATE)
+            (folder / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+            store.publish(folder, step_dir, REQUIRED_FILES)
+            files = {name: {"bytes": (folder / name).stat().st_size, "sha256": digest}
+                     for name, digest in _digests(store, folder).items()}  # what was written, after fsync
+            manifest = {"format": CHECKPOINT_FORMAT, "step": step, "files": files}
+            store.write_bytes(store.join(step_dir, MANIFEST), (json.dumps(manifest, indent=2) + "\n").encode())
+    except (OSError, StorageError) as err:
         raise CheckpointError(f"writing checkpoint {step_dir} failed: {err}") from err
     return step_dir
 
 
-def apply_retention(root: str | Path, keep_last: int) -> list[Path]:
+def _digests(store: Storage, folder: Path) -> dict[str, str]:
+    """SHA-256 of each required file of the local ``folder``, hashed side by side."""
+    local = storage_for(folder)
+    with ThreadPoolExecutor(hash_threads(len(REQUIRED_FILES)), thread_name_prefix="sha256") as pool:
+        return dict(zip(REQUIRED_FILES, pool.map(lambda name: local.sha256(folder / name), REQUIRED_FILES)))
+
+
+def apply_retention(root: str | Path, keep_last: int) -> list[Location]:
     """Delete all but the newest ``keep_last`` valid checkpoints; returns the folders deleted.
 
     Also deletes folders that do not verify when they are older than the newest valid one
     (partial writes of killed attempts). Never deletes the newest valid checkpoint, nor
-    anything newer than it (it may be a write in progress).
+    anything newer than it (it may be a write in progress). Each folder loses its manifest
+    first, so a folder half deleted is no checkpoint.
     """
-    if _on_s3(root):
-        from trainforge.trainer import checkpoint_s3
-
-        return checkpoint_s3.apply_retention(root, keep_last)  # type: ignore[return-value]
     if keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: expected >= 1")
+    store, root = _located(root)
     dirs = list_step_dirs(root)
     valid = [(s, p) for s, p in reversed(dirs) if not verify(p)]  # newest first
     if not valid:
@@ -234,13 +240,28 @@ def apply_retention(root: str | Path, keep_last: int) -> list[Path]:
     doomed = [p for s, p in dirs if p not in keep and s < newest_step]
     for path in doomed:
         log.info("retention (keep_last=%d): deleting %s", keep_last, path)
-        shutil.rmtree(path, ignore_errors=True)
+        store.delete_dir(path, first=MANIFEST)
     return doomed
+
+
+@contextmanager
+def local_copy(step_dir: str | Path) -> Iterator[Path]:
+    """The step folder as a local folder of the same name: itself on disk; on S3 a temporary
+    download of the manifest, every file it lists and a QUARANTINE_REASON (so the copy refuses
+    to verify too). Nothing is verified here: `verify` the copy (same bytes).
+    """
+    store, step_dir = _located(step_dir)
+    try:
+        names = list(read_manifest(step_dir)["files"])
+    except CheckpointError:
+        names = []  # the copy has no manifest either: every check says so
+    with store.local_dir(step_dir, [*names, QUARANTINE_REASON, MANIFEST]) as folder:
+        yield folder
 
 
 @dataclass
 class Checkpoint:
-    path: Path
+    path: Location
     step: int
     weights: dict[str, torch.Tensor]  # as written: no tied aliases
     optimizer: dict[str, Any]
@@ -252,23 +273,21 @@ def load_checkpoint(step_dir: str | Path) -> Checkpoint:
     """Read every file of a checkpoint onto the CPU without unpickling arbitrary objects.
 
     Does not verify hashes (call `verify` first; resume picks folders that verified).
+    ``Checkpoint.path`` is ``step_dir`` as given (an S3 step is read from a temporary copy).
 
     Raises:
         CheckpointError: a file is missing or cannot be decoded.
     """
-    if _on_s3(step_dir):
-        from trainforge.trainer import checkpoint_s3
-
-        return checkpoint_s3.load_checkpoint(step_dir)
-    step_dir = Path(step_dir)
+    where = _located(step_dir)[1]
     try:
-        weights = safetensors.torch.load_file(step_dir / WEIGHTS, device="cpu")
-        optimizer = torch.load(step_dir / OPTIMIZER, map_location="cpu", weights_only=True)
-        state = torch.load(step_dir / TRAINER_STATE, map_location="cpu", weights_only=True)
-        meta = json.loads((step_dir / META).read_text(encoding="utf-8"))
-    except Exception as err:  # safetensors, pickle and JSON each raise their own types
-        raise CheckpointError(f"loading checkpoint {step_dir} failed: {type(err).__name__}: {err}") from err
-    return Checkpoint(step_dir, int(state["step"]), weights, optimizer, state, meta)
+        with local_copy(where) as folder:
+            weights = safetensors.torch.load_file(folder / WEIGHTS, device="cpu")
+            optimizer = torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
+            state = torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=True)
+            meta = json.loads((folder / META).read_text(encoding="utf-8"))
+    except Exception as err:  # storage, safetensors, pickle and JSON each raise their own types
+        raise CheckpointError(f"loading checkpoint {where} failed: {type(err).__name__}: {err}") from err
+    return Checkpoint(where, int(state["step"]), weights, optimizer, state, meta)
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainforge.contract import JOB_FORMAT
 from trainforge.trainer.errors import ConfigError
 
-JOB_FORMAT = "trainforge.job/v1"
 PRECISIONS = ("fp32", "bf16", "fp16")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PARALLELISMS = ("ddp", "fsdp")

@@ -11,22 +11,22 @@ The codes are the ones in docs/contracts.md ("Trainer exit codes and result file
 | TerminatedError  | 143       | error         | transient (SIGTERM; a BaseException)  |
 | any other        | 1         | error         | transient                             |
 
-78 is ``EX_CONFIG`` from sysexits.h; 79 is trainforge's own.
+78 is ``EX_CONFIG`` from sysexits.h; 79 is trainforge's own. The codes and statuses are the
+job contract's (:mod:`trainforge.contract`), which the orchestrator classifies with.
 """
 
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_CONFIG = 78
-EXIT_DIVERGED = 79
+from trainforge.contract import (
+    EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_TERMINATED, STATUS_BAD_CONFIG, STATUS_DIVERGED, STATUS_ERROR,
+)
 
 
 class TrainerError(Exception):
     """Base class: something the trainer detected and can describe. Exit code 1."""
 
     exit_code: int = EXIT_ERROR
-    status: str = "error"
+    status: str = STATUS_ERROR
 
 
 class ConfigError(TrainerError):
@@ -37,7 +37,7 @@ class ConfigError(TrainerError):
     """
 
     exit_code = EXIT_CONFIG
-    status = "bad_config"
+    status = STATUS_BAD_CONFIG
 
 
 class DatasetError(ConfigError):
@@ -48,7 +48,7 @@ class DivergedError(TrainerError):
     """Training produced a non-finite loss, gradient norm or weight. Exit code 79."""
 
     exit_code = EXIT_DIVERGED
-    status = "diverged"
+    status = STATUS_DIVERGED
 
 
 class CheckpointError(TrainerError):
@@ -63,5 +63,5 @@ class TerminatedError(BaseException):
     swallow it.
     """
 
-    exit_code = 143
-    status = "error"
+    exit_code = EXIT_TERMINATED
+    status = STATUS_ERROR

@@ -43,9 +43,15 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from trainforge.trainer.data import Dataset, TokenStream, open_dataset, validation_windows
-from trainforge.trainer.errors import EXIT_CONFIG, ConfigError, TrainerError
-from trainforge.trainer.fsutil import atomic_write_json
+from trainforge.storage import storage_for
+from trainforge.storage.files import atomic_write_json
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer.config import parse_job_config
+from trainforge.trainer.data import TokenStream, open_dataset, validation_windows
+from trainforge.trainer.dataset import Dataset
+from trainforge.contract import EXIT_CONFIG
+from trainforge.trainer.errors import ConfigError, TrainerError
+from trainforge.trainer.model import build_model, llama_config, load_weights
 
 EVAL_FORMAT = "trainforge.evaluation/v1"
 _SAMPLE_CHARS = 2000  # text encoded by both tokenizers to confirm they agree
@@ -176,15 +182,9 @@ def load_model(uri: str, dataset: Dataset) -> tuple[torch.nn.Module, Any]:
 
             parts = mlflow.transformers.load_model(uri, return_type="components")
             model, tokenizer = parts["model"], parts["tokenizer"]
-        elif uri.startswith("s3://"):
-            import tempfile
-
-            from trainforge.trainer.checkpoint_s3 import fetch
-
-            with tempfile.TemporaryDirectory(prefix="trainforge-eval-") as tmp:
-                model, tokenizer = _from_checkpoint(fetch(uri, tmp), dataset)
-        elif (Path(uri) / "manifest.json").is_file():
-            model, tokenizer = _from_checkpoint(Path(uri), dataset)
+        elif _is_checkpoint(uri):
+            with ckpt.local_copy(uri) as local:
+                model, tokenizer = _from_checkpoint(local, dataset)
         else:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -196,12 +196,14 @@ def load_model(uri: str, dataset: Dataset) -> tuple[torch.nn.Module, Any]:
     return model.to("cpu").float().eval(), tokenizer
 
 
+def _is_checkpoint(uri: str) -> bool:
+    """Whether ``uri`` (a folder or an ``s3://`` prefix) holds a checkpoint's manifest.json."""
+    store = storage_for(uri)
+    return store.size(store.join(uri, ckpt.MANIFEST)) is not None
+
+
 def _from_checkpoint(step_dir: Path, dataset: Dataset) -> tuple[torch.nn.Module, Any]:
     from transformers import PreTrainedTokenizerFast
-
-    from trainforge.trainer import checkpoint as ckpt
-    from trainforge.trainer.config import parse_job_config
-    from trainforge.trainer.model import build_model, llama_config, load_weights
 
     problems = ckpt.verify(step_dir)
     if problems:

@@ -23,11 +23,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from trainforge.storage import storage_for
+from trainforge.storage.files import chmod_like_umask
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.config import parse_job_config
 from trainforge.trainer.data import open_dataset
-from trainforge.trainer.errors import EXIT_CONFIG, EXIT_ERROR, CheckpointError, ConfigError
-from trainforge.trainer.fsutil import chmod_like_umask
+from trainforge.contract import EXIT_CONFIG, EXIT_ERROR
+from trainforge.trainer.errors import CheckpointError, ConfigError
 from trainforge.trainer.model import build_model, llama_config, load_weights
 
 EXPORT_INFO = "trainforge_export.json"
@@ -45,16 +47,14 @@ def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: st
         CheckpointError: the checkpoint does not verify, cannot be loaded, or was trained with
             another tokenizer than the dataset's.
     """
-    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    with ckpt.local_copy(step_dir) as local:
+        return _export(local, dataset_dir, Path(out_dir), source or storage_for(step_dir).absolute(step_dir))
 
-    if isinstance(step_dir, str) and step_dir.startswith("s3://"):
-        import tempfile
 
-        from trainforge.trainer.checkpoint_s3 import fetch
+def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str) -> Path:
+    """`export_checkpoint` of the local folder ``step_dir``."""
+    from transformers import GenerationConfig, PreTrainedTokenizerFast  # heavy: only when exporting
 
-        with tempfile.TemporaryDirectory(prefix="trainforge-export-") as tmp:
-            return export_checkpoint(fetch(step_dir, tmp), dataset_dir, out_dir, source=step_dir)
-    step_dir, out_dir = Path(step_dir), Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"--out {out_dir}: exists and is not an empty directory")
     problems = ckpt.verify(step_dir)
@@ -91,7 +91,7 @@ def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: st
         tokenizer.save_pretrained(tmp)
         for path in tmp.iterdir():
             chmod_like_umask(path)
-        info = {"checkpoint": source or str(step_dir.resolve()), "step": c.step,
+        info = {"checkpoint": source, "step": c.step,
                 "checkpoint_digest": hashlib.sha256((step_dir / ckpt.MANIFEST).read_bytes()).hexdigest(),
                 "dataset_digest": dataset.digest, "config_digest": c.meta.get("config_digest")}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")

@@ -1,21 +1,17 @@
-"""SHA-256 of several files at once, one file per thread.
+"""How many threads hash a checkpoint's files at once (one file per thread).
 
 ``hashlib`` releases the GIL while it hashes a buffer larger than 2 KiB, and reads into a
 pre-allocated buffer release it too, so threads scale with cores as long as there is more than
 one file: a checkpoint's weights and optimizer state are hashed side by side. One file is still
 hashed by one thread (SHA-256 is sequential), so the slowest file sets the floor.
 
-``bench/checkpoint_hash.py`` measures this against ``hashlib.sha256`` over the same bytes.
+`trainforge.trainer.checkpoint.verify` hashes with these threads (local files and S3 objects
+alike); ``bench/checkpoint_hash.py`` measures it against ``hashlib.sha256`` over the same bytes.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
-from trainforge.trainer.fsutil import sha256_file
 
 # Beyond this, threads only contend for the disk; checkpoints hold a handful of large files.
 MAX_HASH_THREADS = 8
@@ -33,25 +29,3 @@ def hash_threads(n_files: int, max_threads: int | None = None) -> int:
     """Threads used for ``n_files``: one per file, at most the usable cores and `MAX_HASH_THREADS`."""
     limit = max_threads if max_threads is not None else min(usable_cores(), MAX_HASH_THREADS)
     return max(1, min(n_files, limit))
-
-
-def sha256_files(paths: Sequence[str | Path], max_threads: int | None = None) -> dict[Path, str | OSError]:
-    """SHA-256 hex digest of each file in ``paths``, hashed on up to `hash_threads` threads.
-
-    Returns:
-        ``{path: hex digest}``; a file that could not be read maps to its ``OSError`` instead
-        (so one unreadable file does not hide the state of the others).
-    """
-    files = [Path(p) for p in paths]
-
-    def one(path: Path) -> str | OSError:
-        try:
-            return sha256_file(path)
-        except OSError as err:
-            return err
-
-    threads = hash_threads(len(files), max_threads)
-    if threads == 1:
-        return {p: one(p) for p in files}
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="sha256") as pool:
-        return dict(zip(files, pool.map(one, files)))

@@ -12,15 +12,18 @@ a trainer checkpoint (another stage's) or a Hugging Face model folder (a registe
 from __future__ import annotations
 
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from trainforge.trainer.config import ModelConfig
+from trainforge.storage import Storage, storage_for
+from trainforge.storage.files import sha256_file
+from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer.config import ModelConfig, parse_job_config
 from trainforge.trainer.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -218,19 +221,13 @@ def load_initial_weights(model: LlamaForCausalLM, location: str, tokenizer_path:
         ConfigError: architecture or tokenizer differ (exit 78: a retry cannot fix it).
         CheckpointError: nothing loadable at ``location``, or it does not verify.
     """
-    from trainforge.trainer import checkpoint as ckpt
-    from trainforge.trainer.s3 import is_s3
-
-    with tempfile.TemporaryDirectory(prefix="trainforge-init-") as tmp:
-        if is_s3(location) and not _s3_has(location, ckpt.MANIFEST) and _s3_has(location, "config.json"):
-            local: str | Path = _download_prefix(location, Path(tmp))
-        else:
-            local = location if is_s3(location) else Path(location)
-        if _has(local, "config.json") and not _has(local, ckpt.MANIFEST):
-            source, tensors, vocab_ok = _hf_folder(Path(local), tokenizer_path, tokenizer_sha256)
-            where = location
-        else:
-            where, source, tensors, vocab_ok = _trainer_checkpoint(local, tokenizer_sha256)
+    store = storage_for(location)
+    if _has(store, location, "config.json") and not _has(store, location, ckpt.MANIFEST):
+        with store.local_dir(location, store.list_files(location)) as folder:  # S3: downloaded
+            source, tensors, vocab_ok = _hf_folder(folder, tokenizer_path, tokenizer_sha256)
+        where = location
+    else:
+        where, source, tensors, vocab_ok = _trainer_checkpoint(location, tokenizer_sha256)
     problems = architecture_differences(model.config, source)
     if problems:
         raise ConfigError(f"init {where}: its architecture differs from the job config's model "
@@ -246,29 +243,8 @@ def load_initial_weights(model: LlamaForCausalLM, location: str, tokenizer_path:
     return str(where)
 
 
-def _has(folder: str | Path, name: str) -> bool:
-    from trainforge.trainer.s3 import is_s3
-
-    return _s3_has(str(folder), name) if is_s3(folder) else (Path(folder) / name).is_file()
-
-
-def _s3_has(prefix: str, name: str) -> bool:
-    from trainforge.trainer import s3
-
-    return s3.size_of(s3.join(prefix, name)) is not None
-
-
-def _download_prefix(prefix: str, dest: Path) -> Path:
-    """The files directly under an ``s3://`` prefix (an HF model folder), downloaded to ``dest``."""
-    from trainforge.trainer import s3
-
-    base = prefix.rstrip("/") + "/"
-    bucket, _ = s3.split(base)
-    for key in s3.list_keys(base):
-        name = key[len(s3.split(base)[1]):]
-        if name and "/" not in name:
-            s3.download_file(f"s3://{bucket}/{key}", dest / name)
-    return dest
+def _has(store: Storage, folder: str | Path, name: str) -> bool:
+    return store.size(store.join(folder, name)) is not None
 
 
 def _same_vocabulary(path_a: str | Path, path_b: str | Path) -> bool:
@@ -279,10 +255,6 @@ def _same_vocabulary(path_a: str | Path, path_b: str | Path) -> bool:
 
 def _hf_folder(folder: Path, tokenizer_path: str | Path, tokenizer_sha256: str
                ) -> tuple[LlamaConfig, dict[str, torch.Tensor], bool]:
-    import safetensors.torch
-
-    from trainforge.trainer.fsutil import sha256_file
-
     files = sorted(folder.glob("model*.safetensors"))
     if not files:
         raise CheckpointError(f"init {folder}: config.json but no model*.safetensors weights")
@@ -300,11 +272,8 @@ def _hf_folder(folder: Path, tokenizer_path: str | Path, tokenizer_sha256: str
 
 def _trainer_checkpoint(location: str | Path, tokenizer_sha256: str
                         ) -> tuple[str, LlamaConfig, dict[str, torch.Tensor], bool]:
-    from trainforge.trainer import checkpoint as ckpt
-    from trainforge.trainer.config import parse_job_config
-
     step_dir: Any = location
-    if not _has(location, ckpt.MANIFEST):
+    if not _has(storage_for(location), location, ckpt.MANIFEST):
         step_dir = ckpt.newest_valid(location)
         if step_dir is None:
             raise CheckpointError(f"init {location}: neither a checkpoint (manifest.json), a folder of valid "

@@ -13,21 +13,23 @@ skip; nothing is ever deleted. ``quarantine/`` does not match ``step-*``, so res
 
 A second quarantine of the same step (a retry re-wrote it and it broke again) goes to
 ``quarantine/step-00000300.1/``, ``.2``, ...
+
+The same holds for an ``s3://`` root (:mod:`trainforge.storage`): S3 has no rename, so every
+object is copied and the originals are deleted manifest first.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from trainforge.trainer.checkpoint import QUARANTINE_REASON
+from trainforge.storage import Location, StorageError, storage_for
+from trainforge.trainer.checkpoint import MANIFEST, QUARANTINE_REASON
 from trainforge.trainer.errors import CheckpointError
-from trainforge.trainer.fsutil import atomic_write_json, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ QUARANTINE_FORMAT = "trainforge.quarantine/v1"
 
 
 def quarantine(step_dir: str | Path, reasons: Sequence[str], failed_checks: Sequence[str] = (),
-               step: int | None = None, by: str = "trainforge.trainer.validate") -> Path:
+               step: int | None = None, by: str = "trainforge.trainer.validate") -> Location:
     """Move ``step_dir`` to ``<its parent>/quarantine/<name>[.N]/`` with a QUARANTINE_REASON.json.
 
     Args:
@@ -44,35 +46,32 @@ def quarantine(step_dir: str | Path, reasons: Sequence[str], failed_checks: Sequ
         failed_checks: names of the failed validation checks (``file_hashes``, ``finite``, ...).
         step: the checkpoint's step when known (from its manifest).
     Returns:
-        The folder's new path.
+        The folder's new location (a ``Path`` on disk, a URI on S3).
     Raises:
-        CheckpointError: ``step_dir`` does not exist, or the write or rename failed.
+        CheckpointError: ``step_dir`` does not exist, or the write or move failed.
     """
-    step_dir = Path(step_dir)
-    if not step_dir.is_dir():
+    store = storage_for(step_dir)
+    step_dir = store.join(step_dir)
+    if not store.is_dir(step_dir):
         raise CheckpointError(f"quarantine {step_dir}: not a directory (already moved?)")
-    target_root = step_dir.parent / QUARANTINE_DIR
-    reason = {"format": QUARANTINE_FORMAT, "checkpoint": str(step_dir.resolve()), "step": step,
-              "quarantined_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    reason = {"format": QUARANTINE_FORMAT, "checkpoint": store.absolute(step_dir),
+              "step": step, "quarantined_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "reasons": list(reasons), "failed_checks": list(failed_checks), "by": by}
+    target_root = store.join(store.parent(step_dir), QUARANTINE_DIR)
+    name = store.name(step_dir)
     try:
-        atomic_write_json(step_dir / QUARANTINE_REASON, reason)  # from here on it never verifies
-        target_root.mkdir(exist_ok=True)
-        target = _free_name(target_root, step_dir.name)
-        os.rename(step_dir, target)
-        fsync_dir(step_dir.parent)
-        fsync_dir(target_root)
-    except OSError as err:
+        # From here on the folder never verifies.
+        store.write_bytes(store.join(step_dir, QUARANTINE_REASON), (json.dumps(reason, indent=2) + "\n").encode())
+        taken = set(store.list_dirs(target_root))
+        target_name, n = name, 0
+        while target_name in taken:
+            n += 1
+            target_name = f"{name}.{n}"
+        target = store.join(target_root, target_name)
+        store.move_dir(step_dir, target, first=MANIFEST)
+    except StorageError as err:
         raise CheckpointError(f"quarantine {step_dir} into {target_root} failed: {err}") from err
     log.warning("quarantined %s -> %s: %s", step_dir, target, "; ".join(reasons))
-    return target
-
-
-def _free_name(root: Path, name: str) -> Path:
-    target, n = root / name, 0
-    while target.exists():
-        n += 1
-        target = root / f"{name}.{n}"
     return target
 
 

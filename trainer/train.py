@@ -45,10 +45,12 @@ import torch.distributed as dist
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.amp import MIN_LOSS_SCALE, Precision
 from trainforge.trainer.config import ConfigError, JobConfig, OptimConfig, load_job_config
-from trainforge.trainer.data import BatchSampler, Dataset, TokenStream, open_dataset
+from trainforge.trainer.data import BatchSampler, TokenStream, open_dataset
+from trainforge.trainer.dataset import Dataset
 from trainforge.trainer.distributed import Dist, setup_distributed, shut_down
-from trainforge.trainer.errors import EXIT_OK, DivergedError, TerminatedError, TrainerError
-from trainforge.trainer.fsutil import atomic_write_json
+from trainforge.contract import EXIT_ERROR, EXIT_OK, RESULT_FILE_ENV, STATUS_ERROR, STATUS_SUCCESS
+from trainforge.trainer.errors import DivergedError, TerminatedError, TrainerError
+from trainforge.storage.files import atomic_write_json
 from trainforge.trainer.model import build_model, llama_config, lm_loss, load_initial_weights
 from trainforge.trainer.parallel import Parallel, parallelize
 from trainforge.trainer.schedule import lr_at
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
     signal.signal(signal.SIGTERM, _on_sigterm)
-    result_file = os.environ.get("TRAINFORGE_RESULT_FILE")
+    result_file = os.environ.get(RESULT_FILE_ENV)
     if rank == 0 and result_file:
         Path(result_file).unlink(missing_ok=True)  # a stale result must not speak for this attempt
 
@@ -331,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job_config(args.config)
         d = setup_distributed(cfg)
         train(cfg, d, out)
-        code, status, message = EXIT_OK, "success", f"finished at step {out.final_step}"
+        code, status, message = EXIT_OK, STATUS_SUCCESS, f"finished at step {out.final_step}"
         consistent = True
     except (TrainerError, TerminatedError) as err:
         code, status, message = err.exit_code, err.status, str(err)
@@ -339,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         consistent = isinstance(err, (ConfigError, DivergedError))
         log.error("%s (exit %d): %s", type(err).__name__, code, message)
     except BaseException as err:  # noqa: BLE001 - every exit path writes the result file
-        code = 130 if isinstance(err, KeyboardInterrupt) else 1
-        status, message, consistent = "error", f"{type(err).__name__}: {err}", False
+        code = 130 if isinstance(err, KeyboardInterrupt) else EXIT_ERROR
+        status, message, consistent = STATUS_ERROR, f"{type(err).__name__}: {err}", False
         log.exception("training failed")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish reporting; torchrun SIGKILLs after its grace period
     if rank == 0 and result_file:

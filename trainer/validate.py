@@ -44,21 +44,22 @@ import hashlib
 import json
 import math
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
 import torch
 
+from trainforge.storage import Location, storage_for
+from trainforge.storage.files import atomic_write_json
 from trainforge.trainer import checkpoint as ckpt
-from trainforge.trainer import checkpoint_s3, s3
 from trainforge.trainer.config import parse_job_config
-from trainforge.trainer.data import Dataset, open_dataset
-from trainforge.trainer.errors import EXIT_CONFIG, CheckpointError, ConfigError, TrainerError
+from trainforge.trainer.data import open_dataset
+from trainforge.trainer.dataset import Dataset
+from trainforge.contract import EXIT_CONFIG
+from trainforge.trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainforge.trainer.evaluate import evaluate, greedy_sample
 from trainforge.trainer.expectations import Expectations, check_consistency
-from trainforge.trainer.fsutil import atomic_write_json
 from trainforge.trainer.model import build_model, llama_config, load_weights
 from trainforge.trainer.quarantine import quarantine
 
@@ -85,30 +86,34 @@ class _Report:
         return self.add(name, False, f"not run: {why}")
 
 
-def pick_checkpoint(checkpoints_dir: str | Path, step: int | None = None) -> Path | None:
-    """``step-N`` when ``step`` is given, else the newest step folder that has a manifest.json.
+def pick_checkpoint(checkpoints_dir: str | Path, step: int | None = None) -> Location | None:
+    """``step-N`` when ``step`` is given, else the newest step folder that has a manifest.json
+    (a local folder or an ``s3://`` prefix).
 
     Returns None when no folder has a manifest. Raises ConfigError when ``checkpoints_dir`` or
     the requested step folder does not exist.
     """
-    root = Path(checkpoints_dir)
-    if not root.is_dir():
+    store = storage_for(checkpoints_dir)
+    root = store.join(checkpoints_dir)
+    if not store.is_dir(root):
         raise ConfigError(f"--checkpoints {root}: not a directory")
     if step is not None:
-        path = root / ckpt.step_dir_name(step)
-        if not path.is_dir():
+        path = store.join(root, ckpt.step_dir_name(step))
+        if not store.is_dir(path):
             raise ConfigError(f"--step {step}: {path} does not exist")
         return path
     with_manifest = candidate_dirs(root)
     return with_manifest[-1] if with_manifest else None
 
 
-def candidate_dirs(checkpoints_dir: str | Path) -> list[Path]:
+def candidate_dirs(checkpoints_dir: str | Path) -> list[Location]:
     """Step folders directly under ``checkpoints_dir`` that have a manifest.json, oldest first.
 
     Folders without one are writes in progress or killed writes: not checkpoints, not judged.
     """
-    return [p for _, p in ckpt.list_step_dirs(checkpoints_dir) if (p / ckpt.MANIFEST).is_file()]
+    store = storage_for(checkpoints_dir)
+    return [p for _, p in ckpt.list_step_dirs(checkpoints_dir)
+            if store.size(store.join(p, ckpt.MANIFEST)) is not None]
 
 
 def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_tokens: int = 65536,
@@ -252,9 +257,7 @@ def validate_checkpoints(checkpoints_dir: str | Path, dataset_dir: str | Path, p
         raise ConfigError(f"--policy {policy!r}: expected one of {', '.join(POLICIES)}")
     if policy == "best_val_loss" and step is not None:
         raise ConfigError(f"--step {step} with --policy best_val_loss: the policy chooses the step; drop one")
-    if s3.is_s3(checkpoints_dir):
-        dirs = _s3_candidates(str(checkpoints_dir), policy, step)
-    elif policy == "newest":
+    if policy == "newest":
         chosen_dir = pick_checkpoint(checkpoints_dir, step)
         dirs = [chosen_dir] if chosen_dir is not None else []
     else:
@@ -266,8 +269,7 @@ def validate_checkpoints(checkpoints_dir: str | Path, dataset_dir: str | Path, p
     for rep, summary in zip(reports, summaries):
         if quarantine_damaged and rep["integrity_failures"]:
             reasons = [f"{c['name']}: {c['detail']}" for c in rep["checks"] if c["name"] in rep["integrity_failures"]]
-            move = checkpoint_s3.quarantine if s3.is_s3(rep["checkpoint"]) else quarantine
-            target = move(rep["checkpoint"], reasons, rep["integrity_failures"], rep["step"])
+            target = quarantine(rep["checkpoint"], reasons, rep["integrity_failures"], rep["step"])
             summary["quarantined_to"] = str(target)
             moved.append({"checkpoint": rep["checkpoint"], "moved_to": str(target), "reasons": reasons})
     if not reports:
@@ -288,31 +290,13 @@ def validate_checkpoints(checkpoints_dir: str | Path, dataset_dir: str | Path, p
     return top
 
 
-def _s3_candidates(root: str, policy: str, step: int | None) -> list[str]:
-    """Step prefixes with a manifest object under an ``s3://`` root (newest only for ``newest``)."""
-    with_manifest = [u for _, u in checkpoint_s3.list_step_dirs(root)
-                     if s3.size_of(s3.join(u, ckpt.MANIFEST)) is not None]
-    if step is not None:
-        wanted = s3.join(root, ckpt.step_dir_name(step))
-        if s3.size_of(s3.join(wanted, ckpt.MANIFEST)) is None and not list(s3.list_keys(wanted + "/")):
-            raise ConfigError(f"--step {step}: {wanted} does not exist")
-        return [wanted]
-    return with_manifest if policy == "best_val_loss" else with_manifest[-1:]
-
-
-def _validate_one(step_dir: str | Path, dataset_dir: str | Path, expect: Expectations | None,
+def _validate_one(step_dir: Location, dataset_dir: str | Path, expect: Expectations | None,
                   kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`validate_checkpoint`; an ``s3://`` step is downloaded first and reported by its URI."""
-    if not s3.is_s3(step_dir):
-        return validate_checkpoint(step_dir, dataset_dir, expect=expect, **kwargs)
-    with tempfile.TemporaryDirectory(prefix="trainforge-validate-") as tmp:
-        try:
-            local = checkpoint_s3.fetch(str(step_dir), tmp)
-        except CheckpointError:  # no readable manifest: judge the empty copy (every check says so)
-            local = Path(tmp) / str(step_dir).rstrip("/").rsplit("/", 1)[-1]
-            local.mkdir()
+    """`validate_checkpoint` of a local copy of ``step_dir`` (an S3 step is downloaded first),
+    reported under ``step_dir``'s own name."""
+    with ckpt.local_copy(step_dir) as local:
         report = validate_checkpoint(local, dataset_dir, expect=expect, **kwargs)
-    report["checkpoint"] = str(step_dir)
+    report["checkpoint"] = storage_for(step_dir).absolute(step_dir)
     return report
 
 

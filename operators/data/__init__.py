@@ -28,7 +28,7 @@ _LAZY = {
     "FORMAT": "trainforge.data.manifest",
     "load_manifest": "trainforge.data.manifest",
     "verify_dataset": "trainforge.data.manifest",
-    "PreparedDataset": "trainforge.data.prepare",
+    "PreparedDataset": "trainforge.data.result",
     "prepare_dataset": "trainforge.data.prepare",
 }
 

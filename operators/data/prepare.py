@@ -8,7 +8,8 @@ docs/data.md for every option).
 Everything is written into ``output_root/.<digest>.tmp-<pid>/`` and renamed to
 ``output_root/<digest>/`` at the end, so a dataset folder either is complete or does not exist.
 When ``output_root/<digest>/`` already verifies, it is reused as is. An ``s3://`` output root is
-prepared in a local staging folder and uploaded, manifest last (:mod:`trainforge.data.remote`).
+prepared in a local staging folder and uploaded through the storage interface, manifest last
+(:mod:`trainforge.data.remote`, :mod:`trainforge.storage`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,15 @@ from trainforge.data.manifest import (
     FORMAT, MANIFEST_NAME, RECIPE_VERSION, SPLITS, TOKENIZER_NAME, dataset_digest, load_manifest,
     sha256_file, verify_dataset, write_json_atomic,
 )
+from trainforge.data.remote import prepare_remote
+from trainforge.data.result import PreparedDataset
 from trainforge.data.scan import ScanResult, scan_sources
 from trainforge.data.settings import PrepareSettings
 from trainforge.data.sources import SourceFile, resolve_sources
 from trainforge.data.spool import read_range
+from trainforge.storage import storage_for
+from trainforge.storage.files import fsync_dir
+from trainforge.storage.s3 import make_client
 
 logger = logging.getLogger(__name__)
 Log = logging.Logger | logging.LoggerAdapter
@@ -43,63 +48,6 @@ Log = logging.Logger | logging.LoggerAdapter
 #: Spool range size bounds (bytes); see :func:`chunk_bytes`.
 MIN_CHUNK_BYTES = 64 << 10
 MAX_CHUNK_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class PreparedDataset:
-    """A dataset folder that verifies, and what it holds.
-
-    Attributes:
-        path: absolute ``output_root/<digest>``.
-        digest: dataset digest (the folder name).
-        manifest: the parsed ``manifest.json``.
-        reused: True when the folder existed and verified; nothing was rewritten.
-        elapsed_s: wall time of :func:`prepare_dataset`, seconds.
-        uri: where the dataset lives: ``s3://.../<digest>`` or ``file:///.../<digest>``.
-        reuse: ``""`` (prepared now), ``"local"`` (the folder verified) or ``"remote"`` (the
-            S3 copy existed; fetched or matched locally).
-        timings_s: seconds per phase (``scan``, ``tokenizer``, ``encode``, ``upload``, ...).
-    """
-
-    path: Path
-    digest: str
-    manifest: dict[str, Any]
-    reused: bool
-    elapsed_s: float
-    uri: str = ""
-    reuse: str = ""
-    timings_s: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def documents(self) -> dict[str, int]:
-        return {s: self.manifest["splits"][s]["documents"] for s in SPLITS}
-
-    @property
-    def tokens(self) -> dict[str, int]:
-        return {s: self.manifest["splits"][s]["tokens"] for s in SPLITS}
-
-    def summary(self) -> dict[str, Any]:
-        """Small JSON-able summary (XCom, MLflow params, the task log)."""
-        splits = self.manifest["splits"]
-        stats = self.manifest["stats"]
-        return {
-            "dataset_dir": str(self.path),
-            "dataset_uri": self.uri or self.path.as_uri(),
-            "digest": self.digest,
-            "reused": self.reused,
-            "reuse": self.reuse,
-            "vocab_size": self.manifest["vocab_size"],
-            "dtype": self.manifest["dtype"],
-            "documents": self.documents,
-            "tokens": self.tokens,
-            "bytes_utf8": {s: splits[s]["bytes_utf8"] for s in SPLITS},
-            "shards": {s: len(splits[s]["shards"]) for s in SPLITS},
-            "documents_in": stats["documents_in"],
-            "removed": stats["removed"],
-            "malformed": stats.get("malformed", {}).get("count", 0),
-            "cleaning": stats["cleaning"],
-            "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
-        }
 
 
 class _Client:
@@ -111,7 +59,7 @@ class _Client:
 
     def __call__(self) -> Any:
         if self._client is None:
-            self._client = s3.make_client(self.endpoint_url)
+            self._client = make_client(self.endpoint_url)
         return self._client
 
 
@@ -158,16 +106,15 @@ def prepare_dataset(settings: PrepareSettings, output_root: Path | str, *,
         return _prepare_local(settings, sources, digest, root, client, tokenizer_text,
                               started, log)
 
-    root = str(output_root)
-    if s3.is_s3(root):
-        if staging_root is None:
-            raise InvalidSettingsError("staging_root", None,
-                                       "a local folder for the local copy of an s3:// output")
-        from trainforge.data.remote import prepare_remote
-
-        return prepare_remote(root, Path(staging_root).absolute(), digest, build, client(),
-                              started, log)
-    return build(Path(root).absolute())
+    output = storage_for(output_root, client)
+    local = output.local_path(output_root)
+    if local is not None:
+        return build(local.absolute())
+    if staging_root is None:
+        raise InvalidSettingsError("staging_root", None,
+                                   "a local folder for the local copy of an s3:// output")
+    return prepare_remote(output, str(output_root), Path(staging_root).absolute(), digest, build,
+                          started, log)
 
 
 def _read_tokenizer(settings: PrepareSettings, client: Any) -> str | None:
@@ -299,7 +246,7 @@ def _publish(work: Path, final: Path, digest: str, manifest: dict[str, Any], sta
              log: Log) -> PreparedDataset:
     """Write the manifest last, then move the folder into place (see module doc)."""
     write_json_atomic(work / MANIFEST_NAME, manifest)
-    _fsync_dir(work)
+    fsync_dir(work)
     if final.exists():  # a broken earlier attempt, or another process that just finished
         if not verify_dataset(final):
             log.info("dataset %s was completed by another process; reusing it", digest[:12])
@@ -315,15 +262,7 @@ def _publish(work: Path, final: Path, digest: str, manifest: dict[str, Any], sta
             return PreparedDataset(final, digest, load_manifest(final), True,
                                    time.monotonic() - started, reuse="local")
         raise
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     elapsed = time.monotonic() - started
     log.info("dataset %s ready at %s in %.1f s", digest[:12], final, elapsed)
     return PreparedDataset(final, digest, manifest, False, elapsed)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,10 +1,10 @@
-"""S3 access for data preparation, with boto3 only: list (paginated), streamed and ranged reads
-that pin the object version by ETag, and uploads.
-
-Credentials come from the session :func:`make_client` is given (the Airflow connection named by
-``storage.aws_conn_id``), else boto3's standard chain (environment, ``~/.aws``, instance or pod
-role); never from the spec. The endpoint is ``endpoint_url`` when given (the spec's
-``data.s3_endpoint_url``), else boto3's own ``AWS_ENDPOINT_URL`` handling, else AWS.
+"""S3 sources of data preparation: list (paginated, glob patterns), streamed and ranged reads
+that pin the object version by ETag. Outputs go through the storage interface
+(:mod:`trainforge.storage`), and so does the client: :func:`trainforge.storage.s3.make_client`
+(its bounded timeouts and retries), with the credentials of the session it is given (the
+Airflow connection named by ``storage.aws_conn_id``), else boto3's standard chain (environment,
+``~/.aws``, instance or pod role); never from the spec. The endpoint is the spec's
+``data.s3_endpoint_url`` when given, else boto3's own ``AWS_ENDPOINT_URL`` handling, else AWS.
 
 Every read passes ``IfMatch=<ETag seen when listing>``: an object replaced while the dataset is
 being prepared fails with :class:`SourceChangedError` instead of mixing two versions. A streamed
@@ -17,7 +17,6 @@ from __future__ import annotations
 import io
 import logging
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +24,6 @@ from trainforge.data.errors import SourceAccessError, SourceChangedError
 
 logger = logging.getLogger(__name__)
 
-#: Client-side timeouts (seconds) and retries of every S3 call (botocore "standard" mode).
-CONNECT_TIMEOUT_S = 10
-READ_TIMEOUT_S = 60
-MAX_ATTEMPTS = 8
 #: Times a broken streamed read is re-opened where it stopped before the error is raised.
 STREAM_RESUMES = 5
 _MAGIC = re.compile(r"[*?\[]")
@@ -49,21 +44,6 @@ def split_uri(uri: str) -> tuple[str, str]:
         raise SourceAccessError(uri, "parse", "not an s3://bucket/key URI",
                                 "write S3 locations as s3://bucket/prefix/...")
     return match.group(1), match.group(2)
-
-
-def make_client(endpoint_url: str | None = None, session: Any = None) -> Any:
-    """A boto3 S3 client with bounded timeouts and retries (see the module doc).
-
-    ``session``: a ``boto3.session.Session`` holding the credentials to use (an Airflow
-    connection's, ``trainforge.hooks.s3``); default a new one on boto3's standard chain.
-    """
-    import boto3
-    from botocore.config import Config
-
-    config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                    retries={"max_attempts": MAX_ATTEMPTS, "mode": "standard"})
-    session = session if session is not None else boto3.session.Session()
-    return session.client("s3", endpoint_url=endpoint_url, config=config)
 
 
 @dataclass(frozen=True)
@@ -274,45 +254,3 @@ def read_bytes(client: Any, uri: str) -> bytes:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except Exception as err:
         raise SourceAccessError(uri, "read", _describe(err)) from err
-
-
-def exists(client: Any, uri: str) -> bool:
-    """Whether the object exists (HEAD; 404 -> False).
-
-    Raises:
-        SourceAccessError: any other failure (no access, no bucket, no endpoint).
-    """
-    bucket, key = split_uri(uri)
-    try:
-        client.head_object(Bucket=bucket, Key=key)
-        return True
-    except Exception as err:
-        if _error_code(err) in ("404", "NoSuchKey", "NotFound"):
-            return False
-        raise SourceAccessError(uri, "check", _describe(err)) from err
-
-
-def upload_file(client: Any, path: str, uri: str) -> None:
-    """Upload a local file (multipart above 8 MiB, streamed from disk)."""
-    bucket, key = split_uri(uri)
-    try:
-        client.upload_file(path, bucket, key)
-    except Exception as err:
-        raise SourceAccessError(uri, "upload to", _describe(err)) from err
-
-
-def download_file(client: Any, uri: str, path: str) -> None:
-    """Download an object to a local file (streamed to disk)."""
-    bucket, key = split_uri(uri)
-    try:
-        client.download_file(bucket, key, path)
-    except Exception as err:
-        raise SourceAccessError(uri, "download", _describe(err)) from err
-
-
-def iter_keys(client: Any, uri_prefix: str) -> Iterator[str]:
-    """Keys under a prefix (used by tests and clean-up)."""
-    bucket, prefix = split_uri(uri_prefix)
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for item in page.get("Contents", ()):
-            yield item["Key"]

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from trainforge.storage import StorageError, s3
 from trainforge.trainer import checkpoint as ckpt
-from trainforge.trainer import checkpoint_s3, s3
 
 pytestmark = pytest.mark.integration
 
@@ -82,7 +82,7 @@ def test_tampering_partial_uploads_and_retention(bucket):
 def test_multipart_upload_survives_server_side_503_slowdown(bucket, throttling_s3_proxy, monkeypatch):
     """Real HTTP 503 SlowDown answers from a throttling proxy in front of the S3 server: the
     first two UploadPart requests of the weights and the manifest's PutObject are refused, and
-    botocore's retries (trainforge.trainer.s3.RETRY_MODE, MAX_ATTEMPTS) send them again after a back-off."""
+    botocore's retries (trainforge.storage.s3.RETRY_MODE, MAX_ATTEMPTS) send them again after a back-off."""
     proxy = throttling_s3_proxy
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     assert s3.client().meta.endpoint_url == proxy.url
@@ -116,7 +116,7 @@ def test_listing_more_than_1000_objects_survives_server_side_503_slowdown(bucket
     listed = [status for op, _, status in proxy.log if op == "ListObjectsV2"]
     assert listed == [503, 200, 503, 200]
     proxy.throttle("ListObjectsV2", 1)
-    assert len(checkpoint_s3.list_step_dirs(prefix)) == 1003  # delimiter listing, all pages
+    assert len(ckpt.list_step_dirs(prefix)) == 1003  # delimiter listing, all pages
     proxy.throttle("DeleteObjects", 1)
     assert s3.delete_prefix(prefix) == 1003 and list(s3.list_keys(prefix + "/")) == []
     assert [op for op, _ in proxy.throttled()].count("DeleteObjects") == 1
@@ -128,7 +128,7 @@ def test_s3_error_after_the_last_attempt_names_the_object(bucket, throttling_s3_
     monkeypatch.setattr(s3, "MAX_ATTEMPTS", 2)
     s3._CLIENTS.pop(proxy.url, None)
     proxy.throttle("PutObject", 2)
-    with pytest.raises(s3.S3Error, match=rf"S3 put {bucket}/x/meta.json failed: SlowDown \(HTTP 503\)"):
+    with pytest.raises(StorageError, match=rf"S3 put {bucket}/x/meta.json failed: SlowDown \(HTTP 503\)"):
         s3.put_bytes(f"{bucket}/x/meta.json", b"{}")
     s3._CLIENTS.pop(proxy.url, None)
     assert [status for op, _, status in proxy.log if op == "PutObject"] == [503, 503]

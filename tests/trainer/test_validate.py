@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch
 
 from trainforge.trainer import checkpoint as ckpt
-from trainforge.trainer.fsutil import atomic_write_json, sha256_file
+from trainforge.storage.files import atomic_write_json, sha256_file
 from trainforge.trainer.validate import main, pick_checkpoint, validate_checkpoint
 
 CHECK_NAMES = ["manifest", "file_hashes", "meta", "consistency", "weights_load", "shapes", "finite", "eval", "sample"]

@@ -15,7 +15,7 @@ from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.config import load_job_config
 from trainforge.trainer.evaluate import evaluate_models
 from trainforge.trainer.expectations import Expectations, check_consistency, config_digest
-from trainforge.trainer.fsutil import atomic_write_json, sha256_file
+from trainforge.storage.files import atomic_write_json, sha256_file
 from trainforge.trainer.quarantine import QUARANTINE_DIR, is_quarantined, list_quarantined, quarantine
 from trainforge.trainer.validate import main, validate_checkpoint, validate_checkpoints
 

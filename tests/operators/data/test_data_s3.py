@@ -14,6 +14,7 @@ from trainforge.data import (
 )
 from trainforge.data import prepare as prepare_mod
 from trainforge.data import s3
+from trainforge.storage import s3 as storage_s3
 
 pytestmark = pytest.mark.integration
 
@@ -93,9 +94,11 @@ def test_s3_output_uploads_manifest_last_and_is_reused(s3_env, s3_server, bucket
                                                       make_settings, corpus, monkeypatch):
     settings = make_settings(corpus / "*.txt", s3_endpoint_url=s3_server)
     uploads: list[str] = []
-    real_upload = s3.upload_file
-    monkeypatch.setattr(s3, "upload_file",
-                        lambda c, path, uri: (uploads.append(uri), real_upload(c, path, uri)))
+    real_upload, real_put = storage_s3.upload_file, storage_s3.put_bytes
+    monkeypatch.setattr(storage_s3, "upload_file",
+                        lambda path, uri, using=None: (uploads.append(uri), real_upload(path, uri, using)))
+    monkeypatch.setattr(storage_s3, "put_bytes",
+                        lambda uri, data, using=None: (uploads.append(uri), real_put(uri, data, using)))
     out = f"s3://{bucket}/datasets"
     first = prepare_dataset(settings, out, staging_root=tmp_path / "stage")
     remote_dir = f"{out}/{first.digest}"
@@ -103,7 +106,7 @@ def test_s3_output_uploads_manifest_last_and_is_reused(s3_env, s3_server, bucket
     assert first.path == tmp_path / "stage" / first.digest and verify_dataset(first.path) == []
     assert uploads[-1] == f"{remote_dir}/manifest.json" and len(uploads) >= 6
     assert first.summary()["dataset_uri"] == remote_dir
-    keys = sorted(s3.iter_keys(s3_env, f"s3://{bucket}/datasets/"))
+    keys = sorted(storage_s3.list_keys(f"s3://{bucket}/datasets/", s3_env))
     assert sorted(f"datasets/{first.digest}/{p.name}" for p in first.path.iterdir()) == keys
 
     uploads.clear()
@@ -125,8 +128,8 @@ def test_an_interrupted_upload_is_not_a_dataset(s3_env, s3_server, bucket, tmp_p
     s3_env.delete_object(Bucket=bucket, Key=f"datasets/{first.digest}/validation-00000.bin")
     again = prepare_dataset(settings, out, staging_root=tmp_path / "stage")
     assert again.reuse == "local"  # the S3 copy did not count; the local one was uploaded
-    assert s3.exists(s3_env, f"{out}/{first.digest}/validation-00000.bin")
-    assert s3.exists(s3_env, f"{out}/{first.digest}/manifest.json")
+    assert storage_s3.size_of(f"{out}/{first.digest}/validation-00000.bin", s3_env) is not None
+    assert storage_s3.size_of(f"{out}/{first.digest}/manifest.json", s3_env) is not None
 
 
 def test_an_object_replaced_while_reading_fails(s3_env, s3_server, bucket, tmp_path,

@@ -1,4 +1,4 @@
-"""Datasets read from S3 (trainforge.trainer.data_s3) against a real S3-compatible server on loopback (moto
+"""Datasets read from S3 (trainforge.trainer.dataset_cache) against a real S3-compatible server on loopback (moto
 in server mode): downloaded once into a cache keyed by the digest, verified before use, never a
 half-downloaded or tampered copy."""
 
@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from trainforge.trainer import s3
+from trainforge.storage import s3
 from trainforge.trainer.data import open_dataset
 from trainforge.trainer.errors import DatasetError
 

@@ -1,4 +1,5 @@
-"""Datasets on S3: a local cache, keyed by the dataset digest, that a trainer can memory-map.
+"""Datasets that are not on this machine's disk (an S3 prefix): a local cache, keyed by the
+dataset digest, that a trainer can memory-map.
 
 ``s3://bucket/prefix/<digest>/`` holds the same files as a local dataset folder and, like it,
 exists only once its ``manifest.json`` object is there (prepare_data uploads it last). A trainer
@@ -9,14 +10,14 @@ pod or Ray worker has no copy of it, so `cached_dataset` downloads it once per m
     <cache>/.<digest>.lock              held while one process checks or downloads
 
 The files go into the temporary folder, are checked against the manifest (size, SHA-256, token
-ids < vocab_size: `trainforge.trainer.data.open_dataset`) and only then is the folder renamed to
+ids < vocab_size: `trainforge.trainer.dataset.read_dataset`) and only then is the folder renamed to
 ``<digest>/``, so a half-downloaded or damaged copy is never used. A cached copy that no longer
 verifies is deleted and downloaded again. Several ranks on one machine share one download (the
 lock). The cache folder is ``TRAINFORGE_DATASET_CACHE``, else ``$TRAINFORGE_HOME/cache/datasets``,
 else ``~/.cache/trainforge/datasets``.
 
-Credentials and endpoint: trainforge.trainer.s3 (boto3's standard chain; ``AWS_ENDPOINT_URL_S3`` or
-``AWS_ENDPOINT_URL`` for an S3-compatible store).
+Reads go through the storage interface (trainforge.storage; on S3: boto3's standard chain,
+``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` for an S3-compatible store).
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from trainforge.trainer import s3
+from trainforge.storage import Storage
+from trainforge.trainer.dataset import MANIFEST, Dataset, read_dataset
 from trainforge.trainer.errors import DatasetError
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-#: Parallel object downloads (each one multipart above trainforge.trainer.s3.MULTIPART_BYTES).
+#: Parallel object downloads (each one multipart above trainforge.storage.s3.MULTIPART_BYTES).
 DOWNLOAD_THREADS = 4
 _DIGEST = re.compile(r"^[0-9a-f]{16,128}$")
 
@@ -76,9 +77,9 @@ def listed_files(manifest: dict[str, Any], where: str) -> list[str]:
     return names
 
 
-def _read_manifest(uri: str) -> tuple[bytes, dict[str, Any], str]:
-    manifest_uri = s3.join(uri, MANIFEST)
-    data = s3.get_bytes(manifest_uri)
+def _read_manifest(store: Storage, uri: str) -> tuple[bytes, dict[str, Any], str]:
+    manifest_uri = store.join(uri, MANIFEST)
+    data = store.read_bytes(manifest_uri)
     if data is None:
         raise DatasetError(f"{manifest_uri}: missing; a dataset without a manifest does not exist "
                            "(was prepare_data's upload interrupted?)")
@@ -103,19 +104,18 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def cached_dataset(uri: str, verify_hashes: bool = True):
-    """Open the S3 dataset ``uri`` from this machine's cache, downloading it first when needed.
+def cached_dataset(store: Storage, uri: str, verify_hashes: bool = True) -> Dataset:
+    """Open the dataset ``uri`` of ``store`` from this machine's cache, downloading it first when
+    needed.
 
     Returns:
-        trainforge.trainer.data.Dataset of the local copy ``<cache>/<digest>/`` (checked: the fresh download
+        The Dataset of the local copy ``<cache>/<digest>/`` (checked: the fresh download
         always with SHA-256s; a cached copy with them when ``verify_hashes``).
     Raises:
         DatasetError: no manifest on S3, or the downloaded files do not match it (exit code 78).
-        S3Error: S3 could not be read after botocore's retries (transient: the task retries).
+        StorageError: S3 could not be read after botocore's retries (transient: the task retries).
     """
-    from trainforge.trainer.data import open_dataset
-
-    manifest_bytes, manifest, digest = _read_manifest(uri)
+    manifest_bytes, manifest, digest = _read_manifest(store, uri)
     root = cache_root()
     target = root / digest
     with _locked(root / f".{digest}.lock"):
@@ -123,7 +123,7 @@ def cached_dataset(uri: str, verify_hashes: bool = True):
             same = (target / MANIFEST).is_file() and (target / MANIFEST).read_bytes() == manifest_bytes
             if same:
                 try:
-                    dataset = open_dataset(target, verify_hashes)
+                    dataset = read_dataset(target, verify_hashes)
                     log.info("dataset %s: using the cached copy %s", uri, target)
                     return dataset
                 except DatasetError as err:
@@ -132,24 +132,23 @@ def cached_dataset(uri: str, verify_hashes: bool = True):
             else:
                 log.warning("cached copy %s has another manifest than %s: downloading it again", target, uri)
             shutil.rmtree(target)
-        _download(uri, manifest_bytes, manifest, target)
-        return open_dataset(target, verify_hashes=False)  # the bytes were hashed just before the rename
+        _download(store, uri, manifest_bytes, manifest, target)
+        return read_dataset(target, verify_hashes=False)  # the bytes were hashed just before the rename
 
 
-def _download(uri: str, manifest_bytes: bytes, manifest: dict[str, Any], target: Path) -> None:
+def _download(store: Storage, uri: str, manifest_bytes: bytes, manifest: dict[str, Any],
+              target: Path) -> None:
     """Download every listed file into a temporary sibling of ``target``, verify, rename."""
-    from trainforge.trainer.data import open_dataset
-
-    names = listed_files(manifest, s3.join(uri, MANIFEST))
+    names = listed_files(manifest, str(store.join(uri, MANIFEST)))
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
         log.info("dataset %s: downloading %d files into %s", uri, len(names), target)
         with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(names))) as pool:
-            list(pool.map(lambda n: s3.download_file(s3.join(uri, n), tmp / n), names))
+            list(pool.map(lambda n: store.get_file(store.join(uri, n), tmp / n), names))
         (tmp / MANIFEST).write_bytes(manifest_bytes)  # last, as on S3
         try:
-            open_dataset(tmp, verify_hashes=True)
+            read_dataset(tmp, verify_hashes=True)
         except DatasetError as err:
             raise DatasetError(f"dataset {uri} does not match its manifest once downloaded: {err}") from None
         os.rename(tmp, target)
