@@ -41,15 +41,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from torch.nn import functional as F
+from transformers import PreTrainedTokenizerFast
 
+from trainforge.contract import EXIT_CONFIG
 from trainforge.storage import storage_for
 from trainforge.storage.files import atomic_write_json
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.config import parse_job_config
 from trainforge.trainer.data import TokenStream, open_dataset, validation_windows
 from trainforge.trainer.dataset import Dataset
-from trainforge.contract import EXIT_CONFIG
 from trainforge.trainer.errors import ConfigError, TrainerError
 from trainforge.trainer.model import build_model, llama_config, load_weights
 
@@ -104,8 +106,6 @@ def evaluate(model: torch.nn.Module, dataset: Dataset, seq_len: int, max_tokens:
 def validation_documents(dataset: Dataset, max_tokens: int) -> list[str]:
     """The validation documents (decoded text) that the first ``max_tokens + 1`` tokens cover,
     the last one cut where the tokens end. EOS separates documents and is not part of any."""
-    from tokenizers import Tokenizer
-
     stream = TokenStream(dataset, "validation")
     ids = stream.read(0, min(max_tokens + 1, stream.num_tokens))
     tok = Tokenizer.from_file(str(dataset.tokenizer_path))
@@ -156,8 +156,6 @@ def evaluate_text(model: torch.nn.Module, tokenizer: Any, documents: list[str], 
 def greedy_sample(model: torch.nn.Module, dataset: Dataset, prompt: str, max_new_tokens: int, context: int,
                   device: str = "cpu") -> str:
     """Greedy continuation of ``prompt`` (at most ``max_new_tokens``, stops at EOS), decoded text."""
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(dataset.tokenizer_path))
     ids = tok.encode(prompt).ids or [dataset.eos_id]
     new: list[int] = []
@@ -203,8 +201,6 @@ def _is_checkpoint(uri: str) -> bool:
 
 
 def _from_checkpoint(step_dir: Path, dataset: Dataset) -> tuple[torch.nn.Module, Any]:
-    from transformers import PreTrainedTokenizerFast
-
     problems = ckpt.verify(step_dir)
     if problems:
         raise TrainerError(f"checkpoint {step_dir} does not verify: {'; '.join(problems)}")
@@ -219,8 +215,6 @@ def _from_checkpoint(step_dir: Path, dataset: Dataset) -> tuple[torch.nn.Module,
 
 def tokenizer_matches(tokenizer: Any, dataset: Dataset, sample: str) -> bool:
     """True when ``tokenizer`` maps tokens to the dataset's ids and encodes ``sample`` the same way."""
-    from tokenizers import Tokenizer
-
     ref = Tokenizer.from_file(str(dataset.tokenizer_path))
     try:
         same_vocab = tokenizer.get_vocab() == ref.get_vocab(with_added_tokens=True)

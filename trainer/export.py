@@ -23,12 +23,14 @@ import shutil
 import sys
 from pathlib import Path
 
+from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+from trainforge.contract import EXIT_CONFIG, EXIT_ERROR
 from trainforge.storage import storage_for
 from trainforge.storage.files import chmod_like_umask
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.config import parse_job_config
 from trainforge.trainer.data import open_dataset
-from trainforge.contract import EXIT_CONFIG, EXIT_ERROR
 from trainforge.trainer.errors import CheckpointError, ConfigError
 from trainforge.trainer.model import build_model, llama_config, load_weights
 
@@ -53,8 +55,6 @@ def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: st
 
 def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str) -> Path:
     """`export_checkpoint` of the local folder ``step_dir``."""
-    from transformers import GenerationConfig, PreTrainedTokenizerFast  # heavy: only when exporting
-
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"--out {out_dir}: exists and is not an empty directory")
     problems = ckpt.verify(step_dir)

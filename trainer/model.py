@@ -17,6 +17,7 @@ from typing import Any
 
 import safetensors.torch
 import torch
+from tokenizers import Tokenizer
 from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -248,8 +249,6 @@ def _has(store: Storage, folder: str | Path, name: str) -> bool:
 
 
 def _same_vocabulary(path_a: str | Path, path_b: str | Path) -> bool:
-    from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(path_a)).get_vocab() == Tokenizer.from_file(str(path_b)).get_vocab()
 
 

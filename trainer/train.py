@@ -39,18 +39,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+import safetensors
 import torch
 import torch.distributed as dist
+import transformers
 
+from trainforge.contract import EXIT_ERROR, EXIT_OK, RESULT_FILE_ENV, STATUS_ERROR, STATUS_SUCCESS
+from trainforge.storage.files import atomic_write_json
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.amp import MIN_LOSS_SCALE, Precision
 from trainforge.trainer.config import ConfigError, JobConfig, OptimConfig, load_job_config
 from trainforge.trainer.data import BatchSampler, TokenStream, open_dataset
 from trainforge.trainer.dataset import Dataset
 from trainforge.trainer.distributed import Dist, setup_distributed, shut_down
-from trainforge.contract import EXIT_ERROR, EXIT_OK, RESULT_FILE_ENV, STATUS_ERROR, STATUS_SUCCESS
 from trainforge.trainer.errors import DivergedError, TerminatedError, TrainerError
-from trainforge.storage.files import atomic_write_json
 from trainforge.trainer.model import build_model, llama_config, lm_loss, load_initial_weights
 from trainforge.trainer.parallel import Parallel, parallelize
 from trainforge.trainer.schedule import lr_at
@@ -200,8 +202,6 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
 
 
 def _versions() -> dict[str, str]:
-    import safetensors
-    import transformers
     return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
             "safetensors": safetensors.__version__, "numpy": np.__version__}
 

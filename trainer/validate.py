@@ -50,13 +50,13 @@ from typing import Any
 import safetensors.torch
 import torch
 
+from trainforge.contract import EXIT_CONFIG
 from trainforge.storage import Location, storage_for
 from trainforge.storage.files import atomic_write_json
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.config import parse_job_config
 from trainforge.trainer.data import open_dataset
 from trainforge.trainer.dataset import Dataset
-from trainforge.contract import EXIT_CONFIG
 from trainforge.trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainforge.trainer.evaluate import evaluate, greedy_sample
 from trainforge.trainer.expectations import Expectations, check_consistency

@@ -7,6 +7,8 @@ The demo corpus fetcher lives in :mod:`trainforge.data.corpus`
 (``python -m trainforge.data.corpus fetch --dest DIR``).
 """
 
+import importlib
+
 from trainforge.data.errors import (
     CorpusFetchError,
     DataPrepError,
@@ -35,8 +37,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'trainforge.data' has no attribute {name!r}")
 
