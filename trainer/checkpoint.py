@@ -49,7 +49,7 @@ WEIGHTS, OPTIMIZER, TRAINER_STATE, META = "model.safetensors", "optimizer.pt", "
 REQUIRED_FILES = (WEIGHTS, OPTIMIZER, TRAINER_STATE, META)
 # Written into a folder before it is moved aside (trainforge.trainer.quarantine): such a folder never verifies.
 QUARANTINE_REASON = "QUARANTINE_REASON.json"
-STEP_DIR = re.compile(r"^step-(\d{8,})$")
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
 def _located(location: str | Path) -> tuple[Storage, Location]:
@@ -74,7 +74,7 @@ def list_step_dirs(root: str | Path) -> list[tuple[int, Location]]:
     (valid or not)."""
     store, root = _located(root)
     found = [(int(m.group(1)), store.join(root, name)) for name in store.list_dirs(root)
-             if (m := STEP_DIR.match(name))]
+             if (m := _STEP_DIR.match(name))]
     return sorted(found)
 
 
@@ -119,7 +119,7 @@ def verify(step_dir: str | Path, hashes: bool = True, max_threads: int | None = 
     except CheckpointError as err:
         return [str(err)]
     problems = []
-    m = STEP_DIR.match(store.name(step_dir))
+    m = _STEP_DIR.match(store.name(step_dir))
     if m is None or int(m.group(1)) != manifest["step"]:
         problems.append(f"{step_dir}: manifest step {manifest['step']} does not match the folder name")
     manifest_at = store.join(step_dir, MANIFEST)
@@ -205,7 +205,7 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
             (folder / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
             store.publish(folder, step_dir, REQUIRED_FILES)
             files = {name: {"bytes": (folder / name).stat().st_size, "sha256": digest}
-                     for name, digest in _digests(store, folder).items()}  # what was written, after fsync
+                     for name, digest in _digests(folder).items()}  # what was written, after fsync
             manifest = {"format": CHECKPOINT_FORMAT, "step": step, "files": files}
             store.write_bytes(store.join(step_dir, MANIFEST), (json.dumps(manifest, indent=2) + "\n").encode())
     except (OSError, StorageError) as err:
@@ -213,7 +213,7 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
     return step_dir
 
 
-def _digests(store: Storage, folder: Path) -> dict[str, str]:
+def _digests(folder: Path) -> dict[str, str]:
     """SHA-256 of each required file of the local ``folder``, hashed side by side."""
     local = storage_for(folder)
     with ThreadPoolExecutor(hash_threads(len(REQUIRED_FILES)), thread_name_prefix="sha256") as pool:
