@@ -54,3 +54,37 @@ def test_contract(contract: str, installed_tree: Path):
         cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, f"contract {contract} broken:\n{result.stdout}{result.stderr}"
+
+
+def test_module_level_forbidden_counts_only_imports_that_run_on_import(tmp_path: Path):
+    package = tmp_path / "demo"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "heavy.py").write_text("")
+    (package / "light.py").write_text("import os\n")
+    (package / "parse.py").write_text(
+        "from demo import light\n\n\ndef run():\n    from demo import heavy\n")
+    (package / "eager.py").write_text("try:\n    from demo import heavy\nexcept ImportError:\n"
+                                      "    heavy = None\n")
+    config = tmp_path / "contracts.toml"
+    config.write_text(
+        '[tool.importlinter]\nroot_packages = ["demo"]\n'
+        'contract_types = ["module_level_forbidden: '
+        'tests.import_contracts.ModuleLevelForbiddenContract"]\n'
+        + "".join(
+            f'[[tool.importlinter.contracts]]\nid = "{source}"\nname = "{source}"\n'
+            f'type = "module_level_forbidden"\nsource_modules = ["demo.{source}"]\n'
+            'forbidden_modules = ["demo.heavy"]\n'
+            for source in ("parse", "eager")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+
+    def lint(contract: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(Path(sys.executable).with_name("lint-imports")), "--no-cache",
+             "--config", str(config), "--contract", contract],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+    parse = lint("parse")
+    assert parse.returncode == 0, parse.stdout
+    eager = lint("eager")
+    assert eager.returncode == 1 and "demo.eager -> demo.heavy" in eager.stdout, eager.stdout
