@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from trainforge.pipeline import schema as published
-from trainforge.pipeline.loader import _Loader
+from trainforge.pipeline.yaml_positions import SpecLoader
 
 ROOT = Path(__file__).resolve().parents[3]
 PIPELINES = sorted((ROOT / "dags" / "pipelines").glob("*.yaml"))
@@ -27,7 +27,7 @@ def test_committed_reference_is_current():
 
 def _load(path: Path):
     """The file as an editor's YAML language server sees it (dates stay ISO strings)."""
-    data = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - our SafeLoader subclass
+    data = yaml.load(path.read_text(), Loader=SpecLoader)  # noqa: S506 - our SafeLoader subclass
 
     def plain(value):
         if isinstance(value, dict):
