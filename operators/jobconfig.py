@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainforge.backends.base import JobIdentity, TrainingJob
+from trainforge.engines.base import JobIdentity, TrainingJob
 from trainforge.pipeline.model import PipelineSpec
 
 JOB_FORMAT = "trainforge.job/v1"

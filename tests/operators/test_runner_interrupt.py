@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from trainforge.backends.base import JobIdentity, JobState, TrainingJob
-from trainforge.backends.local import LocalBackend
+from trainforge.engines.base import JobIdentity, JobState, TrainingJob
+from trainforge.engines.local.backend import LocalBackend
 from trainforge.runner import StoppedJobs, stop_local_jobs
 
 FAKE_DIR = Path(__file__).resolve().parent / "backends"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.backends.base import JobIdentity, JobState, TrainingJob
-from trainforge.backends.local import LocalBackend
+from trainforge.engines.base import JobIdentity, JobState, TrainingJob
+from trainforge.engines.local.backend import LocalBackend
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.pipeline import load_spec, parse_spec_text
 from trainforge.teardown import (

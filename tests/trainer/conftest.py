@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from trainforge.backends.base import LAUNCH_ENV
+from trainforge.engines.base import LAUNCH_ENV
 
 EOS = "<|endoftext|>"
 WORDS = (

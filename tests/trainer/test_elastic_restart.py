@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from trainforge.backends.base import LAUNCH_ENV
+from trainforge.engines.base import LAUNCH_ENV
 from tests.trainer.conftest import REPO_ROOT, trainer_env
 
 pytestmark = [pytest.mark.distributed]
