@@ -26,7 +26,7 @@ from trainforge.engines.base import JobState
 from trainforge.engines.kubernetes.render import configmap_name, resource_name
 from trainforge.engines.kubernetes.backend import KubernetesBackend
 from trainforge.errors import BackendError
-from tests.operators.backends.test_kubernetes_common import IDENTITY, demo_job, full_job
+from tests.operators.engines.kubernetes.test_kubernetes_common import IDENTITY, demo_job, full_job
 
 NS_DEMO, NS_FULL = "default", "ml-train"
 TRAINJOBS = "trainer.kubeflow.org/v1alpha1/trainjobs"

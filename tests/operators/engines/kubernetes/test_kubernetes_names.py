@@ -17,7 +17,7 @@ from trainforge.engines.kubernetes.render import (
     render_objects,
     resource_name,
 )
-from tests.operators.backends.test_kubernetes_common import demo_job
+from tests.operators.engines.kubernetes.test_kubernetes_common import demo_job
 
 RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")

@@ -1,6 +1,6 @@
 """Kubernetes engine rendering: golden manifests, environment and Secret rules, the launcher.
 
-Regenerate the goldens with ``TRAINFORGE_UPDATE_GOLDEN=1 pytest tests/operators/backends -k
+Regenerate the goldens with ``TRAINFORGE_UPDATE_GOLDEN=1 pytest tests/operators/engines/kubernetes -k
 kubernetes_render`` and review the diff.
 """
 
@@ -16,7 +16,7 @@ import pytest
 
 from trainforge.engines.kubernetes.render import LAUNCH_SCRIPT, RESULT_FILE, render_objects
 from trainforge.engines.kubernetes.backend import KubernetesBackend
-from tests.operators.backends.test_kubernetes_common import ENV, demo_job, full_job
+from tests.operators.engines.kubernetes.test_kubernetes_common import ENV, demo_job, full_job
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 CASES = {
@@ -155,7 +155,7 @@ def test_result_file_is_under_the_run_volume():
 def test_trainjob_priority_needs_a_kueue_queue():
     from pydantic import ValidationError
 
-    from tests.operators.backends.test_kubernetes_common import spec_for
+    from tests.operators.engines.kubernetes.test_kubernetes_common import spec_for
 
     with pytest.raises(ValidationError, match="priority_class 'high' with api 'trainjob'.*needs queue_name"):
         spec_for("trainjob", {"priority_class": "high"})
@@ -170,7 +170,7 @@ def test_trainjob_priority_needs_a_kueue_queue():
 def test_secret_env_names_are_checked_by_the_spec(secret_env, message):
     from pydantic import ValidationError
 
-    from tests.operators.backends.test_kubernetes_common import spec_for
+    from tests.operators.engines.kubernetes.test_kubernetes_common import spec_for
 
     with pytest.raises(ValidationError, match=message):
         spec_for("trainjob", {"secret_env": secret_env})

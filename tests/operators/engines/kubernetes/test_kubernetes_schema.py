@@ -19,7 +19,7 @@ import pytest
 from referencing import Registry, Resource
 
 from trainforge.engines.kubernetes.render import render_objects
-from tests.operators.backends.test_kubernetes_common import demo_job, full_job
+from tests.operators.engines.kubernetes.test_kubernetes_common import demo_job, full_job
 
 K8S_VERSION = "1.37"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"

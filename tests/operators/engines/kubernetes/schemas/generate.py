@@ -2,7 +2,7 @@
 
     pip download --no-deps -d wheels kubeflow-trainer-api==2.3.0 kubeflow-training==1.9.4
     (cd wheels && for w in *.whl; do unzip -qo "$w"; done)
-    PYTHONPATH=wheels python tests/operators/backends/schemas/generate.py
+    PYTHONPATH=wheels python tests/operators/engines/kubernetes/schemas/generate.py
 
 Both SDKs are generated from the operators' OpenAPI specs. Kubeflow-specific types are written
 out here, strict (no unknown fields, like the API server's strict field validation); every
