@@ -14,12 +14,11 @@ Handle (JSON)::
      "max_restarts": int}
 
 Log offsets are the kubelet's timestamp of the last line passed on, in nanoseconds since the
-epoch (0: from the start); see :meth:`KubernetesBackend.read_logs`.
+epoch (0: from the start); see :mod:`trainforge.engines.kubernetes.logs`.
 """
 
 from __future__ import annotations
 
-import calendar
 import json
 import logging
 import time
@@ -29,6 +28,8 @@ from typing import Any
 from trainforge.contract import FailureKind, failure_kind
 from trainforge.engines.kubernetes import render as r
 from trainforge.engines.kubernetes import status as s
+from trainforge.engines.kubernetes.client import api_error, network_errors
+from trainforge.engines.kubernetes.logs import read_log
 from trainforge.engines.base import (
     Backend,
     JobHandle,
@@ -45,43 +46,6 @@ log = logging.getLogger(__name__)
 # Kueue's Workload API versions, newest first (v1beta2 from Kueue 0.15, v1beta1 before).
 KUEUE_WORKLOAD_VERSIONS = ("v1beta2", "v1beta1")
 KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
-# Labels of rank 0's pod: JobSet (TrainJob) and the training operator (PyTorchJob).
-RANK0_LABELS = {
-    "trainjob": {"jobset.sigs.k8s.io/replicatedjob-name": r.TRAINJOB_REPLICATED_JOB,
-                 "batch.kubernetes.io/job-completion-index": "0"},
-    "pytorchjob": {"training.kubeflow.org/replica-type": "master",
-                   "training.kubeflow.org/replica-index": "0"},
-}
-
-
-def _epoch_s(timestamp: str | None) -> float | None:
-    """RFC 3339 ``2026-01-02T03:04:05Z`` (optionally with a fraction) → UNIX seconds."""
-    if not timestamp:
-        return None
-    base, _, frac = timestamp.rstrip("Z").partition(".")
-    try:
-        whole = calendar.timegm(time.strptime(base, "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return None
-    return whole + (float(f"0.{frac}") if frac.isdigit() else 0.0)
-
-
-def _log_ts_ns(stamp: str) -> int | None:
-    """The kubelet's log timestamp (RFC 3339 with nanoseconds) → nanoseconds since the epoch."""
-    base, _, frac = stamp.rstrip("Z").partition(".")
-    try:
-        whole = calendar.timegm(time.strptime(base, "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:
-        return None
-    digits = (frac if frac.isdigit() else "")[:9].ljust(9, "0")
-    return whole * 1_000_000_000 + int(digits)
-
-
-def _matches(labels: dict[str, str] | None, selector: dict[str, str]) -> bool:
-    labels = labels or {}
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
 class KubernetesBackend(Backend):
     """Kubeflow training jobs on a Kubernetes cluster.
 
@@ -146,8 +110,8 @@ class KubernetesBackend(Backend):
         except ApiException as err:
             if err.status == 404 and missing_ok:
                 return None
-            raise _api_error(what, err) from err
-        except _network_errors() as err:
+            raise api_error(what, err) from err
+        except network_errors() as err:
             raise BackendError(f"could not reach the Kubernetes API to {what}: {err}") from err
         if raw:
             return json.loads(result.data or b"null")
@@ -184,8 +148,8 @@ class KubernetesBackend(Backend):
             return
         except ApiException as err:
             if err.status != 409:
-                raise _api_error(f"create ConfigMap {self.namespace}/{name}", err) from err
-        except _network_errors() as err:
+                raise api_error(f"create ConfigMap {self.namespace}/{name}", err) from err
+        except network_errors() as err:
             raise BackendError(f"could not reach the Kubernetes API to create ConfigMap "
                                f"{self.namespace}/{name}: {err}") from err
         current = self._call(f"read ConfigMap {self.namespace}/{name}",
@@ -205,8 +169,8 @@ class KubernetesBackend(Backend):
                 group, version, self.namespace, plural, obj, _request_timeout=self.request_timeout_s)
         except ApiException as err:
             if err.status != 409:
-                raise _api_error(f"create {kind} {self.namespace}/{name}", err) from err
-        except _network_errors() as err:
+                raise api_error(f"create {kind} {self.namespace}/{name}", err) from err
+        except network_errors() as err:
             # The request may have reached the server: a job may exist now. Look before failing.
             current = self._get(api, name)
             if current is not None and r.identity_from_annotations(
@@ -261,7 +225,7 @@ class KubernetesBackend(Backend):
         meta = obj.get("metadata") or {}
         annotations = meta.get("annotations") or {}
         identity = r.identity_from_annotations(annotations)
-        submitted = _epoch_s(meta.get("creationTimestamp")) or time.time()
+        submitted = s.epoch_s(meta.get("creationTimestamp")) or time.time()
         timeout = annotations.get(r.ANN_STARTUP_TIMEOUT)
         return {
             "engine": self.engine,
@@ -285,16 +249,7 @@ class KubernetesBackend(Backend):
                              handle["namespace"], raw=True,
                              label_selector=",".join(f"{k}={v}" for k, v in selector.items()))
         return [p for p in (listing or {}).get("items", [])
-                if _matches((p.get("metadata") or {}).get("labels"), selector)]
-
-    @staticmethod
-    def _rank0(api: str, pods: list[dict[str, Any]]) -> dict[str, Any] | None:
-        candidates = [p for p in pods if _matches((p.get("metadata") or {}).get("labels"), RANK0_LABELS[api])]
-        if not candidates:
-            return None
-        # The newest pod speaks for the current attempt (JobSet recreates pods on restart).
-        return max(candidates, key=lambda p: ((p.get("metadata") or {}).get("creationTimestamp") or "",
-                                              s.pod_restarts(p)))
+                if s.labels_match((p.get("metadata") or {}).get("labels"), selector)]
 
     def status(self, handle: JobHandle) -> JobStatus:
         api = handle["api"]
@@ -307,10 +262,10 @@ class KubernetesBackend(Backend):
             return JobStatus(JobState.CANCELLED, f"{r.APIS[api][3]} {handle['name']} is being deleted")
         state, cond = s.job_state(api, obj)
         pods = self._pods(handle)
-        rank0 = self._rank0(api, pods)
+        rank0 = s.rank0_pod(api, pods)
         container = r.TRAINER_CONTAINER[api]
         exit_code, result = s.rank0_termination(rank0, container)
-        wall_s = self._wall_s(handle, cond, rank0)
+        wall_s = s.wall_s(handle, cond, rank0)
         if state == JobState.SUCCEEDED:
             return JobStatus(JobState.SUCCEEDED, s.condition_text(cond) or "training finished",
                              exit_code, None, result, wall_s)
@@ -341,17 +296,6 @@ class KubernetesBackend(Backend):
                 None, FailureKind.PERMANENT if permanent else FailureKind.TRANSIENT,
             )
         return JobStatus(JobState.PENDING, reason)
-
-    @staticmethod
-    def _wall_s(handle: JobHandle, cond: dict[str, Any] | None,
-                rank0: dict[str, Any] | None) -> float | None:
-        """Seconds from rank 0's pod start (else the job's creation) to the final condition."""
-        ended = _epoch_s((cond or {}).get("lastTransitionTime"))
-        started = _epoch_s(((rank0 or {}).get("status") or {}).get("startTime")) or handle.get(
-            "submitted_at_epoch_s")
-        if ended is None or started is None:
-            return None
-        return round(max(0.0, ended - started), 3)
 
     def _pending_reason(self, api: str, obj: dict[str, Any], cond: dict[str, Any] | None,
                         pods: list[dict[str, Any]]) -> tuple[str, bool]:
@@ -398,64 +342,16 @@ class KubernetesBackend(Backend):
         return "suspended (spec.suspend is true and no Kueue queue is named)"
 
     def read_logs(self, handle: JobHandle, offset: int, max_bytes: int = 65_536) -> LogChunk:
-        """Rank 0's log lines after ``offset`` (at most ``max_bytes`` of them).
-
-        ``offset`` is the kubelet timestamp (ns since the epoch) of the last line already passed
-        on; lines are asked for with ``timestamps=true`` and ``sinceTime`` (whole seconds), and
-        lines not newer than ``offset`` are dropped. Two lines with the same nanosecond timestamp
-        at a chunk boundary would lose the second one. A pod restarted by JobSet or the
-        operator is followed to its newest instance; lines of a replaced pod that were not read
-        before it was replaced are not recovered.
-        """
-        from kubernetes.client.exceptions import ApiException
-
-        rank0 = self._rank0(handle["api"], self._pods(handle))
+        """Rank 0's log lines after ``offset``, the kubelet timestamp (ns since the epoch) of
+        the last line already passed on (:func:`~trainforge.engines.kubernetes.logs.read_log`).
+        A pod restarted by JobSet or the operator is followed to its newest instance; lines of
+        a replaced pod that were not read before it was replaced are not recovered."""
+        rank0 = s.rank0_pod(handle["api"], self._pods(handle))
         if rank0 is None or not s.pod_started(rank0):
             return LogChunk([], offset)
-        pod = rank0["metadata"]["name"]
-        limit = max(4 * max_bytes, 65_536)
-        query: list[tuple[str, Any]] = [("container", r.TRAINER_CONTAINER[handle["api"]]),
-                                        ("timestamps", "true"), ("limitBytes", limit)]
-        if offset > 0:
-            query.append(("sinceTime", time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                     time.gmtime(offset // 1_000_000_000))))
-        try:
-            resp = self._api.call_api(
-                "/api/v1/namespaces/{namespace}/pods/{name}/log", "GET",
-                {"namespace": handle["namespace"], "name": pod}, query, {"Accept": "*/*"},
-                auth_settings=["BearerToken"], _preload_content=False,
-                _request_timeout=self.request_timeout_s, _return_http_data_only=True)
-        except ApiException as err:
-            if err.status in (400, 404):  # container not started yet, or pod just replaced
-                return LogChunk([], offset)
-            raise _api_error(f"read the log of pod {pod}", err) from err
-        except _network_errors() as err:
-            raise BackendError(f"could not reach the Kubernetes API to read the log of pod {pod}: "
-                               f"{err}") from err
-        data: bytes = resp.data
-        truncated = len(data) >= limit
-        if truncated:
-            data = data[: data.rfind(b"\n") + 1]  # the last line may be cut
-        lines: list[str] = []
-        used = 0
-        next_offset = offset
-        for raw in data.splitlines():
-            stamp, _, text = raw.decode("utf-8", errors="replace").partition(" ")
-            ts = _log_ts_ns(stamp)
-            if ts is None or ts <= offset:
-                continue
-            if used + len(text) + 1 > max_bytes and lines:
-                break
-            lines.append(text)
-            used += len(text) + 1
-            next_offset = ts
-        if truncated and not lines:
-            # More than `limit` bytes within one second before `offset`: skip to the next second
-            # rather than asking for the same window forever.
-            next_offset = (offset // 1_000_000_000 + 1) * 1_000_000_000 - 1
-            lines = [f"[trainforge] log lines of pod {pod} skipped: more than {limit} bytes "
-                     f"within one second"]
-        return LogChunk(lines, next_offset)
+        return read_log(self._api, handle["namespace"], rank0["metadata"]["name"],
+                        r.TRAINER_CONTAINER[handle["api"]], offset, max_bytes,
+                        self.request_timeout_s)
 
     def cancel(self, handle: JobHandle, grace_s: float = 30.0) -> JobStatus:
         try:
@@ -501,26 +397,3 @@ class KubernetesBackend(Backend):
                        missing_ok=True)
         except BackendError as err:
             log.warning("%s", err)
-
-
-def _network_errors() -> tuple[type[BaseException], ...]:
-    """Errors of a request that did not get an HTTP answer (refused, reset, timed out)."""
-    import urllib3
-
-    return (OSError, urllib3.exceptions.HTTPError)
-
-
-def _api_error(what: str, err: Any) -> BackendError:
-    """A one-line error from an ``ApiException``: what failed, the HTTP status and the API's reason."""
-    detail = err.reason or ""
-    try:
-        body = json.loads(err.body or "{}")
-        detail = body.get("message") or detail
-    except (TypeError, ValueError):
-        pass
-    hint = ""
-    if err.status == 404:
-        hint = " (is the custom resource's operator installed? see docs/kubernetes.md)"
-    elif err.status in (401, 403):
-        hint = " (check the credentials and RBAC of the connection)"
-    return BackendError(f"Kubernetes API refused to {what}: HTTP {err.status} {detail}{hint}")

@@ -136,3 +136,26 @@ def api_client(conn_id: str | None = None, kubeconfig: str | None = None,
 def _default_kubeconfig_exists() -> bool:
     paths = os.environ.get("KUBECONFIG") or os.path.expanduser("~/.kube/config")
     return any(Path(p).is_file() for p in paths.split(os.pathsep) if p)
+
+
+def network_errors() -> tuple[type[BaseException], ...]:
+    """Errors of a request that did not get an HTTP answer (refused, reset, timed out)."""
+    import urllib3
+
+    return (OSError, urllib3.exceptions.HTTPError)
+
+
+def api_error(what: str, err: Any) -> BackendError:
+    """A one-line error from an ``ApiException``: what failed, the HTTP status and the API's reason."""
+    detail = err.reason or ""
+    try:
+        body = json.loads(err.body or "{}")
+        detail = body.get("message") or detail
+    except (TypeError, ValueError):
+        pass
+    hint = ""
+    if err.status == 404:
+        hint = " (is the custom resource's operator installed? see docs/kubernetes.md)"
+    elif err.status in (401, 403):
+        hint = " (check the credentials and RBAC of the connection)"
+    return BackendError(f"Kubernetes API refused to {what}: HTTP {err.status} {detail}{hint}")

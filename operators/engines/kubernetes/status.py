@@ -10,10 +10,13 @@ started, why it is still pending, its exit code and result, and how often it was
 
 from __future__ import annotations
 
+import calendar
 import json
+import time
 from typing import Any
 
 from trainforge.engines.base import JobState
+from trainforge.engines.kubernetes.render import TRAINJOB_REPLICATED_JOB
 
 # Condition type (status "True") → state, checked in this order; the first that holds wins.
 #
@@ -156,3 +159,52 @@ def rank0_termination(pod: dict[str, Any] | None, container: str) -> tuple[int |
             result = None
     code = term.get("exitCode")
     return (int(code) if code is not None else None), result
+
+
+def epoch_s(timestamp: str | None) -> float | None:
+    """RFC 3339 ``2026-01-02T03:04:05Z`` (optionally with a fraction) → UNIX seconds."""
+    if not timestamp:
+        return None
+    base, _, frac = timestamp.rstrip("Z").partition(".")
+    try:
+        whole = calendar.timegm(time.strptime(base, "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+    return whole + (float(f"0.{frac}") if frac.isdigit() else 0.0)
+
+
+# Labels of rank 0's pod: JobSet (TrainJob) and the training operator (PyTorchJob).
+RANK0_LABELS = {
+    "trainjob": {"jobset.sigs.k8s.io/replicatedjob-name": TRAINJOB_REPLICATED_JOB,
+                 "batch.kubernetes.io/job-completion-index": "0"},
+    "pytorchjob": {"training.kubeflow.org/replica-type": "master",
+                   "training.kubeflow.org/replica-index": "0"},
+}
+
+
+def labels_match(labels: dict[str, str] | None, selector: dict[str, str]) -> bool:
+    """Whether ``labels`` carry every key and value of ``selector``."""
+    labels = labels or {}
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def rank0_pod(api: str, pods: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Rank 0's pod among the job's ``pods`` (the newest of them), or None."""
+    candidates = [p for p in pods
+                  if labels_match((p.get("metadata") or {}).get("labels"), RANK0_LABELS[api])]
+    if not candidates:
+        return None
+    # The newest pod speaks for the current attempt (JobSet recreates pods on restart).
+    return max(candidates, key=lambda p: ((p.get("metadata") or {}).get("creationTimestamp") or "",
+                                          pod_restarts(p)))
+
+
+def wall_s(handle: dict[str, Any], cond: dict[str, Any] | None,
+           rank0: dict[str, Any] | None) -> float | None:
+    """Seconds from rank 0's pod start (else the job's creation) to the final condition."""
+    ended = epoch_s((cond or {}).get("lastTransitionTime"))
+    started = epoch_s(((rank0 or {}).get("status") or {}).get("startTime")) or handle.get(
+        "submitted_at_epoch_s")
+    if ended is None or started is None:
+        return None
+    return round(max(0.0, ended - started), 3)
