@@ -1,30 +1,8 @@
 """The ``ray`` engine: torchrun as the entrypoint of a job on a Ray cluster's job API.
 
-:meth:`RayBackend.render` returns the exact keyword arguments of
-``ray.job_submission.JobSubmissionClient.submit_job`` (under ``submit_job``):
-
-=======================  ===========================================================================
-``entrypoint``           a POSIX ``sh`` command: make a job folder with ``mktemp -d``, write the job
-                         config from ``$TRAINFORGE_JOB_CONFIG`` to ``job.json`` in it, run torchrun
-                         (``--standalone``, rank 0's output only, every rank's in ``ranks/``), then
-                         print the trainer's result file as one ``TRAINFORGE_RESULT {...}`` line
-                         and exit with torchrun's code
-``submission_id``        the job identity's key (``JobIdentity.key``): deterministic per DAG run,
-                         task and try; ``<key>-r<N>`` when that job failed and is submitted again
-``runtime_env``          ``env_vars`` (the job config as canonical JSON, MLflow tracking URI and
-                         run id, ``OMP_NUM_THREADS``, the spec's ``env_vars``), plus the spec's
-                         ``working_dir`` (uploaded by the client) and ``pip``; secret variables
-                         (``TrainingJob.secret_env``: S3 keys) show as placeholders here and
-                         get their values only in the ``submit_job`` call (Ray then keeps them
-                         in its job table, readable by whoever may use the job API)
-``metadata``             the full identity, the attempt and the startup timeout
-``entrypoint_num_*``     CPUs (ranks x threads per rank) and GPUs reserved for the entrypoint
-=======================  ===========================================================================
-
-The job config travels inside the request, so the cluster needs no shared file system with the
-Airflow worker; the result comes back through the job's log, so nothing is read from the
-cluster's disks either. (Dataset and checkpoint locations in the config must of course be
-reachable from the cluster: a shared path or ``s3://``.)
+The request is :func:`trainforge.engines.ray.render.render_request`; the job config travels inside
+it and the result comes back through the job's log, so the cluster needs no file system shared
+with the Airflow worker.
 
 State mapping (Ray ``JobStatus`` → :class:`~trainforge.engines.base.JobState`):
 
@@ -49,11 +27,9 @@ STOPPED                                      CANCELLED
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import shlex
 import time
 from typing import Any
 
@@ -68,18 +44,12 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
-from trainforge.engines.launch import rank_env, torchrun_argv
 from trainforge.engines.ray.client import connection_settings, timeout_client_class
+from trainforge.engines.ray.render import parse_result, render_request
 from trainforge.errors import BackendError, JobNotFoundError
 
 log = logging.getLogger(__name__)
 
-CONFIG_ENV = "TRAINFORGE_JOB_CONFIG"
-"""Environment variable that carries the job config (canonical JSON) to the entrypoint."""
-RESULT_MARKER = "TRAINFORGE_RESULT "
-"""Prefix of the log line that carries the trainer's result file (docs/contracts.md)."""
-# Linux limits one environment string to 128 KiB (MAX_ARG_STRLEN); stay well below it.
-MAX_CONFIG_BYTES = 100_000
 _RESUBMIT = re.compile(r"-r(\d+)$")
 _MAX_RESUBMITS = 100
 
@@ -111,61 +81,12 @@ class RayBackend(Backend):
 
     # -- pure -------------------------------------------------------------------------------
     def render(self, job: TrainingJob) -> dict[str, Any]:
-        """The request :meth:`submit` sends: ``{"engine", "address", "connection_id",
-        "submit_job": {...submit_job keyword arguments...}}``.
+        """The request :meth:`submit` sends (:func:`~trainforge.engines.ray.render.render_request`).
 
         Raises:
             BackendError: the job config is too large for an environment variable.
         """
-        opts = job.engine_options or {}
-        config = json.dumps(job.config, sort_keys=True, separators=(",", ":"))
-        if len(config.encode()) > MAX_CONFIG_BYTES:
-            raise BackendError(
-                f"job config of {job.identity.key} is {len(config.encode())} bytes; the ray "
-                f"engine passes it in the environment variable {CONFIG_ENV}, at most "
-                f"{MAX_CONFIG_BYTES} bytes"
-            )
-        env_vars = {
-            **rank_env(job),
-            **{str(k): str(v) for k, v in (opts.get("env_vars") or {}).items()},
-            **job.env,
-            **job.secret_placeholders(),
-            CONFIG_ENV: config,
-        }
-        runtime_env: dict[str, Any] = {"env_vars": env_vars}
-        if opts.get("working_dir"):
-            runtime_env["working_dir"] = str(opts["working_dir"])
-        if opts.get("pip"):
-            runtime_env["pip"] = [str(p) for p in opts["pip"]]
-        identity = job.identity
-        metadata = {
-            "trainforge.dag_id": identity.dag_id,
-            "trainforge.run_id": identity.run_id,
-            "trainforge.task_id": identity.task_id,
-            "trainforge.try_number": str(identity.try_number),
-            "trainforge.key": identity.key,
-            "trainforge.attempt": "1",
-        }
-        if job.startup_timeout_s is not None:
-            metadata["trainforge.startup_timeout_s"] = _num(job.startup_timeout_s)
-        cpus = float(opts.get("entrypoint_num_cpus")
-                     or job.processes_per_node * job.threads_per_process)
-        gpus = float(opts.get("entrypoint_num_gpus") or job.gpus_per_node)
-        # What the entrypoint asks for, in words: Ray's PENDING message does not say.
-        metadata["trainforge.resources"] = f"{_num(cpus)} CPU, {_num(gpus)} GPU" + (
-            f", {_num(job.memory_gib)} GiB memory" if job.memory_gib else "")
-        submit: dict[str, Any] = {
-            "entrypoint": _entrypoint(job),
-            "submission_id": identity.key,
-            "runtime_env": runtime_env,
-            "metadata": metadata,
-            "entrypoint_num_cpus": cpus,
-            "entrypoint_num_gpus": gpus,
-        }
-        if job.memory_gib:
-            submit["entrypoint_memory"] = int(job.memory_gib * 2**30)
-        return {"engine": self.engine, "address": self.address,
-                "connection_id": self.conn_id, "submit_job": submit}
+        return render_request(job, self.address, self.conn_id)
 
     # -- remote calls -----------------------------------------------------------------------
     def submit(self, job: TrainingJob) -> JobHandle:
@@ -373,9 +294,9 @@ class RayBackend(Backend):
     def _result(self, client: Any, sid: str, info: Any) -> dict[str, Any] | None:
         """The trainer's result from the job's result line (the failure message carries the last
         log lines; otherwise the log is read)."""
-        found = _parse_result(info.message or "")
+        found = parse_result(info.message or "")
         if found is None:
-            found = _parse_result(self._call(client.get_job_logs, sid) or "")
+            found = parse_result(self._call(client.get_job_logs, sid) or "")
         return found
 
     def _stop_quietly(self, client: Any, sid: str) -> None:
@@ -441,35 +362,6 @@ class RayBackend(Backend):
         return self._client_obj
 
 
-def _entrypoint(job: TrainingJob) -> str:
-    """The job's shell command (POSIX sh; Ray runs it with ``shell=True``)."""
-    torchrun = torchrun_argv(job, '"$d/job.json"', log_dir='"$d/ranks"',
-                             module=shlex.quote(job.module))
-    return "; ".join([
-        f'd="$(mktemp -d "${{TMPDIR:-/tmp}}/trainforge-{job.identity.key}.XXXXXX")" || exit 70',
-        f'printf \'%s\' "${CONFIG_ENV}" > "$d/job.json" || exit 70',
-        'echo "trainforge: job folder $d on $(uname -n)"',
-        'TRAINFORGE_RESULT_FILE="$d/result.json" ' + " ".join(torchrun),
-        "rc=$?",
-        f'if [ -s "$d/result.json" ]; then printf \'\\n{RESULT_MARKER}%s\\n\' '
-        f'"$(tr -d \'\\n\' < "$d/result.json")"; fi',
-        "exit $rc",
-    ])
-
-
-def _parse_result(text: str) -> dict[str, Any] | None:
-    """The JSON of the last ``TRAINFORGE_RESULT {...}`` line in ``text``, or None."""
-    for line in reversed(text.splitlines()):
-        if line.startswith(RESULT_MARKER):
-            try:
-                value = json.loads(line[len(RESULT_MARKER):])
-            except json.JSONDecodeError:
-                continue
-            if isinstance(value, dict):
-                return value
-    return None
-
-
 def _startup_message(sid: str, handle: JobHandle, info: Any) -> str:
     """Why a job failed to start: Ray's PENDING message and the resources it asked for."""
     waited = ""
@@ -486,10 +378,6 @@ def _startup_message(sid: str, handle: JobHandle, info: Any) -> str:
 def _attempt(sid: str) -> int:
     match = _RESUBMIT.search(sid)
     return int(match[1]) if match else 1
-
-
-def _num(value: float) -> str:
-    return f"{value:g}"
 
 
 def _first_line(text: str) -> str:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from trainforge.engines.base import JobIdentity, TrainingJob
-from trainforge.engines.ray.backend import CONFIG_ENV, RESULT_MARKER, RayBackend, _parse_result
+from trainforge.engines.ray.backend import RayBackend
+from trainforge.engines.ray.render import CONFIG_ENV, RESULT_MARKER, parse_result
 from trainforge.engines.ray.head import free_port
 from trainforge.errors import BackendError
 
@@ -93,7 +94,7 @@ def test_entrypoint_runs_in_sh_and_reports_the_result_line(tmp_path, exit_code, 
     assert proc.returncode == exit_code, proc.stderr
     assert f'config: {json.dumps(job.config, sort_keys=True, separators=(",", ":"))}' \
         in proc.stdout
-    assert _parse_result(proc.stdout) == result
+    assert parse_result(proc.stdout) == result
     assert (RESULT_MARKER in proc.stdout) is (result is not None)
     folders = list(tmp_path.glob(f"trainforge-{job.identity.key}.*"))
     assert len(folders) == 1 and (folders[0] / "job.json").is_file()
