@@ -35,8 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +51,7 @@ from trainforge.engines.base import (
     whole_lines,
 )
 from trainforge.engines.local.supervisor import write_json_atomic
+from trainforge.engines.slurm.client import SACCT_WINDOW, SlurmCommands, epoch, last_error
 from trainforge.engines.slurm.script import (
     LOG_NAME,
     NEVER_RUNS,
@@ -67,10 +66,7 @@ log = logging.getLogger(__name__)
 
 # Files of an earlier, never-submitted attempt that must not leak into a new submission.
 _STALE = ("exit.json", "result.json", "cancel.json", "slurm_job.json", "start_failure.json")
-_TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"
 START_FAILURE = "start_failure.json"  # why we cancelled a job that could not start
-# How far back sacct looks for a job by name (it shows only today's jobs without --starttime).
-_SACCT_WINDOW = "now-60days"
 
 
 class SlurmBackend(Backend):
@@ -90,8 +86,7 @@ class SlurmBackend(Backend):
     def __init__(self, runs_root: str | os.PathLike, bin_dir: str | None = None,
                  command_timeout_s: float = 30.0):
         self.runs_root = Path(runs_root).absolute()
-        self.bin_dir = bin_dir
-        self.command_timeout_s = float(command_timeout_s)
+        self._slurm = SlurmCommands(bin_dir, command_timeout_s)
 
     # -- pure -------------------------------------------------------------------------------
     def job_dir(self, identity: JobIdentity) -> Path:
@@ -123,7 +118,7 @@ class SlurmBackend(Backend):
                 sbatch's message, e.g. an unknown partition or a request no node can satisfy).
         """
         for name in ("sbatch", "squeue", "scancel"):
-            self._command(name)  # a missing tool is reported before anything is written
+            self._slurm.command(name)  # a missing tool is reported before anything is written
         existing = self.find(job.identity)
         if existing is not None:
             log.info("Slurm job %s (%s) already exists; not submitting again",
@@ -145,7 +140,7 @@ class SlurmBackend(Backend):
             "startup_timeout_s": job.startup_timeout_s})
         submitted_at = time.time()
         try:
-            out = self._run("sbatch", "--parsable", str(script))
+            out = self._slurm.run("sbatch", "--parsable", str(script))
         except BackendError as err:
             # sbatch may have been accepted although we saw an error (timeout, lost answer).
             found = self._find_by_name(job.identity, job_dir)
@@ -181,7 +176,7 @@ class SlurmBackend(Backend):
         """
         job_id = str(handle["job_id"])
         job_dir = Path(handle["job_dir"])
-        seen = self._observe(job_id)
+        seen = self._slurm.observe(job_id)
         exit_record = _read_json(job_dir / "exit.json")
         result = _read_json(job_dir / "result.json")
         cancelled = (job_dir / "cancel.json").exists()
@@ -269,17 +264,17 @@ class SlurmBackend(Backend):
             write_json_atomic(job_dir / "cancel.json", {"requested_at": time.time()})
         if current.state is JobState.PENDING:
             log.info("Cancelling pending Slurm job %s (%s)", job_id, handle.get("key"))
-            self._scancel(job_id)
+            self._slurm.scancel(job_id)
         else:
             log.info("Stopping Slurm job %s (%s): SIGTERM, %.0f s grace", job_id,
                      handle.get("key"), grace_s)
-            self._scancel(job_id, "--signal=TERM")
+            self._slurm.scancel(job_id, "--signal=TERM")
             final = self._wait_terminal(handle, grace_s)
             if final is not None:
                 return final
             log.warning("Slurm job %s still running %.0f s after SIGTERM: scancel", job_id,
                         grace_s)
-            self._scancel(job_id)
+            self._slurm.scancel(job_id)
         final = self._wait_terminal(handle, max(grace_s, 60.0))
         if final is None:
             raise BackendError(f"Slurm job {job_id} is still not ended after scancel; check "
@@ -315,28 +310,8 @@ class SlurmBackend(Backend):
         if job_dir.is_dir():
             write_json_atomic(job_dir / START_FAILURE, {"message": message,
                                                         "failure": kind.value})
-        self._scancel_quietly(str(handle["job_id"]))
+        self._slurm.scancel_quietly(str(handle["job_id"]))
         return JobStatus(JobState.FAILED, message, None, kind)
-
-    def _observe(self, job_id: str) -> dict[str, Any] | None:
-        """``{"state", "reason", "start", "end", "exit_code"}`` from squeue, else sacct; None
-        when neither knows the job."""
-        proc = self._run_raw("squeue", "--jobs", job_id, "--states=all", "--noheader",
-                             "--format=%T|%S|%e|%r")
-        if proc.returncode == 0 and proc.stdout.strip():
-            state, start, end, reason = proc.stdout.strip().splitlines()[0].split("|", 3)
-            return {"state": state.strip(), "reason": reason.strip(), "start": _epoch(start),
-                    "end": _epoch(end), "exit_code": None}
-        if proc.returncode != 0 and "invalid job id" not in proc.stderr.lower():
-            raise BackendError(f"squeue failed for Slurm job {job_id}: {_last_error(proc.stderr)}")
-        rows = self._sacct("--jobs", job_id, "--format=State,ExitCode,Start,End,Reason")
-        if not rows:
-            return None
-        state, exit_code, start, end, reason = rows[-1][:5]
-        code = exit_code.split(":")[0]
-        return {"state": state.split()[0] if state else "UNKNOWN", "reason": reason,
-                "start": _epoch(start), "end": _epoch(end),
-                "exit_code": int(code) if code.isdigit() else None}
 
     def _find_by_name(self, identity: JobIdentity, job_dir: Path) -> JobHandle | None:
         """The newest job named after ``identity`` whose batch script is this job folder's
@@ -348,23 +323,23 @@ class SlurmBackend(Backend):
         except OSError:
             return None  # no folder, no request: nothing of ours was ever submitted
         script = str(job_dir / SCRIPT_NAME)
-        proc = self._run_raw("squeue", f"--name={key}", "--states=all", "--noheader",
+        proc = self._slurm.run_raw("squeue", f"--name={key}", "--states=all", "--noheader",
                              "--format=%i|%V|%o")
         if proc.returncode != 0:
-            raise BackendError(f"squeue --name={key} failed: {_last_error(proc.stderr)}")
+            raise BackendError(f"squeue --name={key} failed: {last_error(proc.stderr)}")
         rows = [line.split("|", 2) for line in proc.stdout.splitlines() if line.strip()]
         # Another folder's job of the same identity (another runs_root) is not ours.
         rows = [r for r in rows if len(r) == 3 and r[2].strip() == script]
         if not rows:
-            rows = [row[:2] for row in self._sacct(f"--name={key}", f"--starttime={_SACCT_WINDOW}",
+            rows = [row[:2] for row in self._slurm.sacct(f"--name={key}", f"--starttime={SACCT_WINDOW}",
                                                    "--format=JobID,Submit")
-                    if (_epoch(row[1] if len(row) > 1 else None) or 0) >= written - 5]
+                    if (epoch(row[1] if len(row) > 1 else None) or 0) >= written - 5]
         rows = [(int(r[0]), r[1]) for r in rows if r and r[0].strip().isdigit()]
         if not rows:
             return None
         job_id, submitted = max(rows)  # the newest, should there be several
         request = _read_json(job_dir / "request.json") or {}
-        return self._record(identity, job_dir, str(job_id), _epoch(submitted) or time.time(),
+        return self._record(identity, job_dir, str(job_id), epoch(submitted) or time.time(),
                             request.get("startup_timeout_s"))
 
     def _record(self, identity: JobIdentity, job_dir: Path, job_id: str, submitted_at: float,
@@ -382,16 +357,6 @@ class SlurmBackend(Backend):
                 "job_dir": str(job_dir), "identity": identity.to_dict(),
                 "submitted_at_epoch_s": submitted, "startup_deadline_epoch_s": deadline}
 
-    def _sacct(self, *args: str) -> list[list[str]]:
-        """sacct rows (``-X -n -P``); empty when the cluster keeps no accounting."""
-        proc = self._run_raw("sacct", "-X", "--noheader", "--parsable2", *args)
-        if proc.returncode != 0:
-            text = proc.stderr.lower()
-            if "accounting storage is disabled" in text or "slurmdbd" in text:
-                return []
-            raise BackendError(f"sacct failed: {_last_error(proc.stderr)}")
-        return [line.split("|") for line in proc.stdout.splitlines() if line.strip()]
-
     def _wait_terminal(self, handle: JobHandle, timeout_s: float) -> JobStatus | None:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -402,58 +367,6 @@ class SlurmBackend(Backend):
                 return None
             time.sleep(0.5)
 
-    def _scancel(self, job_id: str, *options: str) -> None:
-        proc = self._run_raw("scancel", *options, job_id)
-        # scancel of a job that has just ended is not an error for us.
-        if proc.returncode != 0 and "already completing or completed" not in proc.stderr \
-                and "invalid job id" not in proc.stderr.lower():
-            raise BackendError(f"scancel {' '.join(options)} {job_id} failed: "
-                               f"{_last_error(proc.stderr)}")
-
-    def _scancel_quietly(self, job_id: str) -> None:
-        try:
-            self._scancel(job_id)
-        except BackendError as err:
-            log.warning("Could not cancel Slurm job %s: %s", job_id, err)
-
-    def _command(self, name: str) -> str:
-        path = (str(Path(self.bin_dir) / name) if self.bin_dir else shutil.which(name))
-        if not path or not os.access(path, os.X_OK):
-            where = f"in {self.bin_dir} (training.slurm.bin_dir)" if self.bin_dir else "on PATH"
-            raise BackendError(
-                f"the Slurm command {name!r} was not found {where}: run trainforge on a Slurm "
-                f"submit node, or install Slurm's client tools (Debian/Ubuntu: apt-get install "
-                f"slurm-client, part of slurm-wlm) configured for your cluster")
-        return path
-
-    def _run_raw(self, name: str, *args: str) -> subprocess.CompletedProcess:
-        argv = [self._command(name), *args]
-        try:
-            return subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                                  timeout=self.command_timeout_s, check=False)
-        except subprocess.TimeoutExpired as err:
-            raise BackendError(f"{name} {' '.join(args)} did not answer within "
-                               f"{self.command_timeout_s:.0f} s (is slurmctld reachable?)") \
-                from err
-        except OSError as err:
-            raise BackendError(f"could not run {argv[0]}: {err}") from err
-
-    def _run(self, name: str, *args: str) -> str:
-        proc = self._run_raw(name, *args)
-        if proc.returncode != 0:
-            raise BackendError(_last_error(proc.stderr) or f"{name} exited {proc.returncode}")
-        return proc.stdout
-
-
-def _epoch(text: str | None) -> float | None:
-    """Seconds since the epoch of a Slurm time (local time, as squeue and sacct print it)."""
-    if not text or not text.strip() or text.strip() in ("N/A", "Unknown", "None"):
-        return None
-    try:
-        return time.mktime(time.strptime(text.strip(), _TIME_FORMAT))
-    except ValueError:
-        return None
-
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
@@ -461,10 +374,3 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, json.JSONDecodeError):
         return None
     return value if isinstance(value, dict) else None
-
-
-def _last_error(text: str) -> str:
-    """The last non-empty line of a Slurm command's stderr, without its "cmd: error: " prefix."""
-    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
-    # sbatch prefixes its errors with "sbatch: error: "; keep the message.
-    return lines[-1].split("error: ", 1)[-1][:500] if lines else ""
