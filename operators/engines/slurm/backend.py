@@ -5,7 +5,7 @@ The Airflow worker is a Slurm submit node: this backend calls Slurm's own comman
 shared with the compute nodes, ``<runs_root>/<identity key>/``:
 
 ======================  ========================================================================
-``job.sbatch``          the batch script (``slurm_script.render_script``)
+``job.sbatch``          the batch script (``script.render_script``)
 ``job.json``            the trainer's job config (docs/contracts.md)
 ``request.json``        argv, identity and startup timeout, written before sbatch
 ``slurm_job.json``      Slurm's job id and the submission time, written after sbatch answers
