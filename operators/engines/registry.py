@@ -66,8 +66,12 @@ class Engine:
         written_request: where the job's environment is written down (shown when
             ``secrets_in_memory`` is False): "job manifest", "batch script".
         secrets_remedy: how such an engine's ranks get credentials instead.
-        dev_cluster: ``"module:Class"`` of a single-machine cluster ``trainforge run`` may start
-            for the run (a context manager with an ``address``), or None.
+        dev_cluster: ``"module:function"`` that gives ``trainforge run`` a cluster on this
+            machine, or None: ``start(training, stack, say, env) -> dict | None`` returns the
+            block values to run with (e.g. the address of a head it started, stopped when the
+            ``contextlib.ExitStack`` closes; None: the spec's own), prints through
+            ``say(line)``, may edit the run's ``env``, and raises
+            :class:`~trainforge.errors.BackendError` when the cluster does not start.
     """
 
     name: str
@@ -88,8 +92,8 @@ class Engine:
         """The backend class, imported now (with the engine's client where it has one)."""
         return _load(self.backend)
 
-    def dev_cluster_class(self) -> type | None:
-        """The single-machine cluster class, imported now, or None."""
+    def dev_cluster_starter(self) -> Callable[..., dict[str, Any] | None] | None:
+        """The ``dev_cluster`` function, imported now, or None."""
         return _load(self.dev_cluster) if self.dev_cluster else None
 
 

@@ -18,7 +18,7 @@ from trainforge.training import TrainingLaunchOperator
 pytestmark = [pytest.mark.integration]
 
 HERE = Path(__file__).resolve().parent
-FAKE_DIR = HERE.parent / "operators" / "backends"
+FAKE_DIR = HERE.parent / "operators" / "engines"
 
 
 @pytest.fixture

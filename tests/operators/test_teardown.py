@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "tests" / "faults" / "fault_tiny.yaml"
-FAKE_DIR = ROOT / "tests" / "operators" / "backends"
+FAKE_DIR = ROOT / "tests" / "operators" / "engines"
 FAILED_AFTER_TRAIN = {"prepare_data": "success", "train": "failed",
                       "validate_checkpoint": "upstream_failed",
                       "register_model": "upstream_failed"}

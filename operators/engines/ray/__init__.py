@@ -1,5 +1,5 @@
 """The ``ray`` engine: torchrun as the entrypoint of a job on a Ray cluster's job API
-(:mod:`.backend`); :mod:`.head` starts a single-machine cluster for tests and ``trainforge run``."""
+(:mod:`.backend`); :mod:`.dev` gives ``trainforge run`` a single-machine cluster (:mod:`.head`)."""
 
 from __future__ import annotations
 
@@ -20,5 +20,5 @@ ENGINE = Engine(
     block=RayEngine,
     backend="trainforge.engines.ray.backend:RayBackend",
     connection=_connection,
-    dev_cluster="trainforge.engines.ray.head:LocalRayHead",
+    dev_cluster="trainforge.engines.ray.dev:start_dev_cluster",
 )

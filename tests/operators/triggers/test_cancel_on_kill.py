@@ -18,7 +18,7 @@ from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.local.backend import LocalBackend
 from trainforge.triggers import TrainingJobTrigger
 
-FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
+FAKE_DIR = Path(__file__).resolve().parents[1] / "engines"
 
 
 class StateTrigger(TrainingJobTrigger):

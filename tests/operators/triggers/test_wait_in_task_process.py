@@ -22,7 +22,7 @@ from trainforge.pipeline.loader import load_spec
 from trainforge.training import TaskProcessTerminated, TrainingLaunchOperator
 from trainforge.triggers import TrainingJobTrigger
 
-FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
+FAKE_DIR = Path(__file__).resolve().parents[1] / "engines"
 FAULT_SPEC = Path(__file__).resolve().parents[2] / "faults" / "fault_tiny.yaml"
 
 
