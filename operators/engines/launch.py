@@ -25,7 +25,12 @@ LAUNCH_ENV: dict[str, str] = {
 
 TORCHRUN = ("torchrun",)
 """The launcher on a cluster image's PATH; engines that know the interpreter use
-``(python, "-m", "torch.distributed.run")`` instead."""
+:func:`python_torchrun` instead."""
+
+
+def python_torchrun(python: str) -> tuple[str, ...]:
+    """torchrun run by the interpreter ``python`` (a path, or a command on the PATH)."""
+    return (python, "-m", "torch.distributed.run")
 
 
 def rank_env(job: TrainingJob, result_file: str | None = None,

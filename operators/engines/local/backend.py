@@ -28,7 +28,6 @@ no ``exit.json``, supervisor gone                       FAILED transient ("lost"
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -49,8 +48,8 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
-from trainforge.engines.launch import rank_env, torchrun_argv
-from trainforge.engines.local.supervisor import write_json_atomic
+from trainforge.engines.jobfiles import read_json, write_json_atomic
+from trainforge.engines.launch import python_torchrun, rank_env, torchrun_argv
 from trainforge.errors import BackendError, JobNotFoundError
 
 log = logging.getLogger(__name__)
@@ -79,7 +78,7 @@ class LocalBackend(Backend):
     def render(self, job: TrainingJob) -> dict[str, Any]:
         job_dir = self.job_dir(job.identity)
         argv = torchrun_argv(job, str(job_dir / "job.json"),
-                             launcher=(self.python, "-m", "torch.distributed.run"),
+                             launcher=python_torchrun(self.python),
                              log_dir=str(job_dir / "ranks"))
         env = {
             **rank_env(job, str(job_dir / "result.json")),
@@ -149,8 +148,8 @@ class LocalBackend(Backend):
 
     def status(self, handle: JobHandle) -> JobStatus:
         job_dir = self._dir(handle)
-        result = _read_json(job_dir / "result.json")
-        exit_record = _read_json(job_dir / "exit.json")
+        result = read_json(job_dir / "result.json")
+        exit_record = read_json(job_dir / "exit.json")
         if exit_record is not None:
             rc = int(exit_record["exit_code"])
             wall_s = None
@@ -192,7 +191,7 @@ class LocalBackend(Backend):
         current = self.status(handle)
         if current.state.terminal:
             return current
-        info = _read_json(job_dir / "supervisor.json") or {}
+        info = read_json(job_dir / "supervisor.json") or {}
         pid = info.get("pid")
         if pid:
             # torchrun starts its ranks in sessions of their own, so signalling our process
@@ -245,7 +244,7 @@ class LocalBackend(Backend):
     def _supervisor_alive(job_dir: Path) -> bool:
         import psutil
 
-        info = _read_json(job_dir / "supervisor.json")
+        info = read_json(job_dir / "supervisor.json")
         if not info:
             # Submitted but not yet recorded: the submitter is between Popen and the write.
             return (job_dir / "request.json").exists() and not (job_dir / "exit.json").exists()
@@ -276,12 +275,3 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError:
-        return None

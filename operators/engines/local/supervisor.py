@@ -20,15 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def write_json_atomic(path: Path, obj: object) -> None:
-    """Write JSON to ``path`` through a temporary file and ``os.replace`` (atomic on POSIX)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+from trainforge.engines.jobfiles import write_json_atomic
 
 
 def main(job_dir: str) -> int:

@@ -32,7 +32,6 @@ permanently. A failure is permanent when the trainer's result says ``bad_config`
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -50,7 +49,7 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
-from trainforge.engines.local.supervisor import write_json_atomic
+from trainforge.engines.jobfiles import read_json, write_json_atomic
 from trainforge.engines.slurm.client import SACCT_WINDOW, SlurmCommands, epoch, last_error
 from trainforge.engines.slurm.script import (
     LOG_NAME,
@@ -162,7 +161,7 @@ class SlurmBackend(Backend):
         """This identity's job: from its folder's record, else by job name (``squeue``, then
         ``sacct``). Raises :class:`BackendError` when the Slurm commands fail."""
         job_dir = self.job_dir(identity)
-        record = _read_json(job_dir / "slurm_job.json")
+        record = read_json(job_dir / "slurm_job.json")
         if record is not None:
             return self._handle(identity, job_dir, record)
         return self._find_by_name(identity, job_dir)
@@ -177,10 +176,10 @@ class SlurmBackend(Backend):
         job_id = str(handle["job_id"])
         job_dir = Path(handle["job_dir"])
         seen = self._slurm.observe(job_id)
-        exit_record = _read_json(job_dir / "exit.json")
-        result = _read_json(job_dir / "result.json")
+        exit_record = read_json(job_dir / "exit.json")
+        result = read_json(job_dir / "result.json")
         cancelled = (job_dir / "cancel.json").exists()
-        start_failure = _read_json(job_dir / START_FAILURE)
+        start_failure = read_json(job_dir / START_FAILURE)
         if seen is None:
             if start_failure is not None:
                 return JobStatus(JobState.FAILED, start_failure["message"], None,
@@ -338,7 +337,7 @@ class SlurmBackend(Backend):
         if not rows:
             return None
         job_id, submitted = max(rows)  # the newest, should there be several
-        request = _read_json(job_dir / "request.json") or {}
+        request = read_json(job_dir / "request.json") or {}
         return self._record(identity, job_dir, str(job_id), epoch(submitted) or time.time(),
                             request.get("startup_timeout_s"))
 
@@ -366,11 +365,3 @@ class SlurmBackend(Backend):
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.5)
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    return value if isinstance(value, dict) else None

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.engines.base import JobState, TrainingJob
-from trainforge.engines.launch import rank_env, torchrun_argv
+from trainforge.engines.launch import python_torchrun, rank_env, torchrun_argv
 
 SCRIPT_NAME = "job.sbatch"
 LOG_NAME = "job.log"
@@ -178,7 +178,7 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
     port_expr = str(port) if port else f"$(( {DEFAULT_RENDEZVOUS_PORT} + SLURM_JOB_ID % 10000 ))"
     torchrun = torchrun_argv(
         job, q(f"{folder}/job.json"),
-        launcher=(q(opts.get("python") or "python3"), "-m", "torch.distributed.run"),
+        launcher=python_torchrun(q(opts.get("python") or "python3")),
         standalone=False, nnodes='"$SLURM_NNODES"',
         rendezvous=("--rdzv-backend=c10d", '--rdzv-endpoint="$head_node:$rdzv_port"',
                     '--rdzv-id="$SLURM_JOB_ID"'),

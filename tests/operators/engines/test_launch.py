@@ -7,7 +7,7 @@ import pytest
 
 from trainforge.contract import FailureKind, failure_kind
 from trainforge.engines.base import JobIdentity, TrainingJob
-from trainforge.engines.launch import LAUNCH_ENV, rank_env, torchrun_argv
+from trainforge.engines.launch import LAUNCH_ENV, python_torchrun, rank_env, torchrun_argv
 
 JOB = TrainingJob(identity=JobIdentity("d", "r", "train", 1), config={}, nodes=1,
                   processes_per_node=4, max_restarts=2, threads_per_process=3)
@@ -21,7 +21,7 @@ def test_single_machine_launch_keeps_every_rank_log():
 
 
 def test_multi_machine_launch_names_its_rendezvous_and_leaves_out_what_the_engine_sets():
-    argv = torchrun_argv(JOB, "cfg", launcher=("py", "-m", "torch.distributed.run"),
+    argv = torchrun_argv(JOB, "cfg", launcher=python_torchrun("py"),
                          standalone=False, nnodes='"$N"', rendezvous=("--rdzv-backend=c10d",))
     assert argv == ["py", "-m", "torch.distributed.run", '--nnodes="$N"', "--nproc-per-node=4",
                     "--max-restarts=2", "--rdzv-backend=c10d", "-m", "trainforge.trainer.train",
