@@ -199,8 +199,8 @@ def prepare(args: argparse.Namespace, home: Path):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from trainforge.backends.base import JobIdentity, JobState
-    from trainforge.backends.local import LocalBackend
+    from trainforge.engines.base import JobIdentity, JobState
+    from trainforge.engines.local.backend import LocalBackend
     from trainforge.jobconfig import build_training_job
 
     with tempfile.TemporaryDirectory(prefix="trainforge-goodput-") as tmp:

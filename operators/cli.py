@@ -120,7 +120,9 @@ def for_engine(spec, engine: str) -> tuple[object, list[str]]:
         return spec, []
     raw = spec.model_dump(mode="json")
     raw["training"]["engine"] = engine
-    from trainforge.backends import ENGINES
+    from trainforge.engines.registry import engine_names
+
+    ENGINES = engine_names()
 
     for block in ENGINES:
         if block != engine:
@@ -171,11 +173,12 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
     """Dry run: the DAG's tasks and the exact request the engine would receive."""
     from pydantic import ValidationError
 
-    from trainforge.backends import ENGINES, backend_kwargs, get_backend
-    from trainforge.backends.base import JobIdentity
+    from trainforge.engines.registry import backend_kwargs, engine_names, get_backend
+    from trainforge.engines.base import JobIdentity
     from trainforge.jobconfig import build_training_job
     from trainforge.paths import checkpoint_root, resolve, trainforge_home
 
+    ENGINES = engine_names()
     spec = _load_or_exit(file)
     engine = engine or spec.training.engine
     if engine not in ENGINES:
@@ -254,7 +257,9 @@ def run(
         "unless RAY_ADDRESS or the spec's address answers)."),
 ) -> None:
     """Run one pipeline on this machine through `airflow dags test` and print a summary."""
-    from trainforge.backends import ENGINES
+    from trainforge.engines.registry import engine_names
+
+    ENGINES = engine_names()
     from trainforge.runner import run_pipeline
 
     if engine is not None and engine not in ENGINES:

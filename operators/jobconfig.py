@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainforge.backends.base import JobIdentity, TrainingJob
 from trainforge.contract import JOB_FORMAT
+from trainforge.engines.base import JobIdentity, TrainingJob
 from trainforge.pipeline.model import PipelineSpec
 
 
@@ -92,9 +92,9 @@ def _render(
         },
         "logging": {"log_every_steps": spec.training.log_every_steps},
         "distributed": {
-            # Cluster engines choose like 'auto': nccl with GPUs, gloo without.
-            "backend": (spec.training.local.distributed_backend
-                        if spec.training.engine == "local" else "auto"),
+            # An engine whose block names a collective backend uses it; the others choose like
+            # 'auto': nccl with GPUs, gloo without.
+            "backend": getattr(spec.training.engine_block, "distributed_backend", "auto"),
             "collective_timeout_s": spec.training.fault.collective_timeout,
         },
     }

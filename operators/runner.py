@@ -243,8 +243,8 @@ def stop_local_jobs(home: Path, dag_id: str, since_epoch_s: float | None = None)
     Jobs of ``dag_id`` submitted at or after ``since_epoch_s`` (the run's start, Unix seconds)
     that are already cancelled are listed as ``already_cancelled``; without it none are.
     """
-    from trainforge.backends.base import JobState
-    from trainforge.backends.local import LocalBackend
+    from trainforge.engines.base import JobState
+    from trainforge.engines.local.backend import LocalBackend
 
     backend = LocalBackend(home / "runs")
     stopped = StoppedJobs()
@@ -484,7 +484,7 @@ def ray_cluster(spec: PipelineSpec, stack: contextlib.ExitStack, console: Consol
     import shutil
     import tempfile
 
-    from trainforge.backends.ray_head import LocalRayHead, job_api_ready
+    from trainforge.engines.ray.head import LocalRayHead, job_api_ready
 
     block = spec.training.engine_block
     if block.connection_id:
@@ -516,7 +516,7 @@ def cancel_ray_jobs(address: str, dag_id: str, since_epoch_s: float | None = Non
     """
     from ray.job_submission import JobStatus
 
-    from trainforge.backends.ray import RayBackend
+    from trainforge.engines.ray.backend import RayBackend
 
     backend = RayBackend(address=address)
     stopped = StoppedJobs()
@@ -602,7 +602,7 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         env["MLFLOW_TRACKING_URI"] = tracking_uri
         ray_address = None
         if spec.training.engine == "ray":
-            from trainforge.backends.ray_head import RayHeadError
+            from trainforge.engines.ray.head import RayHeadError
 
             try:
                 ray_address = ray_cluster(spec, stack, console, env)

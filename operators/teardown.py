@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainforge.backends.base import JobHandle, JobIdentity, JobState
+from trainforge.engines.base import JobHandle, JobIdentity, JobState
 from trainforge.base import TrainforgeStageOperator
 from trainforge.errors import TrainforgeError
 
@@ -217,7 +217,7 @@ class CloseRunOperator(TrainforgeStageOperator):
 
     def _close_jobs(self, spec: Any, stage: str | None, dag_id: str, run_id: str, task_id: str,
                     report: CloseReport) -> TaskJobs:
-        from trainforge.backends import backend_kwargs, get_backend
+        from trainforge.engines.registry import backend_kwargs, get_backend
         from trainforge.paths import trainforge_home
         from trainforge.pipeline.stages import stage_spec
 

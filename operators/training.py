@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Any
 
-from trainforge.backends.base import JobIdentity
+from trainforge.engines.base import JobIdentity
 from trainforge.base import TrainforgeStageOperator, fail_permanently
 from trainforge.errors import TriggerEventError
 from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
@@ -216,12 +216,12 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
 
     @staticmethod
     def _backend_kwargs(spec: Any) -> dict[str, Any]:
-        from trainforge.backends import backend_kwargs
+        from trainforge.engines.registry import backend_kwargs
 
         return backend_kwargs(spec.training, runs_root=str(trainforge_home() / "runs"))
 
     def execute(self, context: Any) -> Any:
-        from trainforge.backends import get_backend
+        from trainforge.engines.registry import get_backend
         from trainforge.jobconfig import build_training_job
 
         spec = self.resolved_spec(context)
@@ -389,7 +389,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         A failed or cancelled earlier job is not adopted: this try launches a new job, which
         resumes from the newest valid checkpoint of the shared checkpoint folder.
         """
-        from trainforge.backends.base import JobState
+        from trainforge.engines.base import JobState
 
         mine = backend.find(identity)
         if mine is not None:
@@ -426,7 +426,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
 
     def _cancel_live_jobs(self, context: Any) -> None:
         """Cancel every non-terminal job of this task (this try's and earlier tries')."""
-        from trainforge.backends import get_backend
+        from trainforge.engines.registry import get_backend
 
         spec = self.resolved_spec(context)
         if not spec.training.fault.cancel_on_kill:
@@ -444,7 +444,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         self, context: Any, event: Any = None, first_start_epoch_s: float | None = None,
         init: dict[str, str] | None = None,
     ) -> dict[str, Any]:
-        from trainforge.backends import get_backend
+        from trainforge.engines.registry import get_backend
 
         event = validate_event(event)
         self._handle = event["handle"]
@@ -529,7 +529,7 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         if self._handle is None:
             self._end_mlflow_run_killed()
             return
-        from trainforge.backends import get_backend
+        from trainforge.engines.registry import get_backend
         from trainforge.pipeline.model import PipelineSpec
 
         from trainforge.pipeline.stages import stage_spec

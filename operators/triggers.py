@@ -109,7 +109,7 @@ class TrainingJobTrigger(BaseTrigger):
         )
 
     def _backend(self):
-        from trainforge.backends import get_backend
+        from trainforge.engines.registry import get_backend
 
         return get_backend(self.engine, **self.backend_kwargs)
 
@@ -284,7 +284,7 @@ class TrainingJobTrigger(BaseTrigger):
 
     # -- the wait ---------------------------------------------------------------------------
     async def _wait(self) -> AsyncIterator[TriggerEvent]:
-        from trainforge.backends.base import JobState
+        from trainforge.engines.base import JobState
 
         backend = await asyncio.to_thread(self._backend)
         key = self.handle.get("key")

@@ -50,7 +50,7 @@ def expected_job_config(spec: PipelineSpec, dataset_dir: str, checkpoint_dir: st
                         init: dict[str, str] | None = None) -> dict[str, Any]:
     """The job config the ``train`` task handed the trainer (its digest ignores ``identity``;
     ``init``: the ``init`` block it was given, if any)."""
-    from trainforge.backends.base import JobIdentity
+    from trainforge.engines.base import JobIdentity
     from trainforge.jobconfig import render_job_config
 
     identity = JobIdentity(dag_id, run_id, train_task_id, 1)

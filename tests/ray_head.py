@@ -18,10 +18,10 @@ import pytest
 
 @pytest.fixture(scope="session")
 def ray_head() -> Iterator[object]:
-    """A started :class:`trainforge.backends.ray_head.LocalRayHead`; ``.address`` is the job API."""
+    """A started :class:`trainforge.engines.ray.head.LocalRayHead`; ``.address`` is the job API."""
     import psutil
 
-    from trainforge.backends.ray_head import LocalRayHead
+    from trainforge.engines.ray.head import LocalRayHead
 
     # Ray's socket paths must stay under 107 bytes: pytest's tmp_path is often too deep.
     temp_dir = tempfile.mkdtemp(prefix="tf-ray-")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from trainforge.pipeline.base import BOOL_FOR_NUMBER, CROSS_FIELD, WrongScalar
+from trainforge.sections import BOOL_FOR_NUMBER, CROSS_FIELD, WrongScalar
 from trainforge.pipeline.model import PipelineSpec
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
@@ -117,7 +117,7 @@ def _data_loc(loc: tuple, marks: dict) -> tuple:
 def _position(marks: dict, loc: tuple, error: dict | None = None) -> tuple[int, int]:
     """Line and column (1-based) of the deepest recorded prefix of a pydantic error location.
 
-    A cross-field error (:func:`trainforge.pipeline.base.field_errors`) about a field the file does
+    A cross-field error (:func:`trainforge.sections.field_errors`) about a field the file does
     not write points at its ``fallback`` field instead (e.g. ``training.engine``).
     """
     ctx = (error or {}).get("ctx") or {}

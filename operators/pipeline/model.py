@@ -10,111 +10,27 @@ Units are in field names or descriptions: ``*_s`` seconds (written as durations,
 
 from __future__ import annotations
 
-import difflib
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
-from trainforge.pipeline.base import SpecModel, field_errors
-from trainforge.pipeline.llama_keys import FIRST_CLASS, FIRST_CLASS_ALIASES, OVERRIDABLE
-from trainforge.pipeline.data import _MODELS, _S3, _SCHEME, DataSection, StorageSection, same_endpoint
+from trainforge.pipeline.architecture import ModelSection
+from trainforge.pipeline.data import _S3, _SCHEME, DataSection, StorageSection, same_endpoint
 from trainforge.pipeline.durations import DurationS
-from trainforge.pipeline.engines import KubernetesEngine, LocalEngine, RayEngine, SlurmEngine
+from trainforge.pipeline.engines import (
+    block_fields,
+    connection_secret_errors,
+    engine_block,
+    engine_field,
+    misplaced_blocks,
+    needs_s3,
+    size_errors,
+    storage_errors,
+)
 from trainforge.pipeline.pipeline import PipelineSection
 from trainforge.pipeline.registry import RegistrySection, ValidationSection
 from trainforge.pipeline.stages import _rewrap, check_stages, stage_model
-
-
-
-def _json_type(value: object) -> str:
-    """The JSON type name of a scalar: null, bool, int, float or str."""
-    if value is None:
-        return "null"
-    return {bool: "bool", int: "int", float: "float", str: "str"}[type(value)]
-
-
-class ModelSection(SpecModel):
-    family: Literal["llama"] = Field("llama", description="Architecture family (transformers).")
-    hidden_size: int = Field(256, ge=8, le=65_536, description="Model width d_model.")
-    num_layers: int = Field(4, ge=1, le=512, description="Transformer blocks.")
-    num_heads: int = Field(4, ge=1, le=1024, description="Attention heads.")
-    num_kv_heads: int | None = Field(
-        None, ge=1, description="Key/value heads (grouped-query attention); default num_heads."
-    )
-    intermediate_size: int | None = Field(
-        None, ge=8, description="MLP width; default 8/3 x hidden_size rounded up to 64 (Llama)."
-    )
-    rope_theta: float = Field(10_000.0, gt=0, description="RoPE base.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Attention dropout probability.")
-    tie_word_embeddings: bool = Field(True, description="Share input and output embeddings.")
-    config_overrides: dict[str, bool | int | float | str | None] = Field(
-        {}, description="Further transformers LlamaConfig keys, e.g. {rms_norm_eps: 1e-5, "
-        "attention_bias: true}: " + ", ".join(sorted(OVERRIDABLE)) + ". Keys set by the fields "
-        "above (hidden_size, rope_theta, ...) or by the dataset (vocab_size) are refused.",
-        json_schema_extra={"propertyNames": {"enum": sorted(OVERRIDABLE)}},
-    )
-    init_from: str | None = Field(
-        None, description="Continue training a registered model: 'models:/<name>@<alias>' or "
-        "'models:/<name>/<version>'. Its weights start the run (a fresh optimizer); the fields "
-        "above must describe its architecture, and data.tokenizer.source must be the same URI "
-        "(its tokenizer). A checkpoint of the run's own takes precedence on a retry. null: "
-        "random initialisation."
-    )
-
-    @field_validator("init_from")
-    @classmethod
-    def _registered_model(cls, value: str | None) -> str | None:
-        if value is not None and not _MODELS.match(value):
-            raise ValueError(f"not a registered model URI (got {value!r}; expected "
-                             f"'models:/<name>@<alias>' or 'models:/<name>/<version>')")
-        return value
-
-    @field_validator("config_overrides")
-    @classmethod
-    def _known_config_keys(cls, value: dict) -> dict:
-        errors = []
-        for key, given in value.items():
-            if key in FIRST_CLASS or key in FIRST_CLASS_ALIASES:
-                source = FIRST_CLASS.get(key) or FIRST_CLASS_ALIASES[key]
-                errors.append(((key,), f"{key} is set by {source}, not by an override (got "
-                               f"{given!r}; expected it there)", given, ()))
-            elif key not in OVERRIDABLE:
-                close = difflib.get_close_matches(key, list(OVERRIDABLE), n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]!r}?" if close else (
-                    "expected one of: " + ", ".join(sorted(OVERRIDABLE)))
-                errors.append(((key,), f"not a LlamaConfig key trainforge lets you set (got "
-                               f"{key!r}; {hint})", key, ()))
-            elif _json_type(given) not in OVERRIDABLE[key] and not (
-                    _json_type(given) == "int" and "float" in OVERRIDABLE[key]):
-                errors.append(((key,), f"wrong type for {key} (got {given!r}; expected "
-                               f"{' or '.join(OVERRIDABLE[key])})", given, ()))
-        if errors:
-            raise field_errors(ModelSection, *errors)
-        return value
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelSection:
-        errors = []
-        if self.hidden_size % self.num_heads:
-            errors.append((
-                ("num_heads",), f"hidden_size must be divisible by num_heads (got hidden_size "
-                f"{self.hidden_size} and num_heads {self.num_heads})", self.num_heads,
-                ("hidden_size",)))
-        kv = self.num_kv_heads or self.num_heads
-        if self.num_heads % kv:
-            errors.append((
-                ("num_kv_heads",), f"num_heads must be divisible by num_kv_heads (got "
-                f"{self.num_heads} and {kv})", kv, ("num_heads",)))
-        if errors:
-            raise field_errors(ModelSection, *errors)
-        return self
-
-    @property
-    def resolved_intermediate_size(self) -> int:
-        """MLP width; Llama's default is 8/3 x d_model rounded up to a multiple of 64."""
-        if self.intermediate_size:
-            return self.intermediate_size
-        return -(-(8 * self.hidden_size // 3) // 64) * 64
+from trainforge.sections import SpecModel, field_errors
 
 
 class ResourcesSection(SpecModel):
@@ -258,19 +174,15 @@ class FaultSection(SpecModel):
         return self
 
 
-class TrainingSection(SpecModel):
-    engine: Literal["local", "kubernetes", "ray", "slurm"] = Field(
-        "local", description="Where training runs: 'local' (torchrun on the Airflow worker's "
-        "machine), 'kubernetes' (Kubeflow TrainJob or PyTorchJob), 'ray' (Ray job API) or 'slurm' "
-        "(sbatch on a Slurm cluster). The block of the same name configures it."
-    )
-    resources: ResourcesSection = ResourcesSection()
-    local: LocalEngine = LocalEngine()
-    kubernetes: KubernetesEngine | None = Field(
-        None, description="Kubernetes engine settings (engine: kubernetes)."
-    )
-    ray: RayEngine | None = Field(None, description="Ray engine settings (engine: ray).")
-    slurm: SlurmEngine | None = Field(None, description="Slurm engine settings (engine: slurm).")
+# The fields that come from the installed engines (trainforge.pipeline.engines): `engine`, then
+# `resources`, then one block per engine, `training.<engine>`.
+_EngineFields = create_model("_EngineFields", __base__=SpecModel, __module__=__name__,
+                             engine=engine_field(),
+                             resources=(ResourcesSection, ResourcesSection()),
+                             **block_fields())
+
+
+class TrainingSection(_EngineFields):  # type: ignore[valid-type, misc]
     optimization: OptimizationSection
     framework: FrameworkSection = FrameworkSection()
     checkpoint: CheckpointSection
@@ -280,13 +192,7 @@ class TrainingSection(SpecModel):
     @property
     def engine_block(self) -> SpecModel:
         """The settings block of the chosen engine (defaults when the block is omitted)."""
-        if self.engine == "kubernetes":
-            return self.kubernetes or KubernetesEngine()
-        if self.engine == "ray":
-            return self.ray or RayEngine()
-        if self.engine == "slurm":
-            return self.slurm or SlurmEngine()
-        return self.local
+        return engine_block(self)
 
     @property
     def world_size(self) -> int:
@@ -336,26 +242,9 @@ class TrainingSection(SpecModel):
     def _rules(self, usable=lambda *names: True) -> list[tuple]:
         """Cross-field problems, as :func:`field_errors` entries; a rule is checked only when
         ``usable(*sections)`` says the fields it reads are valid."""
-        errors = []
-        for block in ("local", "kubernetes", "ray", "slurm"):
-            if not usable("engine", block):
-                continue
-            given = getattr(self, block)
-            # a dumped-and-reloaded spec carries `kubernetes: null` and the default local block
-            if block != self.engine and given is not None and given != type(given)():
-                errors.append(((block,), f"the {block!r} block configures engine {block!r}, but "
-                               f"engine is {self.engine!r} (got a {block} block; expected "
-                               f"engine: {block}, or no {block} block)", None, ()))
-        sized = usable("engine", "resources")
-        if sized and self.engine in ("local", "ray") and self.resources.nodes != 1:
-            errors.append((("resources", "nodes"), f"the {self.engine} engine runs one torchrun "
-                           f"group on one machine (got resources.nodes {self.resources.nodes}; "
-                           f"expected 1; use the kubernetes or slurm engine for several nodes)",
-                           self.resources.nodes, ("engine",)))
-        if sized and self.engine == "kubernetes" and not self.resources.image:
-            errors.append((("resources", "image"), "the kubernetes engine needs resources.image, "
-                           "the trainer's container image (got none; expected e.g. "
-                           "'ghcr.io/acme/trainforge-trainer:0.1.0')", None, ("engine",)))
+        errors = misplaced_blocks(self, usable)
+        if usable("engine", "resources"):
+            errors += size_errors(self)
         if not usable("optimization"):
             return errors
         opt = self.optimization
@@ -397,21 +286,6 @@ def _section_class(annotation: object) -> type[SpecModel] | None:
     return None
 
 
-def _cluster_storage_errors(engine: str, output_uri: str, checkpoint_uri: str) -> list[tuple]:
-    """Pods of a Kubernetes job do not share the Airflow worker's disk: the dataset and the
-    checkpoints must live where every node can reach them (``field_errors`` entries)."""
-    if engine != "kubernetes":
-        return []
-    return [
-        (loc, f"{'.'.join(loc)} must be an s3:// URI with the kubernetes engine, where every node "
-         f"can read it (got {value!r}; expected e.g. 's3://bucket/prefix')", value,
-         ("training", "engine"))
-        for loc, value in ((("data", "output_uri"), output_uri),
-                           (("training", "checkpoint", "uri"), checkpoint_uri))
-        if not value.startswith("s3://")
-    ]
-
-
 def _storage_as_written(data: object, failed: list[tuple]) -> list[tuple]:
     """The storage rule on raw spec data, for URIs that have no error of their own."""
     if not isinstance(data, dict) or not isinstance(data.get("training"), dict):
@@ -421,10 +295,11 @@ def _storage_as_written(data: object, failed: list[tuple]) -> list[tuple]:
     checkpoint = training.get("checkpoint") if isinstance(training.get("checkpoint"), dict) else {}
     output_uri = section.get("output_uri", DataSection.model_fields["output_uri"].default)
     checkpoint_uri = checkpoint.get("uri", CheckpointSection.model_fields["uri"].default)
-    if not (training.get("engine") == "kubernetes" and isinstance(output_uri, str)
+    engine = training.get("engine")
+    if not (isinstance(engine, str) and needs_s3(engine) and isinstance(output_uri, str)
             and isinstance(checkpoint_uri, str)):
         return []
-    return [error for error in _cluster_storage_errors("kubernetes", output_uri, checkpoint_uri)
+    return [error for error in storage_errors(engine, output_uri, checkpoint_uri)
             if not any(loc[:len(error[0])] == error[0] or error[0][:len(loc)] == loc
                        for loc in failed)]
 
@@ -464,8 +339,8 @@ class PipelineSpec(SpecModel):
     @model_validator(mode="after")
     def _whole_spec_rules(self) -> PipelineSpec:
         # One validator, so that every rule is checked even when another one fails.
-        errors = [*_cluster_storage_errors(self.training.engine, self.data.output_uri,
-                                           self.training.checkpoint.uri),
+        errors = [*storage_errors(self.training.engine, self.data.output_uri,
+                                  self.training.checkpoint.uri),
                   *self._s3_access(), *self._init_keeps_tokenizer()]
         if errors:
             raise field_errors(PipelineSpec, *errors)
@@ -475,7 +350,7 @@ class PipelineSpec(SpecModel):
     @classmethod
     def _independent_rules(cls, data, handler):
         # pydantic runs a model's "after" rules only when every field is valid. The storage rule
-        # needs only the engine and two URIs: when another error (e.g. the kubernetes engine's
+        # needs only the engine and two URIs: when another error (e.g. a cluster engine's
         # missing image) stops the whole-model rules, it is still checked on the values as
         # written, so that every error of the file shows up at once.
         try:
@@ -502,17 +377,7 @@ class PipelineSpec(SpecModel):
             from trainforge.pipeline.stages import resolve_stages
 
             engines = {stage.training.engine for stage in resolve_stages(self)}
-            for engine in sorted(engines & {"kubernetes", "slurm"}):
-                remedy = ("give the ranks credentials through training.kubernetes.secret_env "
-                          "(a Kubernetes Secret) or a service-account role"
-                          if engine == "kubernetes" else
-                          "give the nodes credentials of their own (instance role, ~/.aws, or "
-                          "training.slurm.setup reading them from a protected file)")
-                errors.append((("storage", "aws_conn_id"), f"storage.aws_conn_id cannot be used "
-                               f"with the {engine} engine: its secrets would be written into the "
-                               f"{'job manifest' if engine == 'kubernetes' else 'batch script'} "
-                               f"(got {self.storage.aws_conn_id!r}; expected null: {remedy})",
-                               self.storage.aws_conn_id, ()))
+            errors += connection_secret_errors(engines, self.storage.aws_conn_id)
         return errors
 
     @property

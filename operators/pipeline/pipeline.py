@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from trainforge.pipeline.base import SpecModel
+from trainforge.sections import SpecModel
 from trainforge.pipeline.durations import DurationS
 
 _DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from trainforge.pipeline.base import SpecModel
+from trainforge.sections import SpecModel
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,255}$")
 _ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,254}$")

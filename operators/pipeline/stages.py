@@ -44,7 +44,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from trainforge.pipeline.base import SpecModel
+from trainforge.pipeline.engines import needs_s3
+from trainforge.sections import SpecModel
 
 # A stage name becomes part of a task id (`train_<name>`) and of a checkpoint folder.
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
@@ -366,14 +367,14 @@ def _merged_issues(i: int, stage: Any, training: BaseModel, data: BaseModel | No
     except ValidationError as err:
         return _rewrap(err.errors(), (i, "training"))
     issues = []
-    if section.engine == "kubernetes" and data is not None:
+    if needs_s3(section.engine) and data is not None:
         for field, value in (("data.output_uri", data.output_uri),
                              ("checkpoint.uri", section.checkpoint.uri)):
             if not value.startswith("s3://"):
                 issues += [_issue(
                     (i, "training", "engine"),
-                    f"{field} must be an s3:// URI for a stage on the kubernetes engine, where "
-                    f"every node can read it (got {value!r}; expected e.g. 's3://bucket/prefix')",
+                    f"{field} must be an s3:// URI for a stage on the {section.engine} engine, "
+                    f"where every node can read it (got {value!r}; expected e.g. 's3://bucket/prefix')",
                     section.engine)]
     return issues
 

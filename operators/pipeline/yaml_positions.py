@@ -10,7 +10,7 @@ YAML pitfalls handled here:
 * an unquoted key YAML reads as a boolean or number (``on:``, ``1:``) is an error naming the
   key as written, with the quoted form to use;
 * a quoted number given for a number field is an error (the published JSON Schema says
-  ``integer`` or ``number``), see :class:`trainforge.pipeline.base.SpecModel`.
+  ``integer`` or ``number``), see :class:`trainforge.sections.SpecModel`.
 
 pydantic's own wording is turned into the one-line form: a union reports only the member that
 fits the value's shape (or one "got a mapping; expected a number, string or boolean"), and an

@@ -311,7 +311,7 @@ class AirflowStandalone:
         training process behind."""
         from urllib.parse import quote
 
-        from trainforge.backends.local import LocalBackend
+        from trainforge.engines.local.backend import LocalBackend
 
         for dag in self.api("GET", "/api/v2/dags?limit=100").get("dags", []):
             runs = self.api("GET", f"/api/v2/dags/{dag['dag_id']}/dagRuns?limit=100")

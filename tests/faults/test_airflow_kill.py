@@ -28,7 +28,7 @@ from faultlib import (
     wait_for,
 )
 
-from trainforge.backends.base import JobIdentity
+from trainforge.engines.base import JobIdentity
 
 pytestmark = [pytest.mark.airflow, pytest.mark.integration]
 

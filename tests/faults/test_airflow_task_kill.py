@@ -43,7 +43,7 @@ from faultlib import (
     wait_run_end,
 )
 
-from trainforge.backends.base import JobIdentity
+from trainforge.engines.base import JobIdentity
 
 pytestmark = [pytest.mark.airflow, pytest.mark.integration]
 

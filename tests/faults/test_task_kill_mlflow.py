@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.backends.base import JobIdentity, JobState, TrainingJob
-from trainforge.backends.local import LocalBackend
+from trainforge.engines.base import JobIdentity, JobState, TrainingJob
+from trainforge.engines.local.backend import LocalBackend
 from trainforge.pipeline.loader import load_spec
 from trainforge.training import TrainingLaunchOperator
 
 pytestmark = [pytest.mark.integration]
 
 HERE = Path(__file__).resolve().parent
-FAKE_DIR = HERE.parent / "operators" / "backends"
+FAKE_DIR = HERE.parent / "operators" / "engines"
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from faultlib import (
 )
 from test_airflow_kill import DAG, start_training
 
-from trainforge.backends.base import JobIdentity
+from trainforge.engines.base import JobIdentity
 
 pytestmark = [pytest.mark.airflow, pytest.mark.integration]
 

@@ -57,7 +57,7 @@ def test_ray_jobs_make_their_folders_inside_the_heads_temp_folder(ray_head):
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     client = JobSubmissionClient(ray_head.address)
-    # The first step of the Ray engine's entrypoint (operators/backends/ray.py).
+    # The first step of the Ray engine's entrypoint (operators/engines/ray/render.py).
     job_id = client.submit_job(
         entrypoint='echo "folder=$(mktemp -d "${TMPDIR:-/tmp}/trainforge-tmpdir-check.XXXXXX")"')
     deadline = time.monotonic() + 60

@@ -1,6 +1,6 @@
 """After Ctrl-C, `trainforge run` says which of the run's jobs were cancelled, and by whom.
 
-Real local jobs (torchrun running the fake workload of tests/operators/backends/fake_trainer.py).
+Real local jobs (torchrun running the fake workload of tests/operators/engines/fake_trainer.py).
 """
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from trainforge.backends.base import JobIdentity, JobState, TrainingJob
-from trainforge.backends.local import LocalBackend
+from trainforge.engines.base import JobIdentity, JobState, TrainingJob
+from trainforge.engines.local.backend import LocalBackend
 from trainforge.runner import StoppedJobs, stop_local_jobs
 
-FAKE_DIR = Path(__file__).resolve().parent / "backends"
+FAKE_DIR = Path(__file__).resolve().parent / "engines"
 
 
 def _submit(backend: LocalBackend, dag_id: str, run_id: str = "r") -> dict:

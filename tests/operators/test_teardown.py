@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.backends.base import JobIdentity, JobState, TrainingJob
-from trainforge.backends.local import LocalBackend
+from trainforge.engines.base import JobIdentity, JobState, TrainingJob
+from trainforge.engines.local.backend import LocalBackend
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.pipeline import load_spec, parse_spec_text
 from trainforge.teardown import (
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "tests" / "faults" / "fault_tiny.yaml"
-FAKE_DIR = ROOT / "tests" / "operators" / "backends"
+FAKE_DIR = ROOT / "tests" / "operators" / "engines"
 FAILED_AFTER_TRAIN = {"prepare_data": "success", "train": "failed",
                       "validate_checkpoint": "upstream_failed",
                       "register_model": "upstream_failed"}

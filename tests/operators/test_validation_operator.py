@@ -47,7 +47,7 @@ def test_validator_argv_best_val_loss_lets_the_validator_choose():
 
 
 def test_expected_job_config_has_the_train_tasks_digest():
-    from trainforge.backends.base import JobIdentity
+    from trainforge.engines.base import JobIdentity
     from trainforge.jobconfig import render_job_config
     from trainforge.trainer.expectations import config_digest
 

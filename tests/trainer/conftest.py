@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from trainforge.backends.base import LAUNCH_ENV
+from trainforge.engines.launch import LAUNCH_ENV
 
 EOS = "<|endoftext|>"
 WORDS = (
@@ -247,7 +247,7 @@ def trainer_env(result_file: Path, **extra: str) -> dict[str, str]:
         OMP_NUM_THREADS="1",
         HF_HUB_OFFLINE="1",
     )
-    env.update(LAUNCH_ENV)  # what every engine sets for torchrun (operators/backends/base.py)
+    env.update(LAUNCH_ENV)  # what every engine sets for torchrun (operators/engines/launch.py)
     env.update(extra)
     return env
 

@@ -3,7 +3,7 @@
 torchrun keeps one TCPStore across elastic restarts when it shares it with the workers (the
 default since torch 2.5), with no per-attempt key prefix: in the restarted group a fast rank 0 can
 read a slow peer's gloo address from the *previous* attempt and fail with "Connection refused"
-(pytorch/pytorch#135712). The engines set ``LAUNCH_ENV`` (operators/backends/base.py) to opt out.
+(pytorch/pytorch#135712). The engines set ``LAUNCH_ENV`` (operators/engines/launch.py) to opt out.
 This test makes rank 1 deliberately slow in the second attempt (without that setting the restarted
 group failed in 3 of 5 runs here, with that error or a connect timeout) and checks the restarted
 group comes up and finishes.
@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from trainforge.backends.base import LAUNCH_ENV
+from trainforge.engines.launch import LAUNCH_ENV
 from tests.trainer.conftest import REPO_ROOT, trainer_env
 
 pytestmark = [pytest.mark.distributed]

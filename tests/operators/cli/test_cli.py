@@ -15,7 +15,9 @@ from trainforge.cli import app
 ROOT = Path(__file__).resolve().parents[3]
 PIPELINES = sorted((ROOT / "dags" / "pipelines").glob("*.yaml"))
 GOLDEN = Path(__file__).resolve().parent / "golden"
-from trainforge.backends import ENGINES  # noqa: E402 - every engine that exists
+from trainforge.engines.registry import engine_names  # noqa: E402
+
+ENGINES = engine_names()  # every engine that exists
 
 runner = CliRunner()
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from trainforge.backends.base import JobIdentity, JobState
+from trainforge.engines.base import JobIdentity, JobState
 from trainforge.hooks.s3 import S3ConnectionError, S3Hook, read_connection, spec_child_env
 from trainforge.pipeline.loader import load_spec
 from trainforge.pipeline.model import PipelineSpec
@@ -269,7 +269,7 @@ def test_local_job_ranks_get_the_keys_but_no_file_or_render_holds_them(conn_buck
                                                                         tmp_path):
     import dataclasses
 
-    from trainforge.backends.local import LocalBackend
+    from trainforge.engines.local.backend import LocalBackend
 
     S3Hook("my_s3").client().put_object(Bucket=conn_bucket, Key="marker", Body=b"1")
     spec = PipelineSpec.model_validate(tiny_spec(**{"storage.aws_conn_id": "my_s3",
@@ -304,7 +304,7 @@ def test_local_job_ranks_get_the_keys_but_no_file_or_render_holds_them(conn_buck
 
 
 def test_ray_request_shows_placeholders_and_only_the_api_call_has_the_keys(monkeypatch, tmp_path):
-    from trainforge.backends.ray import RayBackend
+    from trainforge.engines.ray.backend import RayBackend
 
     monkeypatch.setenv("AIRFLOW_CONN_MY_S3", aws_conn(
         login=KEY_ID, password=SECRET, extra={"endpoint_url": "http://minio:9000"}))

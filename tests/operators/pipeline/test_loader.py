@@ -312,7 +312,7 @@ def test_a_value_yaml_cannot_read_does_not_hide_the_other_errors():
     ("KEYBOARD", False),
 ])
 def test_credential_names(name, secret):
-    from trainforge.pipeline.engines import is_credential_name
+    from trainforge.engines.blocks import is_credential_name
 
     assert is_credential_name(name) is secret
 

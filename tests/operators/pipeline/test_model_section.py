@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainforge.backends.base import JobIdentity
+from trainforge.engines.base import JobIdentity
 from trainforge.jobconfig import render_job_config
 from trainforge.pipeline import SpecError, parse_spec_text
 from trainforge.pipeline.llama_keys import FIRST_CLASS, NOT_ARCHITECTURE, OVERRIDABLE

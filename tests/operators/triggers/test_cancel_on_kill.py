@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.backends.base import JobIdentity, JobState, TrainingJob
-from trainforge.backends.local import LocalBackend
+from trainforge.engines.base import JobIdentity, JobState, TrainingJob
+from trainforge.engines.local.backend import LocalBackend
 from trainforge.triggers import TrainingJobTrigger
 
-FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
+FAKE_DIR = Path(__file__).resolve().parents[1] / "engines"
 
 
 class StateTrigger(TrainingJobTrigger):

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.backends.base import JobIdentity, TrainingJob
-from trainforge.backends.local import LocalBackend
+from trainforge.engines.base import JobIdentity, TrainingJob
+from trainforge.engines.local.backend import LocalBackend
 from trainforge.triggers import EVENT_STATUSES, TrainingJobTrigger
 
-FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
+FAKE_DIR = Path(__file__).resolve().parents[1] / "engines"
 
 ALL_TRIGGERS = [
     TrainingJobTrigger(

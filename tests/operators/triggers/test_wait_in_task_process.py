@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.backends.base import JobIdentity, JobState, TrainingJob
-from trainforge.backends.local import LocalBackend
+from trainforge.engines.base import JobIdentity, JobState, TrainingJob
+from trainforge.engines.local.backend import LocalBackend
 from trainforge.pipeline.loader import load_spec
 from trainforge.training import TaskProcessTerminated, TrainingLaunchOperator
 from trainforge.triggers import TrainingJobTrigger
 
-FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
+FAKE_DIR = Path(__file__).resolve().parents[1] / "engines"
 FAULT_SPEC = Path(__file__).resolve().parents[2] / "faults" / "fault_tiny.yaml"
 
 

@@ -1,0 +1,64 @@
+"""Checks that the engines' spec blocks (``training.<engine>``) share: environment variable
+names, credentials kept out of the spec, DNS names.
+
+Each block is a :class:`~trainforge.sections.SpecModel` in its engine's ``spec`` module.
+"""
+
+from __future__ import annotations
+
+import re
+
+# RFC 1123 label (namespaces, queue names, secret names, priority classes).
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# RFC 1123 subdomain (ConfigMap and Secret names may contain dots).
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Environment every rank gets from the engine and the train task (docs/contracts.md).
+ENGINE_ENV = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TRAINFORGE_RESULT_FILE",
+                         "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID"})
+
+
+# Names of variables that hold credentials. The spec is committed and rendered verbatim into
+# job requests, so credentials never come from it (README: "Credentials").
+_CREDENTIAL_NAMES = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
+_CREDENTIAL_WORDS = frozenset({"PASSWORD", "PASSWD", "PASSPHRASE", "SECRET", "TOKEN",
+                               "CREDENTIAL", "CREDENTIALS", "APIKEY"})
+
+
+def is_credential_name(name: str) -> bool:
+    """Whether an environment variable named ``name`` carries a credential: the AWS key
+    variables, a ``_``-separated word such as PASSWORD, SECRET or TOKEN (``HF_TOKEN``, not
+    ``TOKENIZERS_PARALLELISM``), or a name ending in ``_KEY`` or ``_KEY_ID`` (``WANDB_API_KEY``)."""
+    upper = name.upper()
+    words = upper.split("_")
+    return (upper in _CREDENTIAL_NAMES or any(w in _CREDENTIAL_WORDS for w in words)
+            or words[-1] == "KEY" or upper.endswith("_KEY_ID"))
+
+
+def check_env_vars(value: dict[str, str], engine: str, remedy: str,
+                    engine_env: frozenset = frozenset()) -> dict[str, str]:
+    """The checks every engine's ``env_vars`` gets (names, no credentials, none of
+    ``engine_env``); raises ValueError naming the first bad name."""
+    for name in value:
+        if not ENV_NAME.match(name):
+            raise ValueError(f"not an environment variable name (got {name!r}; expected letters, "
+                             f"digits and '_', not starting with a digit)")
+        if name in engine_env:
+            raise ValueError(f"env_vars may not set {name}: the engine sets it (expected "
+                             f"names other than {', '.join(sorted(engine_env))})")
+        if is_credential_name(name):
+            raise ValueError(f"env_vars may not carry credentials: the spec is rendered verbatim "
+                             f"into the {engine} job (got {name}; expected no secret in the spec: "
+                             f"{remedy})")
+    return value
+
+
+def dns_name(value: str, what: str, pattern: re.Pattern = DNS_LABEL) -> str:
+    """``value`` when it matches ``pattern`` (an RFC 1123 name); ValueError naming ``what``
+    otherwise."""
+    if not pattern.match(value):
+        raise ValueError(
+            f"{what} must be a lowercase DNS name: letters a-z, digits and '-', starting and "
+            f"ending with a letter or digit, at most 63 characters (got {value!r})"
+        )
+    return value

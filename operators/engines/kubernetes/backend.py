@@ -1,0 +1,399 @@
+"""The ``kubernetes`` engine: a Kubeflow ``TrainJob`` or ``PyTorchJob``, optionally queued by Kueue.
+
+What is submitted is :func:`trainforge.engines.kubernetes.render.render_objects` — a ConfigMap with the
+job config and the custom resource — created with the official ``kubernetes`` client
+(``CoreV1Api``, ``CustomObjectsApi``). Status comes from the resource's conditions through the
+commented tables in :mod:`trainforge.engines.kubernetes.status`; pods are read only for what conditions
+do not say (rank 0 started, why it is pending, its exit code, restarts).
+
+Handle (JSON)::
+
+    {"engine": "kubernetes", "key": identity key, "api": "trainjob" | "pytorchjob",
+     "name": ..., "namespace": ..., "uid": ..., "identity": {...},
+     "submitted_at_epoch_s": creation time, "startup_deadline_epoch_s": float | None,
+     "max_restarts": int}
+
+Log offsets are the kubelet's timestamp of the last line passed on, in nanoseconds since the
+epoch (0: from the start); see :mod:`trainforge.engines.kubernetes.logs`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from functools import cached_property
+from typing import Any
+
+from trainforge.contract import FailureKind, failure_kind
+from trainforge.engines.kubernetes import render as r
+from trainforge.engines.kubernetes import status as s
+from trainforge.engines.kubernetes.client import api_error, network_errors
+from trainforge.engines.kubernetes.logs import read_log
+from trainforge.engines.base import (
+    Backend,
+    JobHandle,
+    JobIdentity,
+    JobState,
+    JobStatus,
+    LogChunk,
+    TrainingJob,
+)
+from trainforge.errors import BackendError, JobNotFoundError
+
+log = logging.getLogger(__name__)
+
+# Kueue's Workload API versions, newest first (v1beta2 from Kueue 0.15, v1beta1 before).
+KUEUE_WORKLOAD_VERSIONS = ("v1beta2", "v1beta1")
+KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+class KubernetesBackend(Backend):
+    """Kubeflow training jobs on a Kubernetes cluster.
+
+    Args:
+        namespace: namespace of the job and its ConfigMap.
+        conn_id: Airflow connection (Kubernetes provider type) with the cluster credentials.
+        kubeconfig: path of a kubeconfig file (when no connection is given).
+        context: kubeconfig context (default: the file's current context).
+        request_timeout_s: timeout of every API call, seconds.
+        poll_interval_s: how often :meth:`cancel` checks that the job is gone, seconds.
+
+    Every method except :meth:`render` raises :class:`~trainforge.errors.BackendError` when the
+    API cannot be reached or refuses a request.
+    """
+
+    engine = "kubernetes"
+
+    def __init__(self, namespace: str = "default", conn_id: str | None = None,
+                 kubeconfig: str | None = None, context: str | None = None,
+                 request_timeout_s: float = 30.0, poll_interval_s: float = 1.0):
+        self.namespace = namespace
+        self.conn_id = conn_id
+        self.kubeconfig = kubeconfig
+        self.context = context
+        self.request_timeout_s = request_timeout_s
+        self.poll_interval_s = poll_interval_s
+
+    # -- pure -------------------------------------------------------------------------------
+    def render(self, job: TrainingJob) -> dict[str, Any]:
+        return r.render_objects(job, self.namespace)
+
+    # -- clients ----------------------------------------------------------------------------
+    @cached_property
+    def _api(self) -> Any:
+        from trainforge.engines.kubernetes.client import api_client
+
+        return api_client(self.conn_id, self.kubeconfig, self.context)
+
+    @cached_property
+    def _core(self) -> Any:
+        from kubernetes import client
+
+        return client.CoreV1Api(self._api)
+
+    @cached_property
+    def _custom(self) -> Any:
+        from kubernetes import client
+
+        return client.CustomObjectsApi(self._api)
+
+    def _call(self, what: str, fn: Any, *args: Any, missing_ok: bool = False, raw: bool = False,
+              **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` with a timeout; None on 404 when ``missing_ok``; parsed JSON
+        when ``raw`` (no model classes). Other API errors become :class:`BackendError`."""
+        from kubernetes.client.exceptions import ApiException
+
+        kwargs["_request_timeout"] = self.request_timeout_s
+        if raw:
+            kwargs["_preload_content"] = False
+        try:
+            result = fn(*args, **kwargs)
+        except ApiException as err:
+            if err.status == 404 and missing_ok:
+                return None
+            raise api_error(what, err) from err
+        except network_errors() as err:
+            raise BackendError(f"could not reach the Kubernetes API to {what}: {err}") from err
+        if raw:
+            return json.loads(result.data or b"null")
+        return result
+
+    # -- remote calls -----------------------------------------------------------------------
+    def submit(self, job: TrainingJob) -> JobHandle:
+        request = self.render(job)
+        existing = self.find(job.identity)
+        if existing is not None:
+            log.info("Job %s already exists as %s %s/%s; re-attaching", job.identity.key,
+                     existing["api"], existing["namespace"], existing["name"])
+            return existing
+        api, cm, obj = request["api"], request["configmap"], request["job"]
+        self._create_configmap(cm, job.identity)
+        try:
+            created = self._create_job(api, obj, job.identity)
+        except BaseException:
+            self._delete_configmap(cm["metadata"]["name"])  # no orphan when the job is refused
+            raise
+        self._own_configmap(cm["metadata"]["name"], obj, created)
+        handle = self._handle(api, created)
+        log.info("Submitted %s %s/%s for %s (uid %s)", obj["kind"], self.namespace,
+                 handle["name"], job.identity.key, handle["uid"])
+        return handle
+
+    def _create_configmap(self, cm: dict[str, Any], identity: JobIdentity) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        name = cm["metadata"]["name"]
+        try:
+            self._core.create_namespaced_config_map(self.namespace, cm,
+                                                    _request_timeout=self.request_timeout_s)
+            return
+        except ApiException as err:
+            if err.status != 409:
+                raise api_error(f"create ConfigMap {self.namespace}/{name}", err) from err
+        except network_errors() as err:
+            raise BackendError(f"could not reach the Kubernetes API to create ConfigMap "
+                               f"{self.namespace}/{name}: {err}") from err
+        current = self._call(f"read ConfigMap {self.namespace}/{name}",
+                             self._core.read_namespaced_config_map, name, self.namespace, raw=True)
+        self._check_identity(current, identity, "ConfigMap")
+        # Left by an earlier submission of this identity whose job was not created: refresh it.
+        self._call(f"update ConfigMap {self.namespace}/{name}",
+                   self._core.patch_namespaced_config_map, name, self.namespace, {"data": cm["data"]})
+
+    def _create_job(self, api: str, obj: dict[str, Any], identity: JobIdentity) -> dict[str, Any]:
+        from kubernetes.client.exceptions import ApiException
+
+        group, version, plural, kind = r.APIS[api]
+        name = obj["metadata"]["name"]
+        try:
+            return self._custom.create_namespaced_custom_object(
+                group, version, self.namespace, plural, obj, _request_timeout=self.request_timeout_s)
+        except ApiException as err:
+            if err.status != 409:
+                raise api_error(f"create {kind} {self.namespace}/{name}", err) from err
+        except network_errors() as err:
+            # The request may have reached the server: a job may exist now. Look before failing.
+            current = self._get(api, name)
+            if current is not None and r.identity_from_annotations(
+                    (current.get("metadata") or {}).get("annotations")) == identity:
+                return current
+            raise BackendError(f"could not reach the Kubernetes API to create {kind} "
+                               f"{self.namespace}/{name}: {err}") from err
+        # 409: created by an earlier call whose answer was lost, or by a retry racing this one.
+        current = self._get(api, name)
+        if current is None:
+            raise BackendError(f"{kind} {self.namespace}/{name} already exists but cannot be read")
+        self._check_identity(current, identity, kind)
+        log.info("%s %s/%s already existed (409) with this identity; adopting it", kind,
+                 self.namespace, name)
+        return current
+
+    def _own_configmap(self, cm_name: str, obj: dict[str, Any], created: dict[str, Any]) -> None:
+        """Make the job the ConfigMap's owner, so that deleting the job deletes it too."""
+        meta = created.get("metadata") or {}
+        owner = {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta.get("name"),
+                 "uid": meta.get("uid"), "blockOwnerDeletion": True}
+        self._call(f"set the owner of ConfigMap {self.namespace}/{cm_name}",
+                   self._core.patch_namespaced_config_map, cm_name, self.namespace,
+                   {"metadata": {"ownerReferences": [owner]}})
+
+    def _check_identity(self, obj: dict[str, Any], identity: JobIdentity, kind: str) -> None:
+        meta = obj.get("metadata") or {}
+        found = r.identity_from_annotations(meta.get("annotations"))
+        if found != identity:
+            raise BackendError(
+                f"{kind} {self.namespace}/{meta.get('name')} exists but belongs to "
+                f"{found.to_dict() if found else 'no trainforge job'}, not {identity.to_dict()}; "
+                f"delete it or use another namespace"
+            )
+
+    def _get(self, api: str, name: str) -> dict[str, Any] | None:
+        group, version, plural, kind = r.APIS[api]
+        return self._call(f"read {kind} {self.namespace}/{name}",
+                          self._custom.get_namespaced_custom_object, group, version,
+                          self.namespace, plural, name, missing_ok=True)
+
+    def find(self, identity: JobIdentity) -> JobHandle | None:
+        name = r.resource_name(identity)
+        for api in r.APIS:
+            obj = self._get(api, name)  # None also when the cluster lacks that CRD
+            if obj is not None:
+                self._check_identity(obj, identity, r.APIS[api][3])
+                return self._handle(api, obj)
+        return None
+
+    def _handle(self, api: str, obj: dict[str, Any]) -> JobHandle:
+        meta = obj.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        identity = r.identity_from_annotations(annotations)
+        submitted = s.epoch_s(meta.get("creationTimestamp")) or time.time()
+        timeout = annotations.get(r.ANN_STARTUP_TIMEOUT)
+        return {
+            "engine": self.engine,
+            "key": identity.key if identity else meta.get("name"),
+            "api": api,
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace") or self.namespace,
+            "uid": meta.get("uid"),
+            "identity": identity.to_dict() if identity else {},
+            "submitted_at_epoch_s": submitted,
+            "startup_deadline_epoch_s": submitted + float(timeout) if timeout else None,
+            "max_restarts": int(annotations.get(r.ANN_MAX_RESTARTS, 0)),
+        }
+
+    def _pods(self, handle: JobHandle) -> list[dict[str, Any]]:
+        # TrainJob: JobSet labels every pod with its name (the TrainJob's); PyTorchJob: our pod
+        # template carries the job label.
+        selector = ({"jobset.sigs.k8s.io/jobset-name": handle["name"]} if handle["api"] == "trainjob"
+                    else {r.LABEL_JOB: handle["name"]})
+        listing = self._call(f"list the pods of {handle['name']}", self._core.list_namespaced_pod,
+                             handle["namespace"], raw=True,
+                             label_selector=",".join(f"{k}={v}" for k, v in selector.items()))
+        return [p for p in (listing or {}).get("items", [])
+                if s.labels_match((p.get("metadata") or {}).get("labels"), selector)]
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        api = handle["api"]
+        obj = self._get(api, handle["name"])
+        if obj is None:
+            raise JobNotFoundError(f"{r.APIS[api][3]} {handle['namespace']}/{handle['name']} not "
+                                   f"found (deleted, or never created)")
+        meta = obj.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            return JobStatus(JobState.CANCELLED, f"{r.APIS[api][3]} {handle['name']} is being deleted")
+        state, cond = s.job_state(api, obj)
+        pods = self._pods(handle)
+        rank0 = s.rank0_pod(api, pods)
+        container = r.TRAINER_CONTAINER[api]
+        exit_code, result = s.rank0_termination(rank0, container)
+        wall_s = s.wall_s(handle, cond, rank0)
+        if state == JobState.SUCCEEDED:
+            return JobStatus(JobState.SUCCEEDED, s.condition_text(cond) or "training finished",
+                             exit_code, None, result, wall_s)
+        if state == JobState.FAILED:
+            kind = failure_kind(exit_code, result)
+            message = (result or {}).get("message") or s.condition_text(cond)
+            if exit_code is not None:
+                message += f" (rank 0 exit code {exit_code})"
+            return JobStatus(JobState.FAILED, message, exit_code, kind, result, wall_s)
+        restarts = max([s.pod_restarts(p) for p in pods] or [0])
+        if restarts > handle.get("max_restarts", 0):
+            message = (f"{r.APIS[api][3]} {handle['name']} restarted {restarts} times, more than "
+                       f"fault.max_restarts = {handle.get('max_restarts', 0)}; deleted it")
+            self._delete(handle)
+            return JobStatus(JobState.FAILED, message, exit_code, FailureKind.TRANSIENT, result, wall_s)
+        if state == JobState.RUNNING or (state is None and rank0 is not None and s.pod_started(rank0)):
+            text = s.condition_text(cond) if cond and cond.get("type") == "Restarting" else "running"
+            return JobStatus(JobState.RUNNING, text, None, None, result)
+        reason, permanent = self._pending_reason(api, obj, cond, pods)
+        deadline = handle.get("startup_deadline_epoch_s")
+        if deadline is not None and time.time() > deadline:
+            timeout_s = deadline - handle.get("submitted_at_epoch_s", deadline)
+            self._delete(handle)
+            return JobStatus(
+                JobState.FAILED,
+                f"{r.APIS[api][3]} {handle['name']} did not start within fault.startup_timeout "
+                f"({timeout_s:.0f} s) and was deleted: {reason}",
+                None, FailureKind.PERMANENT if permanent else FailureKind.TRANSIENT,
+            )
+        return JobStatus(JobState.PENDING, reason)
+
+    def _pending_reason(self, api: str, obj: dict[str, Any], cond: dict[str, Any] | None,
+                        pods: list[dict[str, Any]]) -> tuple[str, bool]:
+        """Kubernetes' own words for why the job has not started, and whether that is permanent."""
+        suspended = bool((cond or {}).get("type") == "Suspended"
+                         or (obj.get("spec") or {}).get("suspend")
+                         or ((obj.get("spec") or {}).get("runPolicy") or {}).get("suspend"))
+        if suspended:
+            return self._kueue_reason(obj), False
+        container = r.TRAINER_CONTAINER[api]
+        for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+            found = s.pending_reason(pod, container)
+            if found:
+                return found
+        if not pods:
+            return f"no pods created yet ({s.condition_text(cond) or 'no condition yet'})", False
+        return "pods are starting", False
+
+    def _kueue_reason(self, obj: dict[str, Any]) -> str:
+        meta = obj.get("metadata") or {}
+        queue = (meta.get("labels") or {}).get(r.KUEUE_QUEUE_LABEL)
+        uid = meta.get("uid")
+        for version in KUEUE_WORKLOAD_VERSIONS:
+            try:
+                listing = self._call(
+                    "list Kueue workloads", self._custom.list_namespaced_custom_object,
+                    "kueue.x-k8s.io", version, meta.get("namespace") or self.namespace,
+                    "workloads", missing_ok=True, label_selector=f"{KUEUE_JOB_UID_LABEL}={uid}")
+            except BackendError as err:  # a diagnostic only (e.g. no RBAC for workloads)
+                log.warning("Cannot read Kueue's reason for %s: %s", meta.get("name"), err)
+                break
+            if listing is None:
+                continue  # this Kueue version is not served
+            for workload in listing.get("items", []):
+                wmeta = workload.get("metadata") or {}
+                owners = {o.get("uid") for o in wmeta.get("ownerReferences") or []}
+                if uid in owners or (wmeta.get("labels") or {}).get(KUEUE_JOB_UID_LABEL) == uid:
+                    reason = s.workload_reason(workload)
+                    if reason:
+                        return reason
+            break
+        if queue:
+            return f"suspended: waiting for Kueue to admit it from LocalQueue {queue!r}"
+        return "suspended (spec.suspend is true and no Kueue queue is named)"
+
+    def read_logs(self, handle: JobHandle, offset: int, max_bytes: int = 65_536) -> LogChunk:
+        """Rank 0's log lines after ``offset``, the kubelet timestamp (ns since the epoch) of
+        the last line already passed on (:func:`~trainforge.engines.kubernetes.logs.read_log`).
+        A pod restarted by JobSet or the operator is followed to its newest instance; lines of
+        a replaced pod that were not read before it was replaced are not recovered."""
+        rank0 = s.rank0_pod(handle["api"], self._pods(handle))
+        if rank0 is None or not s.pod_started(rank0):
+            return LogChunk([], offset)
+        return read_log(self._api, handle["namespace"], rank0["metadata"]["name"],
+                        r.TRAINER_CONTAINER[handle["api"]], offset, max_bytes,
+                        self.request_timeout_s)
+
+    def cancel(self, handle: JobHandle, grace_s: float = 30.0) -> JobStatus:
+        try:
+            current = self.status(handle)
+        except JobNotFoundError:
+            self._delete_configmap(r.configmap_name(handle["name"]), handle["namespace"])
+            return JobStatus(JobState.CANCELLED, f"{handle['name']} was already deleted")
+        if current.state.terminal:
+            return current
+        self._delete(handle)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if self._get(handle["api"], handle["name"]) is None:
+                return JobStatus(JobState.CANCELLED, f"{handle['name']} deleted")
+            time.sleep(self.poll_interval_s)
+        # Foreground deletion waits for the pods to stop; past the grace period, stop them now.
+        pods = self._pods(handle)
+        log.warning("%s still terminating after %.0f s; deleting its %d pods without grace",
+                    handle["name"], grace_s, len(pods))
+        for pod in pods:
+            self._call(f"delete pod {pod['metadata']['name']}", self._core.delete_namespaced_pod,
+                       pod["metadata"]["name"], handle["namespace"], missing_ok=True, raw=True,
+                       grace_period_seconds=0)
+        return JobStatus(JobState.CANCELLED, f"{handle['name']} deletion requested; pods were "
+                         f"force-deleted after {grace_s:.0f} s")
+
+    def _delete(self, handle: JobHandle) -> None:
+        """Delete the job (foreground: its JobSet/pods go first) and its ConfigMap; 404 is fine."""
+        from kubernetes import client
+
+        group, version, plural, kind = r.APIS[handle["api"]]
+        log.info("Deleting %s %s/%s (foreground)", kind, handle["namespace"], handle["name"])
+        self._call(f"delete {kind} {handle['namespace']}/{handle['name']}",
+                   self._custom.delete_namespaced_custom_object, group, version,
+                   handle["namespace"], plural, handle["name"], missing_ok=True,
+                   body=client.V1DeleteOptions(propagation_policy="Foreground"))
+        self._delete_configmap(r.configmap_name(handle["name"]), handle["namespace"])
+
+    def _delete_configmap(self, name: str, namespace: str | None = None) -> None:
+        try:
+            self._call(f"delete ConfigMap {namespace or self.namespace}/{name}",
+                       self._core.delete_namespaced_config_map, name, namespace or self.namespace,
+                       missing_ok=True)
+        except BackendError as err:
+            log.warning("%s", err)

@@ -1,0 +1,137 @@
+"""The ``ray`` engine's request: torchrun as the entrypoint of a job on a Ray cluster's job API.
+
+:func:`render_request` (what :meth:`~trainforge.engines.ray.backend.RayBackend.render`
+returns) is the exact keyword arguments of
+``ray.job_submission.JobSubmissionClient.submit_job`` (under ``submit_job``):
+
+=======================  ===========================================================================
+``entrypoint``           a POSIX ``sh`` command: make a job folder with ``mktemp -d``, write the job
+                         config from ``$TRAINFORGE_JOB_CONFIG`` to ``job.json`` in it, run torchrun
+                         (``--standalone``, rank 0's output only, every rank's in ``ranks/``), then
+                         print the trainer's result file as one ``TRAINFORGE_RESULT {...}`` line
+                         and exit with torchrun's code
+``submission_id``        the job identity's key (``JobIdentity.key``): deterministic per DAG run,
+                         task and try; ``<key>-r<N>`` when that job failed and is submitted again
+``runtime_env``          ``env_vars`` (the job config as canonical JSON, MLflow tracking URI and
+                         run id, ``OMP_NUM_THREADS``, the spec's ``env_vars``), plus the spec's
+                         ``working_dir`` (uploaded by the client) and ``pip``; secret variables
+                         (``TrainingJob.secret_env``: S3 keys) show as placeholders here and
+                         get their values only in the ``submit_job`` call (Ray then keeps them
+                         in its job table, readable by whoever may use the job API)
+``metadata``             the full identity, the attempt and the startup timeout
+``entrypoint_num_*``     CPUs (ranks x threads per rank) and GPUs reserved for the entrypoint
+=======================  ===========================================================================
+
+The job config travels inside the request, so the cluster needs no shared file system with the
+Airflow worker; the result comes back through the job's log, so nothing is read from the
+cluster's disks either. (Dataset and checkpoint locations in the config must of course be
+reachable from the cluster: a shared path or ``s3://``.)
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from trainforge.engines.base import TrainingJob
+from trainforge.engines.launch import rank_env, torchrun_argv
+from trainforge.errors import BackendError
+
+CONFIG_ENV = "TRAINFORGE_JOB_CONFIG"
+"""Environment variable that carries the job config (canonical JSON) to the entrypoint."""
+RESULT_MARKER = "TRAINFORGE_RESULT "
+"""Prefix of the log line that carries the trainer's result file (docs/contracts.md)."""
+# Linux limits one environment string to 128 KiB (MAX_ARG_STRLEN); stay well below it.
+MAX_CONFIG_BYTES = 100_000
+
+
+def render_request(job: TrainingJob, address: str, conn_id: str | None) -> dict[str, Any]:
+    """What the backend submits: ``{"engine", "address", "connection_id", "submit_job":
+    {...submit_job keyword arguments...}}``. Pure.
+
+    Raises:
+        BackendError: the job config is too large for an environment variable.
+    """
+    opts = job.engine_options or {}
+    config = json.dumps(job.config, sort_keys=True, separators=(",", ":"))
+    if len(config.encode()) > MAX_CONFIG_BYTES:
+        raise BackendError(
+            f"job config of {job.identity.key} is {len(config.encode())} bytes; the ray "
+            f"engine passes it in the environment variable {CONFIG_ENV}, at most "
+            f"{MAX_CONFIG_BYTES} bytes"
+        )
+    env_vars = {
+        **rank_env(job),
+        **{str(k): str(v) for k, v in (opts.get("env_vars") or {}).items()},
+        **job.env,
+        **job.secret_placeholders(),
+        CONFIG_ENV: config,
+    }
+    runtime_env: dict[str, Any] = {"env_vars": env_vars}
+    if opts.get("working_dir"):
+        runtime_env["working_dir"] = str(opts["working_dir"])
+    if opts.get("pip"):
+        runtime_env["pip"] = [str(p) for p in opts["pip"]]
+    identity = job.identity
+    metadata = {
+        "trainforge.dag_id": identity.dag_id,
+        "trainforge.run_id": identity.run_id,
+        "trainforge.task_id": identity.task_id,
+        "trainforge.try_number": str(identity.try_number),
+        "trainforge.key": identity.key,
+        "trainforge.attempt": "1",
+    }
+    if job.startup_timeout_s is not None:
+        metadata["trainforge.startup_timeout_s"] = num(job.startup_timeout_s)
+    cpus = float(opts.get("entrypoint_num_cpus")
+                 or job.processes_per_node * job.threads_per_process)
+    gpus = float(opts.get("entrypoint_num_gpus") or job.gpus_per_node)
+    # What the entrypoint asks for, in words: Ray's PENDING message does not say.
+    metadata["trainforge.resources"] = f"{num(cpus)} CPU, {num(gpus)} GPU" + (
+        f", {num(job.memory_gib)} GiB memory" if job.memory_gib else "")
+    submit: dict[str, Any] = {
+        "entrypoint": entrypoint(job),
+        "submission_id": identity.key,
+        "runtime_env": runtime_env,
+        "metadata": metadata,
+        "entrypoint_num_cpus": cpus,
+        "entrypoint_num_gpus": gpus,
+    }
+    if job.memory_gib:
+        submit["entrypoint_memory"] = int(job.memory_gib * 2**30)
+    return {"engine": "ray", "address": address, "connection_id": conn_id, "submit_job": submit}
+
+
+def entrypoint(job: TrainingJob) -> str:
+    """The job's shell command (POSIX sh; Ray runs it with ``shell=True``)."""
+    torchrun = torchrun_argv(job, '"$d/job.json"', log_dir='"$d/ranks"',
+                             module=shlex.quote(job.module))
+    return "; ".join([
+        f'd="$(mktemp -d "${{TMPDIR:-/tmp}}/trainforge-{job.identity.key}.XXXXXX")" || exit 70',
+        f'printf \'%s\' "${CONFIG_ENV}" > "$d/job.json" || exit 70',
+        'echo "trainforge: job folder $d on $(uname -n)"',
+        'TRAINFORGE_RESULT_FILE="$d/result.json" ' + " ".join(torchrun),
+        "rc=$?",
+        f'if [ -s "$d/result.json" ]; then printf \'\\n{RESULT_MARKER}%s\\n\' '
+        f'"$(tr -d \'\\n\' < "$d/result.json")"; fi',
+        "exit $rc",
+    ])
+
+
+def parse_result(text: str) -> dict[str, Any] | None:
+    """The JSON of the last ``TRAINFORGE_RESULT {...}`` line in ``text``, or None."""
+    for line in reversed(text.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            try:
+                value = json.loads(line[len(RESULT_MARKER):])
+            except json.JSONDecodeError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return None
+
+
+def num(value: float) -> str:
+    """A number as Ray's metadata and messages show it: ``6`` for 6.0, ``0.5``."""
+    return f"{value:g}"

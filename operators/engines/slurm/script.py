@@ -1,0 +1,242 @@
+"""The ``slurm`` engine's pure parts: the sbatch script of a job, and Slurm's vocabulary.
+
+:func:`render_script` turns a :class:`~trainforge.engines.base.TrainingJob` into the exact batch
+script that :class:`~trainforge.engines.slurm.backend.SlurmBackend` writes and hands to ``sbatch``:
+
+* ``#SBATCH`` lines: the job name is the identity's key (what ``find`` looks for), the comment
+  carries the full identity; one task per node (``--ntasks-per-node=1``) with every CPU of the
+  node's ranks (``--cpus-per-task`` = processes per node x threads per process), GPUs per node,
+  memory, the time limit (``fault.run_timeout`` rounded up to whole minutes, Slurm's unit),
+  ``--output`` into the job folder, ``--no-requeue`` (Airflow retries, and a retry resumes from
+  the newest valid checkpoint: Slurm must not run the same job a second time on its own), and
+  the engine block's partition, account, QOS, reservation, constraint and ``--exclusive``;
+* the environment of every rank, then the engine block's ``setup`` lines;
+* ``srun`` starting one torchrun per node; torchrun's c10d rendezvous runs on the job's first
+  node (``scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1``) on port
+  ``29500 + SLURM_JOB_ID % 10000`` unless the block sets one; the first node's console (its local
+  rank 0) goes to the job log, the other nodes' consoles to ``ranks/node-<N>.log``;
+* an exit record ``exit.json`` with srun's exit code, so the outcome is known even where the
+  cluster keeps no accounting (``sacct``) and the controller has forgotten the job.
+
+Slurm's job states and pending reasons are mapped in :data:`STATES` and :data:`PENDING_REASONS`.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from trainforge.engines.base import JobState, TrainingJob
+from trainforge.engines.launch import python_torchrun, rank_env, torchrun_argv
+
+SCRIPT_NAME = "job.sbatch"
+LOG_NAME = "job.log"
+
+# Slurm job state (squeue %T, sacct State; sacct may add "by <uid>") -> neutral state.
+# Terminal Slurm states that are not a success map to FAILED; the failure kind comes from the
+# trainer's result and exit code (78 bad config, 79 diverged: permanent), else transient.
+STATES: dict[str, JobState] = {
+    "PENDING": JobState.PENDING,         # queued, waiting for resources / priority / limits
+    "CONFIGURING": JobState.PENDING,     # nodes allocated, still booting or being set up
+    "REQUEUED": JobState.PENDING,        # back in the queue (an admin requeued it)
+    "REQUEUE_HOLD": JobState.PENDING,    # requeued and held
+    "REQUEUE_FED": JobState.PENDING,     # requeued by a federation
+    "RESV_DEL_HOLD": JobState.PENDING,   # held because its reservation was deleted
+    "RUNNING": JobState.RUNNING,
+    "COMPLETING": JobState.RUNNING,      # the script ended; Slurm still cleans up its nodes
+    "SUSPENDED": JobState.RUNNING,       # paused (gang scheduling / admin); resumes later
+    "STOPPED": JobState.RUNNING,         # SIGSTOPped; its allocation is kept
+    "SIGNALING": JobState.RUNNING,
+    "STAGE_OUT": JobState.RUNNING,       # burst buffer stage-out after the script
+    "RESIZING": JobState.RUNNING,
+    "COMPLETED": JobState.SUCCEEDED,     # every node exited 0
+    "CANCELLED": JobState.CANCELLED,     # scancel (ours or anyone's)
+    "FAILED": JobState.FAILED,           # the script exited non-zero
+    "TIMEOUT": JobState.FAILED,          # hit --time (fault.run_timeout)
+    "NODE_FAIL": JobState.FAILED,        # a node died under the job
+    "PREEMPTED": JobState.FAILED,        # preempted by a higher-priority job (no requeue)
+    "OUT_OF_MEMORY": JobState.FAILED,    # a step exceeded its memory (--mem)
+    "BOOT_FAIL": JobState.FAILED,        # a node failed to boot for the job
+    "DEADLINE": JobState.FAILED,         # missed its --deadline
+    "REVOKED": JobState.FAILED,          # a federation sibling ran it instead
+    "SPECIAL_EXIT": JobState.FAILED,     # held after a special exit code
+}
+
+# Why a job pends (squeue %r), in words; shown while it waits and when it fails to start.
+PENDING_REASONS: dict[str, str] = {
+    "Resources": "waiting for nodes with the requested CPUs, GPUs or memory to become free",
+    "Priority": "jobs of higher priority are ahead of it in the queue",
+    "ReqNodeNotAvail": "a node it needs is down, drained or reserved",
+    "PartitionDown": "its partition is down",
+    "PartitionInactive": "its partition is inactive",
+    "NodeDown": "a node it needs is down",
+    "Dependency": "waiting for a job it depends on to finish",
+    "BeginTime": "its earliest start time has not come yet",
+    "JobHeldUser": "held by its user (scontrol release <job id>)",
+    "JobHeldAdmin": "held by an administrator",
+    "Reservation": "waiting for its reservation to start",
+    "Licenses": "waiting for licenses",
+    "QOSMaxJobsPerUserLimit": "the QOS allows no more running jobs of this user now",
+    "AssocGrpCpuLimit": "the account's CPU limit is in use by other jobs",
+    "AssocGrpGRES": "the account's GPU (GRES) limit is in use by other jobs",
+    "AssocGrpMemLimit": "the account's memory limit is in use by other jobs",
+    "AssocGrpNodeLimit": "the account's node limit is in use by other jobs",
+    "QOSGrpCpuLimit": "the QOS's CPU limit is in use by other jobs",
+    "QOSGrpGRES": "the QOS's GPU (GRES) limit is in use by other jobs",
+    "QOSGrpNodeLimit": "the QOS's node limit is in use by other jobs",
+    "None": "not evaluated by the scheduler yet",
+}
+
+# Reasons that mean the job can never start as submitted: it is cancelled at once and fails
+# permanently (a retry would wait just the same), instead of waiting out the startup timeout.
+NEVER_RUNS: dict[str, str] = {
+    "PartitionTimeLimit": "its time limit (fault.run_timeout) exceeds the partition's MaxTime",
+    "PartitionNodeLimit": "it asks for more nodes than the partition allows",
+    "BadConstraints": "no node has the requested features or resources (training.slurm."
+                      "constraint, resources)",
+    "InvalidAccount": "the account does not exist or the user may not use it "
+                      "(training.slurm.account)",
+    "InvalidQOS": "the QOS does not exist or the account may not use it (training.slurm.qos)",
+    "DependencyNeverSatisfied": "a job it depends on failed",
+    "AssocMaxWallDurationPerJobLimit": "its time limit exceeds the account's per-job maximum",
+    "QOSMaxWallDurationPerJobLimit": "its time limit exceeds the QOS's per-job maximum",
+    "AssocMaxNodesPerJobLimit": "it asks for more nodes than the account allows per job",
+    "QOSMaxNodePerJobLimit": "it asks for more nodes than the QOS allows per job",
+    "AssocMaxCpuPerJobLimit": "it asks for more CPUs than the account allows per job",
+    "QOSMaxCpuPerJobLimit": "it asks for more CPUs than the QOS allows per job",
+    "AssocMaxGRESPerJob": "it asks for more GPUs (GRES) than the account allows per job",
+    "QOSMaxGRESPerJob": "it asks for more GPUs (GRES) than the QOS allows per job",
+}
+
+DEFAULT_RENDEZVOUS_PORT = 29500
+"""torchrun's default rendezvous port; a job without a fixed one uses 29500 + job id % 10000."""
+
+
+def reason_text(reason: str) -> str:
+    """Slurm's pending reason with its meaning, e.g. ``"Resources (waiting for nodes ...)"``."""
+    code = reason.split(",")[0].strip()
+    meaning = PENDING_REASONS.get(code) or NEVER_RUNS.get(code)
+    return f"{reason} ({meaning})" if meaning else reason
+
+
+def time_limit(seconds: float) -> str:
+    """``--time`` for a limit in seconds: whole minutes rounded up, as ``D-HH:MM:SS``."""
+    minutes = max(1, math.ceil(seconds / 60.0))
+    days, rest = divmod(minutes, 24 * 60)
+    return f"{days}-{rest // 60:02d}:{rest % 60:02d}:00"
+
+
+def render_script(job: TrainingJob, job_dir: Path) -> str:
+    """The batch script of ``job`` whose files live in ``job_dir`` (shared storage). Pure.
+
+    ``job.engine_options`` is the spec's ``training.slurm`` block (see
+    :class:`trainforge.engines.slurm.spec.SlurmEngine`); absent keys take that block's defaults.
+    """
+    opts = job.engine_options or {}
+    identity = job.identity
+    q = shlex.quote
+    folder = str(job_dir)
+    comment = " ".join(f"{k}={_comment_value(v)}" for k, v in (
+        ("trainforge_key", identity.key), ("dag_id", identity.dag_id),
+        ("run_id", identity.run_id), ("task_id", identity.task_id),
+        ("try", identity.try_number)))
+    directives = [
+        f"--job-name={identity.key}",
+        f'--comment="{comment}"',
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",
+        f"--cpus-per-task={job.processes_per_node * job.threads_per_process}",
+    ]
+    if job.gpus_per_node:
+        gpu_type = opts.get("gpu_type")
+        directives.append(f"--gpus-per-node={gpu_type + ':' if gpu_type else ''}"
+                          f"{job.gpus_per_node}")
+    if job.memory_gib:
+        directives.append(f"--mem={math.ceil(job.memory_gib * 1024)}M")
+    if job.max_runtime_s:
+        directives.append(f"--time={time_limit(job.max_runtime_s)}")
+    directives += [
+        f"--output={folder}/{LOG_NAME}",
+        "--open-mode=append",
+        f"--chdir={opts.get('working_dir') or folder}",
+        "--no-requeue",
+    ]
+    for key in ("partition", "account", "qos", "reservation", "constraint"):
+        if opts.get(key):
+            directives.append(f"--{key}={opts[key]}")
+    if opts.get("exclusive"):
+        directives.append("--exclusive")
+
+    env = {
+        **rank_env(job, f"{folder}/result.json", job_dir=folder),
+        **{str(k): str(v) for k, v in (opts.get("env_vars") or {}).items()},
+        **job.env,
+    }
+    port = opts.get("rendezvous_port")
+    port_expr = str(port) if port else f"$(( {DEFAULT_RENDEZVOUS_PORT} + SLURM_JOB_ID % 10000 ))"
+    torchrun = torchrun_argv(
+        job, q(f"{folder}/job.json"),
+        launcher=python_torchrun(q(opts.get("python") or "python3")),
+        standalone=False, nnodes='"$SLURM_NNODES"',
+        rendezvous=("--rdzv-backend=c10d", '--rdzv-endpoint="$head_node:$rdzv_port"',
+                    '--rdzv-id="$SLURM_JOB_ID"'),
+        log_dir=q(folder + "/ranks"), module=q(job.module))
+    lines = ["#!/bin/bash"]
+    lines += [f"#SBATCH {d}" for d in directives]
+    lines += [
+        "#",
+        f"# trainforge job {identity.key}: torchrun on every allocated node, one srun task per "
+        "node.",
+        "set -u",
+        "",
+        "# Environment of every rank",
+    ]
+    lines += [f"export {name}={q(value)}" for name, value in env.items()]
+    if opts.get("setup"):
+        lines += ["", "# Setup (training.slurm.setup)"]
+        lines += [str(line) for line in opts["setup"]]
+    lines += [
+        "",
+        'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
+        f"rdzv_port={port_expr}",
+        'echo "trainforge: Slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; rendezvous '
+        '$head_node:$rdzv_port"',
+        "",
+        "# The first node's console is the job log; the others' go to ranks/node-<N>.log.",
+        # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it on.
+        "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 "
+        "--cpus-per-task=\"$SLURM_CPUS_PER_TASK\" \\",
+        "  --kill-on-bad-exit=1 \\",
+        "  bash -c '[ \"$SLURM_NODEID\" = 0 ] || exec >>\"$TRAINFORGE_JOB_DIR/ranks/node-"
+        "$SLURM_NODEID.log\" 2>&1; exec \"$@\"' trainforge-node \\",
+        "  " + " \\\n    ".join(_pairs(torchrun)),
+        "rc=$?",
+        "",
+        "# How the job ended, for when Slurm no longer knows it (no accounting, purged record).",
+        'printf \'{"exit_code": %d, "ended_at": %d}\\n\' "$rc" "$(date +%s)" '
+        '> "$TRAINFORGE_JOB_DIR/.exit.json.tmp" \\',
+        '  && mv "$TRAINFORGE_JOB_DIR/.exit.json.tmp" "$TRAINFORGE_JOB_DIR/exit.json"',
+        'exit "$rc"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _pairs(argv: list[str]) -> list[str]:
+    """torchrun's arguments grouped for a readable script: one option per line."""
+    groups: list[str] = [" ".join(argv[:3])]
+    i = 3
+    while i < len(argv):
+        if argv[i] in ("-m", "--config"):
+            groups.append(f"{argv[i]} {argv[i + 1]}")
+            i += 2
+        else:
+            groups.append(argv[i])
+            i += 1
+    return groups
+
+
+def _comment_value(value: Any) -> str:
+    """A value of the ``--comment`` string: no quotes, backslashes or white space."""
+    return "".join("_" if c.isspace() or c in "\"'\\" else c for c in str(value))
