@@ -15,6 +15,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from trainforge.hooks.mlflow import MlflowHook
 from trainforge.links import XCOM_MLFLOW_RUN_URL, MlflowRunLink
 from trainforge.pipeline.loader import SpecError, validate_overrides
 from trainforge.pipeline.model import PipelineSpec
@@ -84,8 +85,6 @@ class TrainforgeStageOperator(BaseOperator):
     # -- MLflow -----------------------------------------------------------------------------
     @cached_property
     def mlflow_hook(self):
-        from trainforge.hooks.mlflow import MlflowHook
-
         return MlflowHook(tracking_uri=self.mlflow_tracking_uri)
 
     def mlflow_run_id(self, context: Any, spec: PipelineSpec) -> str:

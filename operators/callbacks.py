@@ -6,7 +6,7 @@ failed pipeline leaves a run RUNNING forever. It never raises: a callback must n
 task's own error.
 
 A callback runs only where Airflow runs it: a task marked failed from the UI, or a task process
-killed with SIGKILL, ends without one. The ``close_run`` teardown (operators/teardown.py) closes
+killed with SIGKILL, ends without one. The ``close_run`` teardown (operators/tasks/close_run.py) closes
 what those leave, stage runs included; it does not carry this callback, so that its own failure
 never ends a finished run FAILED.
 """

@@ -10,7 +10,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from trainforge.cli import app
-from trainforge.runner import derived_spec, ray_cluster, write_spec
+from trainforge.engine_switch import derived_spec, write_spec
+from trainforge.runner import ray_cluster
 from trainforge.pipeline import load_spec
 
 SPEC = Path(__file__).resolve().parents[1] / "e2e" / "tiny_shakespeare.yaml"

@@ -28,7 +28,7 @@ from typing import Any
 from trainforge.base import TrainforgeStageOperator, fail_permanently
 from trainforge.gate import PASS, GateDecision, decide, evaluator_argv
 from trainforge.paths import dataset_location
-from trainforge.validation import s3_env, threshold_failures
+from trainforge.tasks.validate_checkpoint import s3_env, threshold_failures
 
 # Rounds of "evaluate against the champion, then check it did not move meanwhile" before giving up.
 MAX_GATE_ROUNDS = 3

@@ -2,7 +2,7 @@
 
 While the job runs the worker slot is free: :class:`~trainforge.triggers.TrainingJobTrigger`
 polls the engine in the triggerer and passes rank 0's log lines into this task's log. When the
-trigger fires, :meth:`TrainingLaunchOperator.execute_complete` validates the event and either
+trigger fires, :meth:`TrainOperator.execute_complete` validates the event and either
 returns the job's outputs (XCom) or fails the task — permanently (no retry) for a bad config or
 a diverged run, otherwise as a retryable failure that resumes from the newest valid checkpoint.
 
@@ -16,7 +16,7 @@ first start — gives the trigger that deadline (minus one poll and a margin, so
 cancels the task's live jobs before failing.
 
 Waiting in the worker slot (``training.fault.deferrable: false``, like the ``deferrable`` option of
-Airflow's provider operators): :meth:`TrainingLaunchOperator.execute` does everything up to the
+Airflow's provider operators): :meth:`TrainOperator.execute` does everything up to the
 deferral, then runs the very same trigger coroutine in the task process to its first event
 (:meth:`~trainforge.triggers.TrainingJobTrigger.wait_here`) and hands that event to
 :meth:`execute_complete` — one code path for events, logs and deadlines. The task process is
@@ -102,7 +102,7 @@ def validate_event(event: Any) -> dict[str, Any]:
     return event
 
 
-class TrainingLaunchOperator(TrainforgeStageOperator):
+class TrainOperator(TrainforgeStageOperator):
     """Launch distributed training for the spec and wait for it (deferrable).
 
     XCom (return value): ``{"job": key, "engine", "checkpoint_dir", "last_checkpoint",
@@ -151,13 +151,12 @@ class TrainingLaunchOperator(TrainforgeStageOperator):
         return init_block(checkpoint, f"stage:{stage_init_from(spec, self.stage)}")
 
     def _registered_init(self, spec: Any, prepared: dict[str, Any]) -> dict[str, str]:
-        """The ``init`` block of ``model.init_from`` (trainforge.model_init); a version that
+        """The ``init`` block of ``model.init_from`` (trainforge.tasks.model_init); a version that
         cannot be used fails the task without retries."""
-        from trainforge.model_init import InitSourceError, registered_init
+        from trainforge.tasks.model_init import InitSourceError, registered_init
 
         try:
-            init = registered_init(self.mlflow_hook.client, self.mlflow_hook.tracking_uri,
-                                   spec.model.init_from, spec.training.engine,
+            init = registered_init(self.mlflow_hook, spec.model.init_from, spec.training.engine,
                                    trainforge_home() / "models", prepared.get("tokenizer_source"))
         except InitSourceError as err:
             fail_permanently(str(err))

@@ -22,13 +22,13 @@ import safetensors.torch
 import torch
 
 from trainforge.hooks.mlflow import MlflowHook
-from trainforge.registration import RegisterModelOperator, champion_outlet, model_asset_name
+from trainforge.tasks.register_model import RegisterModelOperator, champion_outlet, model_asset_name
 from trainforge.pipeline.loader import load_spec
 from trainforge.pipeline.model import PipelineSpec
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 class FakeTI:
