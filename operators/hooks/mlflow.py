@@ -34,7 +34,7 @@ from trainforge.hooks.errors import (
     MlflowRequestError,
 )
 from trainforge.hooks.mlflow_artifacts import ModelArtifacts
-from trainforge.hooks.mlflow_calls import mlflow_errors, quote
+from trainforge.hooks.mlflow_calls import mlflow_errors, quote, tracking_uri_from_connection
 from trainforge.hooks.mlflow_versions import ModelVersions
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 TAG_DAG_ID = "trainforge.dag_id"
 TAG_AIRFLOW_RUN_ID = "trainforge.airflow_run_id"
+TAG_STAGE = "trainforge.stage"
 TAG_DATASET_DIGEST = "trainforge.dataset_digest"
 # MLflow's own input-tag key for a dataset's role (mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT).
 DATASET_CONTEXT_TAG = "mlflow.data.context"
@@ -79,7 +80,7 @@ class MlflowHook(ModelVersions, ModelArtifacts):
     def tracking_uri(self) -> str:
         uri = self._tracking_uri_arg
         if uri is None and self.conn_id is not None:
-            uri = self._uri_from_connection(self.conn_id)
+            uri = tracking_uri_from_connection(self.conn_id)
         uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             raise MlflowConfigError(
@@ -93,28 +94,6 @@ class MlflowHook(ModelVersions, ModelArtifacts):
                 "remove user:password@ from it (credentials never go into URIs or os.environ)"
             )
         return uri
-
-    @staticmethod
-    def _uri_from_connection(conn_id: str) -> str:
-        from airflow.sdk import BaseHook
-
-        try:
-            conn = BaseHook.get_connection(conn_id)
-        except Exception as err:  # noqa: BLE001 - Airflow raises several types for "not found"
-            raise MlflowConfigError(
-                f"Airflow connection {conn_id!r} for MLflow could not be read: {err}"
-            ) from err
-        if conn.login or conn.password:
-            raise MlflowConfigError(
-                f"Airflow connection {conn_id!r} carries a login or password; MLflow would need "
-                "them in os.environ, which trainforge never writes: use an unauthenticated "
-                "endpoint or a proxy"
-            )
-        if not conn.host:
-            raise MlflowConfigError(f"Airflow connection {conn_id!r} has no host")
-        scheme = conn.conn_type if conn.conn_type in ("http", "https") else "http"
-        port = f":{conn.port}" if conn.port else ""
-        return f"{scheme}://{conn.host}{port}{('/' + conn.schema) if conn.schema else ''}"
 
     @cached_property
     def client(self) -> MlflowClient:
@@ -210,6 +189,45 @@ class MlflowHook(ModelVersions, ModelArtifacts):
                 [experiment_id], query, max_results=1000, order_by=["attributes.start_time ASC"]
             )
         return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+
+    def get_or_create_child_run(self, parent_run_id: str, stage: str,
+                                tags: Mapping[str, Any] | None = None) -> str:
+        """The id of stage ``stage``'s run under ``parent_run_id`` (tags ``mlflow.parentRunId``
+        and ``trainforge.stage``), created in the parent's experiment, named ``stage``, with
+        ``tags``, when missing; found again by those tags on a retry.
+
+        Raises:
+            MlflowInvalidArgumentError: an id contains both ' and ".
+            MlflowRequestError: the server failed a call.
+        """
+        with mlflow_errors("get_run", f"run {parent_run_id}"):
+            experiment_id = self.client.get_run(parent_run_id).info.experiment_id
+        query = (f"tags.mlflow.parentRunId = {quote('parent_run_id', parent_run_id)} and "
+                 f"tags.`{TAG_STAGE}` = {quote('stage', stage)}")
+        with mlflow_errors("search_runs", f"stage {stage} of run {parent_run_id}"):
+            found = self.client.search_runs([experiment_id], max_results=1, filter_string=query)
+        if found:
+            return found[0].info.run_id
+        all_tags = {"mlflow.parentRunId": parent_run_id, TAG_STAGE: stage,
+                    **{str(k): str(v) for k, v in (tags or {}).items()}}
+        with mlflow_errors("create_run", f"stage {stage} of run {parent_run_id}"):
+            return self.client.create_run(experiment_id, tags=all_tags,
+                                          run_name=stage).info.run_id
+
+    def reopen_run(self, run_id: str) -> str | None:
+        """Set a run that ended ``KILLED`` or ``FAILED`` back to ``RUNNING``; the status it had,
+        or None when it was left as it was.
+
+        Raises:
+            MlflowRequestError: the server failed a call.
+        """
+        with mlflow_errors("get_run", f"run {run_id}"):
+            status = self.client.get_run(run_id).info.status
+        if status not in ("KILLED", "FAILED"):
+            return None
+        with mlflow_errors("update_run", f"run {run_id}"):
+            self.client.update_run(run_id, status="RUNNING")
+        return status
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         """Log params; values already logged with the same value are skipped (retries).

@@ -1,6 +1,7 @@
 """How every MLflow call of the hooks is made: MLflow's exceptions become
 :class:`~trainforge.hooks.errors.MlflowRequestError` naming the call and its target, values in
-search filters are quoted, and a fluent ``mlflow.<flavor>`` call gets a scoped tracking URI.
+search filters are quoted, a fluent ``mlflow.<flavor>`` call gets a scoped tracking URI, and an
+Airflow connection names the tracking server.
 
 ``mlflow`` is imported inside the functions only: importing this module is cheap.
 """
@@ -12,7 +13,11 @@ import os
 import threading
 from collections.abc import Iterator
 
-from trainforge.hooks.errors import MlflowInvalidArgumentError, MlflowRequestError
+from trainforge.hooks.errors import (
+    MlflowConfigError,
+    MlflowInvalidArgumentError,
+    MlflowRequestError,
+)
 
 # mlflow.<flavor>.log_model resolves the *global* tracking URI; see fluent_tracking_uri.
 _FLUENT_LOCK = threading.Lock()
@@ -63,3 +68,31 @@ def fluent_tracking_uri(uri: str) -> Iterator[None]:
                 os.environ.pop("MLFLOW_TRACKING_URI", None)
             else:
                 os.environ["MLFLOW_TRACKING_URI"] = saved_env
+
+
+def tracking_uri_from_connection(conn_id: str) -> str:
+    """``scheme://host:port[/schema]`` of Airflow connection ``conn_id``.
+
+    Raises:
+        MlflowConfigError: the connection cannot be read, has no host, or carries a login or
+        password (MLflow would need them in ``os.environ``, which trainforge never writes).
+    """
+    from airflow.sdk import BaseHook
+
+    try:
+        conn = BaseHook.get_connection(conn_id)
+    except Exception as err:  # noqa: BLE001 - Airflow raises several types for "not found"
+        raise MlflowConfigError(
+            f"Airflow connection {conn_id!r} for MLflow could not be read: {err}"
+        ) from err
+    if conn.login or conn.password:
+        raise MlflowConfigError(
+            f"Airflow connection {conn_id!r} carries a login or password; MLflow would need "
+            "them in os.environ, which trainforge never writes: use an unauthenticated "
+            "endpoint or a proxy"
+        )
+    if not conn.host:
+        raise MlflowConfigError(f"Airflow connection {conn_id!r} has no host")
+    scheme = conn.conn_type if conn.conn_type in ("http", "https") else "http"
+    port = f":{conn.port}" if conn.port else ""
+    return f"{scheme}://{conn.host}{port}{('/' + conn.schema) if conn.schema else ''}"

@@ -46,6 +46,7 @@ from trainforge.backends.base import JobHandle, JobIdentity, JobState
 from trainforge.base import TrainforgeStageOperator
 from trainforge.errors import TrainforgeError
 from trainforge.graph import CLOSE_RUN_TASK_ID, REGISTER_MODEL_TASK_ID, task_graph
+from trainforge.hooks.mlflow import TAG_STAGE
 from trainforge.paths import trainforge_home
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.stages import stage_spec
@@ -54,7 +55,6 @@ TAG_CLOSED_BY = "trainforge.closed_by"
 TAG_NOT_SUCCEEDED = "trainforge.close_run.tasks_not_succeeded"
 TAG_CANCELLED_JOBS = "trainforge.close_run.cancelled_jobs"
 TAG_KEPT_JOBS = "trainforge.close_run.kept_jobs"
-TAG_STAGE = "trainforge.stage"
 # A try that adopted an earlier try's job launched none of its own, so the search for a task's
 # jobs steps over this many tries without a job past the task's retries + 1 before it stops.
 SCAN_PAST_TRIES = 3

@@ -35,7 +35,7 @@ def setup(tmp_path, monkeypatch, mlflow_server):
         config={"fake": {"lines": 1, "sleep_s": 120}}, module="fake_trainer",
     ))
     op = TrainOperator(task_id="train", spec=spec.model_dump(mode="json"),
-                                mlflow_tracking_uri=mlflow_server)
+                       mlflow_tracking_uri=mlflow_server)
     op._handle, op._mlflow_run_id = handle, run_id
     yield op, backend, handle, client, run_id, spec
     backend.cancel(handle, grace_s=5)

@@ -256,7 +256,7 @@ def _train_job(spec: PipelineSpec, tmp_path: Path):
     from trainforge.tasks.train import TrainOperator
 
     op = TrainOperator(task_id="train", spec=spec.model_dump(mode="json"))
-    plain, secret = op._s3_access(spec)
+    plain, secret = op.rank_s3_env(spec)
     return build_training_job(
         spec, str(tmp_path / "ds"), str(tmp_path / "ckpt"),
         JobIdentity("tiny_shakespeare", f"manual__{uuid.uuid4().hex[:8]}", "train", 1),
@@ -358,4 +358,4 @@ def test_kubernetes_with_a_connection_fails_the_train_task():
         update={"aws_conn_id": "my_s3"})})
     op = TrainOperator(task_id="train", spec=spec.model_dump(mode="json"))
     with pytest.raises(AirflowFailException, match="cannot be used with the kubernetes engine"):
-        op._s3_access(spec)
+        op.rank_s3_env(spec)

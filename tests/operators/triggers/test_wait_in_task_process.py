@@ -19,7 +19,8 @@ import pytest
 from trainforge.backends.base import JobIdentity, JobState, TrainingJob
 from trainforge.backends.local import LocalBackend
 from trainforge.pipeline.loader import load_spec
-from trainforge.tasks.train import TaskProcessTerminated, TrainOperator
+from trainforge.cluster_job import TaskProcessTerminated
+from trainforge.tasks.train import TrainOperator
 from trainforge.triggers import TrainingJobTrigger
 
 FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
