@@ -16,15 +16,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.pipeline.model import PipelineSpec
+
 log = logging.getLogger(__name__)
 
 
 def close_mlflow_run_on_failure(context: Any) -> None:
     """``on_failure_callback``: end the DAG run's MLflow run with status FAILED."""
     try:
-        from trainforge.hooks.mlflow import MlflowHook
-        from trainforge.pipeline.model import PipelineSpec
-
         ti = context["ti"]
         spec = PipelineSpec.model_validate(context["task"].spec)
         hook = MlflowHook()

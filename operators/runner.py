@@ -36,6 +36,8 @@ from trainforge.backends.base import JobState
 from trainforge.backends.local import LocalBackend
 from trainforge.backends.ray_head import LocalRayHead, RayHeadError, job_api_ready
 from trainforge.engine_switch import derived_spec, write_spec
+from trainforge.mlflow_setup import start_server
+from trainforge.mlflow_setup.errors import ServerStartError
 from trainforge.paths import trainforge_home
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.runner_console import ConsoleFilter
@@ -313,10 +315,6 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         stack.enter_context(termination_as_interrupt())
         tracking_uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not tracking_uri:
-            # mlflow_setup imports mlflow: only when this run starts its own server.
-            from trainforge.mlflow_setup import start_server
-            from trainforge.mlflow_setup.errors import ServerStartError
-
             # Port 5000 when free, so the run URLs printed below stay valid later under
             # `make mlflow` (same store, same port); any free port otherwise.
             try:

@@ -43,7 +43,7 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
     }
     if run_id is None:
         return summary
-    run = hook.client.get_run(run_id)
+    run = hook.get_run(run_id)
     metrics, tags, params = run.data.metrics, run.data.tags, run.data.params
     summary.update({
         "mlflow_run_url": f"{tracking_uri.rstrip('/')}/#/experiments/{run.info.experiment_id}/runs/{run_id}",

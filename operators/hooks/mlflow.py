@@ -144,20 +144,14 @@ class MlflowHook(ModelVersions, ModelArtifacts):
         matching = self._runs_of_dag_run(experiment_id, dag_id, run_id)
         winner = matching[0].info.run_id if matching else created
         if winner != created:
-            log.info(
-                "MLflow run %s for %s lost a creation race to %s; deleting it",
-                created,
-                target,
-                winner,
-            )
+            log.info("MLflow run %s for %s lost a creation race to %s; deleting it",
+                     created, target, winner)
             with mlflow_errors("delete_run", created):
                 self.client.delete_run(created)
             if extra_tags:
                 self.set_tags(winner, extra_tags)
         else:
-            log.info(
-                "created MLflow run %s for %s in experiment %s", created, target, experiment_id
-            )
+            log.info("created MLflow run %s for %s in experiment %s", created, target, experiment_id)
         return winner
 
     def find_run(self, experiment_name: str, dag_id: str, run_id: str) -> str | None:
@@ -172,6 +166,15 @@ class MlflowHook(ModelVersions, ModelArtifacts):
             return None
         runs = self._runs_of_dag_run(str(experiment.experiment_id), dag_id, run_id)
         return runs[0].info.run_id if runs else None
+
+    def get_run(self, run_id: str) -> Run:
+        """The run ``run_id`` (info, params, metrics, tags).
+
+        Raises:
+            MlflowRequestError: the server failed a call (also: no such run).
+        """
+        with mlflow_errors("get_run", f"run {run_id}"):
+            return self.client.get_run(run_id)
 
     def child_runs(self, run_id: str) -> list[Run]:
         """The active runs whose ``mlflow.parentRunId`` tag is ``run_id`` (a staged pipeline's

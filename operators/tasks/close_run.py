@@ -180,6 +180,7 @@ class CloseRunOperator(TrainforgeStageOperator):
     def task_states(self, ti: Any) -> dict[str, str]:
         """``{task_id: state}`` of the DAG run's other tasks (``"none"`` for no state yet),
         read through the Task SDK's execution API."""
+        # The Task SDK's runtime, imported only inside a running task (never at parse time).
         from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
         found = RuntimeTaskInstance.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])
@@ -261,7 +262,7 @@ class CloseRunOperator(TrainforgeStageOperator):
                 self.log.info("DAG run %s has no MLflow run in experiment %s", run_id,
                               spec.experiment_name)
                 return
-            runs = [hook.client.get_run(parent), *hook.child_runs(parent)]
+            runs = [hook.get_run(parent), *hook.child_runs(parent)]
         except Exception as err:  # noqa: BLE001 - reported
             self.log.error("Could not read the MLflow runs of DAG run %s: %s", run_id, err,
                            exc_info=True)

@@ -88,7 +88,7 @@ class TrainOperator(ClusterJobOperator):
         """The ``init`` block the job was launched with, once the wait is over.
 
         ``airflow dags test`` resumes a deferred task with the event only, without the
-        deferral's kwargs: then the block is rebuilt the way :meth:`execute` built it — a
+        deferral's kwargs: then the block is rebuilt the way :meth:`prepare_job` built it — a
         stage's from the upstream stage's XCom, ``model.init_from``'s by resolving the same
         registered version again (the same value unless the alias moved meanwhile, which the
         validator then reports as a config-digest mismatch rather than passing silently).

@@ -23,8 +23,8 @@ from trainforge.cluster_job import TaskProcessTerminated
 from trainforge.tasks.train import TrainOperator
 from trainforge.triggers import TrainingJobTrigger
 
-FAKE_DIR = Path(__file__).resolve().parents[1] / "backends"
-FAULT_SPEC = Path(__file__).resolve().parents[2] / "faults" / "fault_tiny.yaml"
+FAKE_DIR = Path(__file__).resolve().parent / "backends"
+FAULT_SPEC = Path(__file__).resolve().parents[1] / "faults" / "fault_tiny.yaml"
 
 
 def _text(records) -> str:
