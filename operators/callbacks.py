@@ -6,9 +6,9 @@ failed pipeline leaves a run RUNNING forever. It never raises: a callback must n
 task's own error.
 
 A callback runs only where Airflow runs it: a task marked failed from the UI, or a task process
-killed with SIGKILL, ends without one. The ``close_run`` teardown (operators/tasks/close_run.py) closes
-what those leave, stage runs included; it does not carry this callback, so that its own failure
-never ends a finished run FAILED.
+killed with SIGKILL, ends without one. The ``close_run`` teardown
+(operators/tasks/close_run.py) closes what those leave, stage runs included; it does not carry
+this callback, so that its own failure never ends a finished run FAILED.
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ cancels what failed training tasks left running and ends the MLflow runs still `
 own outcome never decides the DAG run's state.
 
 Cheap at parse time: reads YAML and builds operators; imports no torch, no MLflow, no engine
-client (the operator modules import those inside the methods that run tasks). The tunable training fields become typed DAG ``params`` so the Airflow trigger form can
-override them; the operators validate overrides with the spec model when the run starts.
+client (the operator modules import those inside the methods that run tasks). The tunable
+training fields become typed DAG ``params`` so the Airflow trigger form can override them; the
+operators validate overrides with the spec model when the run starts.
 """
 
 from __future__ import annotations

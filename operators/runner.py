@@ -3,13 +3,14 @@
 Steps: prepare ``AIRFLOW_HOME`` (inside ``TRAINFORGE_HOME``, SQLite metadata DB), start an MLflow
 tracking server on loopback unless ``MLFLOW_TRACKING_URI`` is already set (stopped at the end,
 also on failure), run ``airflow dags test <dag_id>``, then read back what the run recorded —
-Airflow's task states and the MLflow run — and print a summary.
+Airflow's task states and the MLflow run — and print a summary. What the console shows of
+Airflow's output is trainforge.runner_console's; the summary is trainforge.runner_summary's.
 
 With ``engine`` (``trainforge run SPEC --engine ray``) the spec is run on another engine: a
-derived spec with ``training.engine`` switched is written to ``TRAINFORGE_HOME/specs/`` and run
-instead. For ``ray``, a local Ray head is started on loopback for the run (and stopped at the
-end, also on failure) unless ``RAY_API_SERVER_ADDRESS``, ``RAY_ADDRESS`` or the spec's
-``training.ray.address`` already answers the Ray job API.
+derived spec with ``training.engine`` switched (trainforge.engine_switch) is written to
+``TRAINFORGE_HOME/specs/`` and run instead. For ``ray``, a local Ray head is started on loopback
+for the run (and stopped at the end, also on failure) unless ``RAY_API_SERVER_ADDRESS``,
+``RAY_ADDRESS`` or the spec's ``training.ray.address`` already answers the Ray job API.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ from trainforge.runner_console import ConsoleFilter
 from trainforge.runner_summary import collect_summary, print_summary
 
 # The DAG file trainforge writes into the Airflow home it runs (the same one line a deployment
-# copies into its DAGs folder): it compiles the specs TRAINFORGE_PIPELINES names.
-DAG_FILE = '''"""trainforge pipelines (written by trainforge; the specs come from TRAINFORGE_PIPELINES)."""
+# copies into its DAGs folder): it compiles the specs TRAINFORGE_PIPELINES names. Its text names
+# both "airflow" and "dag": Airflow's safe-mode parsing skips a Python file that lacks either.
+DAG_FILE = '''"""Airflow DAGs of the trainforge pipelines (written by trainforge; the specs come from
+TRAINFORGE_PIPELINES)."""
 
 from trainforge.dag_files import folder_dags
 

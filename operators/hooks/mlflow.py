@@ -151,7 +151,8 @@ class MlflowHook(ModelVersions, ModelArtifacts):
             if extra_tags:
                 self.set_tags(winner, extra_tags)
         else:
-            log.info("created MLflow run %s for %s in experiment %s", created, target, experiment_id)
+            log.info("created MLflow run %s for %s in experiment %s",
+                     created, target, experiment_id)
         return winner
 
     def find_run(self, experiment_name: str, dag_id: str, run_id: str) -> str | None:

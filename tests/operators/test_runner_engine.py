@@ -99,3 +99,15 @@ def test_an_interrupted_ray_run_names_the_jobs_stopped_before_it_looked(ray_head
     assert stopped.cancelled == [running]
     assert stopped.already_cancelled == [stopped_first]
     assert client.get_job_status(running).is_terminal()
+
+
+def test_the_dag_file_it_writes_is_one_airflow_parses_in_safe_mode(tmp_path):
+    """Airflow's safe-mode parsing skips a Python file that does not name both "airflow" and
+    "dag"; `airflow dags test` would then not find the pipeline."""
+    from airflow.utils.file import might_contain_dag
+
+    from trainforge.runner import airflow_env
+
+    env = airflow_env(tmp_path, [tmp_path / "spec.yaml"])
+    dag_file = Path(env["AIRFLOW__CORE__DAGS_FOLDER"]) / "trainforge_pipelines.py"
+    assert might_contain_dag(str(dag_file), safe_mode=True)
