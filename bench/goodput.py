@@ -171,7 +171,7 @@ def prepare(args: argparse.Namespace, home: Path):
     os.environ["TRAINFORGE_HOME"] = str(home)
     from trainforge.data import prepare_dataset
     from trainforge.data.corpus import fetch_corpus
-    from trainforge.prepare import prepare_settings
+    from trainforge.tasks.prepare_data import prepare_settings
     from trainforge.pipeline.loader import load_spec, validate_overrides
 
     corpus = home / "corpus" / "shakespeare"

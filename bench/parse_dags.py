@@ -38,11 +38,11 @@ import datetime as dt
 from airflow.sdk import DAG
 from airflow.sdk import Asset, AssetAlias, Param
 from trainforge.callbacks import close_mlflow_run_on_failure
-from trainforge.prepare import PrepareDataOperator
-from trainforge.registration import RegisterModelOperator
-from trainforge.teardown import CloseRunOperator
-from trainforge.training import TrainingLaunchOperator
-from trainforge.validation import ValidateCheckpointOperator
+from trainforge.tasks.close_run import CloseRunOperator
+from trainforge.tasks.prepare_data import PrepareDataOperator
+from trainforge.tasks.register_model import RegisterModelOperator
+from trainforge.tasks.train import TrainOperator
+from trainforge.tasks.validate_checkpoint import ValidateCheckpointOperator
 '''
 
 HAND_WRITTEN_DAG = '''
@@ -54,14 +54,13 @@ with DAG(dag_id={dag_id!r}, description={description!r}, doc_md={doc_md!r}, sche
                        "on_failure_callback": [close_mlflow_run_on_failure]}}) as dag_{i}:
     a = PrepareDataOperator(task_id="prepare_data", spec=SPEC_{i}, spec_file={spec_file!r},
                             outlets=[Asset(uri=DATASET_URI, name=DATASET_URI)])
-    b = TrainingLaunchOperator(task_id="train", spec=SPEC_{i}, spec_file={spec_file!r},
-                               execution_timeout=dt.timedelta(seconds=4200))
+    b = TrainOperator(task_id="train", spec=SPEC_{i}, spec_file={spec_file!r},
+                      execution_timeout=dt.timedelta(seconds=4200))
     c = ValidateCheckpointOperator(task_id="validate_checkpoint", spec=SPEC_{i},
                                    spec_file={spec_file!r})
     d = RegisterModelOperator(task_id="register_model", spec=SPEC_{i}, spec_file={spec_file!r},
                               outlets=[AssetAlias(name=MODEL_ALIAS)])
     e = CloseRunOperator(task_id="close_run", spec=SPEC_{i}, spec_file={spec_file!r},
-                         train_tasks={{"train": None}}, register_task_id="register_model",
                          on_failure_callback=[]).as_teardown()
     a >> b >> c >> d
     [a, b, c, d] >> e
@@ -71,8 +70,8 @@ with DAG(dag_id={dag_id!r}, description={description!r}, doc_md={doc_md!r}, sche
 def write_inputs(folder: Path, count: int) -> tuple[Path, Path]:
     """``count`` spec files (the demo, renamed) and the hand-written DAG file of the same DAGs."""
     from trainforge.dag_builder import build_params
-    from trainforge.prepare import PrepareDataOperator
-    from trainforge.registration import RegisterModelOperator
+    from trainforge.tasks.prepare_data import PrepareDataOperator
+    from trainforge.tasks.register_model import RegisterModelOperator
     from trainforge.pipeline import load_spec
 
     specs = folder / "pipelines"

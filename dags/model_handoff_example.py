@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.dag_builder import spec_files
-from trainforge.registration import model_asset, model_asset_name
+from trainforge.tasks.register_model import model_asset, model_asset_name
 from trainforge.pipeline.loader import SpecError, load_spec
 
 log = logging.getLogger("trainforge.handoff")

@@ -14,7 +14,9 @@ from functools import cached_property
 from typing import Any
 
 from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException
 
+from trainforge.hooks.mlflow import MlflowHook
 from trainforge.links import XCOM_MLFLOW_RUN_URL, MlflowRunLink
 from trainforge.pipeline.loader import SpecError, validate_overrides
 from trainforge.pipeline.model import PipelineSpec
@@ -36,8 +38,6 @@ TUNABLE_PARAMS: dict[str, str] = {
 
 def fail_permanently(message: str) -> None:
     """Fail the task without retries (a retry cannot fix it)."""
-    from airflow.sdk.exceptions import AirflowFailException
-
     raise AirflowFailException(message)
 
 
@@ -84,8 +84,6 @@ class TrainforgeStageOperator(BaseOperator):
     # -- MLflow -----------------------------------------------------------------------------
     @cached_property
     def mlflow_hook(self):
-        from trainforge.hooks.mlflow import MlflowHook
-
         return MlflowHook(tracking_uri=self.mlflow_tracking_uri)
 
     def mlflow_run_id(self, context: Any, spec: PipelineSpec) -> str:
@@ -98,7 +96,7 @@ class TrainforgeStageOperator(BaseOperator):
             tags={"trainforge.pipeline": spec.dag_id, "trainforge.spec_file": self.spec_file},
         )
         try:
-            experiment_id = self.mlflow_hook.client.get_run(run_id).info.experiment_id
+            experiment_id = self.mlflow_hook.get_run(run_id).info.experiment_id
             url = f"{self.mlflow_hook.tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
             ti.xcom_push(key=XCOM_MLFLOW_RUN_URL, value=url)
         except Exception:  # noqa: BLE001 - the link is a convenience, never a failure

@@ -6,9 +6,9 @@ failed pipeline leaves a run RUNNING forever. It never raises: a callback must n
 task's own error.
 
 A callback runs only where Airflow runs it: a task marked failed from the UI, or a task process
-killed with SIGKILL, ends without one. The ``close_run`` teardown (operators/teardown.py) closes
-what those leave, stage runs included; it does not carry this callback, so that its own failure
-never ends a finished run FAILED.
+killed with SIGKILL, ends without one. The ``close_run`` teardown
+(operators/tasks/close_run.py) closes what those leave, stage runs included; it does not carry
+this callback, so that its own failure never ends a finished run FAILED.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.pipeline.model import PipelineSpec
+
 log = logging.getLogger(__name__)
 
 
 def close_mlflow_run_on_failure(context: Any) -> None:
     """``on_failure_callback``: end the DAG run's MLflow run with status FAILED."""
     try:
-        from trainforge.hooks.mlflow import MlflowHook
-        from trainforge.pipeline.model import PipelineSpec
-
         ti = context["ti"]
         spec = PipelineSpec.model_validate(context["task"].spec)
         hook = MlflowHook()

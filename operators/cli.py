@@ -10,10 +10,24 @@ from __future__ import annotations
 
 import json
 import sys
+from difflib import get_close_matches
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
+
+from trainforge.engines.registry import backend_kwargs, engine_names, get_backend
+from trainforge.engines.base import JobIdentity
+from trainforge.engine_switch import for_engine
+from trainforge.graph import task_graph
+from trainforge.jobconfig import build_training_job, init_block
+from trainforge.paths import checkpoint_root, resolve, trainforge_home
+from trainforge.pipeline import SpecError, load_spec
+from trainforge.pipeline import schema as published
+from trainforge.pipeline.loader import name_position
+from trainforge.pipeline.stages import resolve_stages, stage_folder
+from trainforge.runner import run_pipeline
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help=__doc__.replace("``", "`"))
@@ -23,8 +37,6 @@ console = Console(width=None if sys.stdout.isatty() else 200)
 
 def _load_or_exit(file: Path):
     """The spec in ``file``, or exit 1 with its errors (never a traceback for user mistakes)."""
-    from trainforge.pipeline import SpecError, load_spec
-
     try:
         return load_spec(file)
     except SpecError as err:
@@ -34,14 +46,9 @@ def _load_or_exit(file: Path):
     raise typer.Exit(1)
 
 
-from trainforge.pipeline.loader import name_position  # noqa: E402,F401 - used by validate
-
-
 @app.command()
 def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders.")) -> None:
     """Validate pipeline specs. Exit 0 when all are valid, 1 otherwise."""
-    from trainforge.pipeline import SpecError, load_spec
-
     files: list[Path] = []
     for path in paths:
         files += sorted([*path.glob("*.yaml"), *path.glob("*.yml")]) if path.is_dir() else [path]
@@ -81,8 +88,6 @@ def schema(
     write: bool = typer.Option(False, help="Regenerate the committed schema and reference."),
 ) -> None:
     """Print the JSON Schema of a pipeline spec (or its Markdown reference)."""
-    from trainforge.pipeline import schema as published
-
     if write:
         try:
             written = published.write_published(Path.cwd())
@@ -95,98 +100,15 @@ def schema(
     print(published.reference_markdown() if markdown else published.schema_text(), end="")
 
 
-# What `render --engine kubernetes` fills in when the spec was written for another engine.
-# Shown on stderr, never silently: the request printed is what that spec *would* send once the
-# user sets these fields.
-_ENGINE_PLACEHOLDERS = {
-    "kubernetes": {
-        ("training", "resources", "image"): "registry.example.com/trainforge-trainer:0.1.0",
-        ("data", "output_uri"): "s3://your-bucket/datasets",
-        ("training", "checkpoint", "uri"): "s3://your-bucket/checkpoints",
-    },
-}
-
-
-def for_engine(spec, engine: str) -> tuple[object, list[str]]:
-    """``spec`` re-validated with ``training.engine`` set to ``engine``.
-
-    Other engines' blocks are dropped; fields the engine needs but the spec lacks get the
-    placeholders of :data:`_ENGINE_PLACEHOLDERS`. Returns the spec and one line per placeholder
-    used. Raises pydantic's ``ValidationError`` if the spec still does not fit the engine.
-    """
-    from trainforge.pipeline.model import PipelineSpec
-
-    if engine == spec.training.engine:
-        return spec, []
-    raw = spec.model_dump(mode="json")
-    raw["training"]["engine"] = engine
-    from trainforge.engines.registry import engine_names
-
-    ENGINES = engine_names()
-
-    for block in ENGINES:
-        if block != engine:
-            raw["training"].pop(block, None)
-    used = []
-    for path, value in _ENGINE_PLACEHOLDERS.get(engine, {}).items():
-        *parents, leaf = path
-        node = raw
-        for key in parents:
-            node = node[key]
-        current = node.get(leaf)
-        if current is None or (path[-1] in ("output_uri", "uri")
-                               and not str(current).startswith("s3://")):
-            node[leaf] = value
-            used.append(f"{'.'.join(path)}: {value}")
-    return PipelineSpec.model_validate(raw), used
-
-
-# trainforge.teardown.CLOSE_RUN_TASK_ID, written out: importing it would import Airflow, which
-# `trainforge validate` and `render` never do (tests/operators/cli/test_render_graph.py checks).
-CLOSE_RUN_TASK_ID = "close_run"
-
-
-def task_edges(stages: list) -> list[list[str]]:
-    """The DAG's dependencies as ``[upstream, downstream]`` task id pairs, upstream first.
-
-    The same wiring as :func:`trainforge.dag_builder.build_dag`: a stage without ``depends_on``
-    follows ``prepare_data``, the leaf stages feed ``validate_checkpoint``, which feeds
-    ``register_model``; every task feeds the ``close_run`` teardown (operators/teardown.py).
-    ``stages``: :func:`trainforge.pipeline.stages.resolve_stages` of the spec.
-    """
-    from trainforge.pipeline.stages import leaf_stages, stage_task_id
-
-    edges = []
-    for stage in stages:
-        for upstream in [stage_task_id(name) for name in stage.depends_on] or ["prepare_data"]:
-            edges.append([upstream, stage.task_id])
-    edges += [[leaf.task_id, "validate_checkpoint"] for leaf in leaf_stages(stages)]
-    edges.append(["validate_checkpoint", "register_model"])
-    tasks = ["prepare_data", *(stage.task_id for stage in stages), "validate_checkpoint",
-             "register_model"]
-    edges += [[task, CLOSE_RUN_TASK_ID] for task in tasks]
-    return edges
-
-
 @app.command()
 def render(file: Path, engine: str = typer.Option(None, help="Engine to render for.")) -> None:
     """Dry run: the DAG's tasks and the exact request the engine would receive."""
-    from pydantic import ValidationError
-
-    from trainforge.engines.registry import backend_kwargs, engine_names, get_backend
-    from trainforge.engines.base import JobIdentity
-    from trainforge.jobconfig import build_training_job
-    from trainforge.paths import checkpoint_root, resolve, trainforge_home
-
-    ENGINES = engine_names()
     spec = _load_or_exit(file)
     engine = engine or spec.training.engine
-    if engine not in ENGINES:
-        from difflib import get_close_matches
-
-        close = get_close_matches(engine, ENGINES, n=1)
+    if engine not in engine_names():
+        close = get_close_matches(engine, engine_names(), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(ENGINES)}){hint}",
+        typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(engine_names())}){hint}",
                    err=True)
         raise typer.Exit(1)
     try:
@@ -200,9 +122,6 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
                    f"placeholders for what it lacks:", err=True)
         for line in placeholders:
             typer.echo(f"  spec field {line}", err=True)
-    from trainforge.jobconfig import init_block
-    from trainforge.pipeline.stages import resolve_stages, stage_folder
-
     requests = {}
     stages = resolve_stages(spec)
     for stage in stages:
@@ -233,13 +152,13 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
             **backend_kwargs(stage.training, runs_root=str(trainforge_home() / "runs")),
         )
         requests[stage.task_id] = backend.render(job)
+    graph = task_graph(spec)
     out = {
         "dag_id": spec.dag_id,
         "engine": engine,
-        "tasks": ["prepare_data", *requests, "validate_checkpoint", "register_model",
-                  CLOSE_RUN_TASK_ID],
-        "teardown": CLOSE_RUN_TASK_ID,
-        "edges": task_edges(stages),
+        "tasks": graph.task_ids,
+        "teardown": graph.teardown.task_id,
+        "edges": graph.edges(),
     }
     if spec.stages:
         out["train_requests"] = requests
@@ -257,13 +176,8 @@ def run(
         "unless RAY_ADDRESS or the spec's address answers)."),
 ) -> None:
     """Run one pipeline on this machine through `airflow dags test` and print a summary."""
-    from trainforge.engines.registry import engine_names
-
-    ENGINES = engine_names()
-    from trainforge.runner import run_pipeline
-
-    if engine is not None and engine not in ENGINES:
-        typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(ENGINES)})", err=True)
+    if engine is not None and engine not in engine_names():
+        typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(engine_names())})", err=True)
         raise typer.Exit(1)
     spec = _load_or_exit(file)
     ok = run_pipeline(spec, file.absolute(), console=console, summary_json=summary_json,

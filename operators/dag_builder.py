@@ -1,24 +1,24 @@
 """Compile pipeline specs into Airflow DAGs.
 
-One spec gives one DAG with four pipeline tasks::
+One spec gives one DAG whose tasks and edges are those of :func:`trainforge.graph.task_graph`::
 
     prepare_data >> train >> validate_checkpoint >> register_model
 
 or, with ``stages`` (operators/pipeline/stages.py, docs/stages.md), one training task per stage,
-``train_<name>``, wired by ``depends_on``: the stages without dependencies start after
-``prepare_data``, and the leaves (stages no other stage depends on) all feed
-``validate_checkpoint``, which picks the best valid leaf checkpoint for ``register_model``::
+``train_<name>``, where ``validate_checkpoint`` picks the best valid leaf checkpoint for
+``register_model``::
 
     prepare_data >> train_pretrain >> train_finetune >> validate_checkpoint >> register_model
 
-Every pipeline also ends with ``close_run`` (operators/teardown.py), an Airflow teardown task
-downstream of every other task: it runs once they are all done, whatever their states, cancels
-what failed training tasks left running and ends the MLflow runs still ``RUNNING``; its own
-outcome never decides the DAG run's state.
+Every pipeline also ends with ``close_run`` (operators/tasks/close_run.py), an Airflow teardown
+task downstream of every other task: it runs once they are all done, whatever their states,
+cancels what failed training tasks left running and ends the MLflow runs still ``RUNNING``; its
+own outcome never decides the DAG run's state.
 
 Cheap at parse time: reads YAML and builds operators; imports no torch, no MLflow, no engine
-client. The tunable training fields become typed DAG ``params`` so the Airflow trigger form can
-override them; the operators validate overrides with the spec model when the run starts.
+client (the operator modules import those inside the methods that run tasks). The tunable
+training fields become typed DAG ``params`` so the Airflow trigger form can override them; the
+operators validate overrides with the spec model when the run starts.
 """
 
 from __future__ import annotations
@@ -28,10 +28,20 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from airflow.sdk import DAG, Asset, Param
+
 from trainforge.base import TUNABLE_PARAMS
+from trainforge.callbacks import close_mlflow_run_on_failure
+from trainforge.graph import TaskGraph, TaskKind, TaskNode, task_graph
 from trainforge.pipeline.loader import SpecError, SpecIssue, load_spec
 from trainforge.pipeline.model import PipelineSpec
-from trainforge.pipeline.stages import leaf_stages, resolve_stages
+from trainforge.pipeline.pipeline import AssetSchedule
+from trainforge.pipeline.stages import stage_spec
+from trainforge.tasks.close_run import CloseRunOperator
+from trainforge.tasks.prepare_data import PrepareDataOperator
+from trainforge.tasks.register_model import RegisterModelOperator
+from trainforge.tasks.train import TrainOperator
+from trainforge.tasks.validate_checkpoint import ValidateCheckpointOperator
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +58,6 @@ def _field_info(path: str):
 
 def build_params(spec: PipelineSpec) -> dict[str, Any]:
     """Typed Airflow ``Param`` objects for :data:`TUNABLE_PARAMS`, defaults from the spec."""
-    from airflow.sdk import Param
-
     data = spec.model_dump(mode="json")
     params = {}
     for name, path in TUNABLE_PARAMS.items():
@@ -72,18 +80,8 @@ def build_params(spec: PipelineSpec) -> dict[str, Any]:
 
 
 def build_dag(spec: PipelineSpec, spec_file: str = ""):
-    """The Airflow DAG of one pipeline spec."""
-    from airflow.sdk import DAG
-
-    from trainforge.prepare import PrepareDataOperator
-    from trainforge.registration import RegisterModelOperator
-    from trainforge.teardown import CLOSE_RUN_TASK_ID, CloseRunOperator
-    from trainforge.training import TrainingLaunchOperator
-    from trainforge.validation import ValidateCheckpointOperator
-
+    """The Airflow DAG of one pipeline spec: one operator per node of :func:`task_graph`."""
     p = spec.pipeline
-    spec_json = spec.model_dump(mode="json")
-    common = {"spec": spec_json, "spec_file": spec_file}
     start = dt.datetime.combine(p.start_date, dt.time(0, 0), tzinfo=dt.timezone.utc)
     dag = DAG(
         dag_id=spec.dag_id,
@@ -97,68 +95,56 @@ def build_dag(spec: PipelineSpec, spec_file: str = ""):
         default_args=_default_args(spec),
         params=build_params(spec),
     )
+    graph = task_graph(spec)
     with dag:
-        prepare = PrepareDataOperator(
-            task_id="prepare_data", outlets=[PrepareDataOperator.asset_for(spec)], **common
-        )
-        stages = resolve_stages(spec)
-        trains = {
-            stage.name: TrainingLaunchOperator(
-                task_id=stage.task_id,
-                stage=stage.name,
-                execution_timeout=dt.timedelta(seconds=stage.training.fault.run_timeout + 600),
-                **common,
-            )
-            for stage in stages
-        }
-        leaves = leaf_stages(stages)
-        validate = ValidateCheckpointOperator(
-            task_id="validate_checkpoint",
-            train_task_id=leaves[0].task_id,
-            leaf_stages=[leaf.name for leaf in leaves] if spec.stages else None,
-            **common,
-        )
-        register = RegisterModelOperator(
-            task_id="register_model",
-            outlets=[RegisterModelOperator.champion_outlet(spec.registry.model_name)],
-            **common,
-        )
-        for stage in stages:
-            upstream = [trains[name] for name in stage.depends_on] or [prepare]
-            upstream >> trains[stage.name]
-        [trains[leaf.name] for leaf in leaves] >> validate
-        validate >> register
-        work = list(dag.tasks)
-        close = CloseRunOperator(
-            task_id=CLOSE_RUN_TASK_ID,
-            train_tasks={stage.task_id: stage.name for stage in stages},
-            register_task_id=register.task_id,
-            # Not the MLflow-closing failure callback: a failed teardown must not end a
-            # finished run FAILED. The spec's failure notifications stay.
-            on_failure_callback=_teardown_failure_callbacks(dag),
-            **common,
-        ).as_teardown()
-        work >> close
-    _apply_task_settings(dag, spec)
+        tasks = {node.task_id: _operator(spec, spec_file, graph, node, dag)
+                 for node in graph.nodes}
+        for node in graph.nodes:
+            for upstream in node.upstream:
+                tasks[upstream] >> tasks[node.task_id]
+    _apply_task_settings(dag, spec, graph)
     return dag
 
 
-def _teardown_failure_callbacks(dag) -> list:
-    from trainforge.callbacks import close_mlflow_run_on_failure
+def _operator(spec: PipelineSpec, spec_file: str, graph: TaskGraph, node: TaskNode, dag):
+    """The operator of one graph node (cheap: the operators keep the spec as plain JSON)."""
+    common = {"task_id": node.task_id, "spec": spec.model_dump(mode="json"),
+              "spec_file": spec_file}
+    if node.kind is TaskKind.PREPARE_DATA:
+        return PrepareDataOperator(outlets=[PrepareDataOperator.asset_for(spec)], **common)
+    if node.kind is TaskKind.TRAIN:
+        training = stage_spec(spec, node.stage).training
+        return TrainOperator(
+            stage=node.stage,
+            execution_timeout=dt.timedelta(seconds=training.fault.run_timeout + 600),
+            **common,
+        )
+    if node.kind is TaskKind.VALIDATE_CHECKPOINT:
+        leaves = [graph.node(task_id) for task_id in node.upstream]
+        return ValidateCheckpointOperator(
+            train_task_id=leaves[0].task_id,
+            leaf_stages=[leaf.stage for leaf in leaves] if spec.stages else None,
+            **common,
+        )
+    if node.kind is TaskKind.REGISTER_MODEL:
+        return RegisterModelOperator(
+            outlets=[RegisterModelOperator.champion_outlet(spec.registry.model_name)], **common)
+    # Not the MLflow-closing failure callback: a failed teardown must not end a finished run
+    # FAILED. The spec's failure notifications stay.
+    return CloseRunOperator(on_failure_callback=_teardown_failure_callbacks(dag),
+                            **common).as_teardown()
 
+
+def _teardown_failure_callbacks(dag) -> list:
     return [cb for cb in dag.default_args.get("on_failure_callback") or []
             if cb is not close_mlflow_run_on_failure]
 
 
 def _schedule(spec: PipelineSpec) -> Any:
     """The spec's schedule in Airflow's terms: cron/preset string, None, or asset condition."""
-    from trainforge.pipeline.pipeline import AssetSchedule
-
     schedule = spec.pipeline.schedule
     if not isinstance(schedule, AssetSchedule):
         return schedule
-    from airflow.sdk import Asset
-
     assets = [Asset(uri=uri, name=uri) for uri in schedule.assets]
     if schedule.mode == "all":
         return assets
@@ -177,8 +163,6 @@ def _default_args(spec: PipelineSpec) -> dict[str, Any]:
     }
     if p.defaults.execution_timeout:
         args["execution_timeout"] = dt.timedelta(seconds=p.defaults.execution_timeout)
-    from trainforge.callbacks import close_mlflow_run_on_failure
-
     args["on_failure_callback"] = [close_mlflow_run_on_failure]
     email = p.notifications.email
     if email is not None:
@@ -193,14 +177,12 @@ def _default_args(spec: PipelineSpec) -> dict[str, Any]:
     return args
 
 
-def _apply_task_settings(dag, spec: PipelineSpec) -> None:
-    """Per-task overrides of the pipeline defaults (``pipeline.tasks.<task_id>``);
-    ``pipeline.tasks.train`` applies to every stage's training task."""
+def _apply_task_settings(dag, spec: PipelineSpec, graph: TaskGraph) -> None:
+    """Per-task overrides of the pipeline defaults (``pipeline.tasks.<kind>``, the node's
+    :class:`TaskKind`): ``pipeline.tasks.train`` applies to every stage's training task."""
     overrides = spec.pipeline.tasks
-    stage_tasks = {stage.task_id for stage in resolve_stages(spec)}
     for task in dag.tasks:
-        name = "train" if task.task_id in stage_tasks else task.task_id
-        settings = getattr(overrides, name, None)
+        settings = getattr(overrides, graph.node(task.task_id).kind.value, None)
         if settings is None:
             continue
         if settings.retries is not None:

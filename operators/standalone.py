@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
+from trainforge.mlflow_setup import start_server
 from trainforge.paths import trainforge_home
 from trainforge.runner import airflow_env
 
@@ -33,8 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--airflow-port", type=int, default=8080)
     parser.add_argument("--mlflow-port", type=int, default=5000)
     args = parser.parse_args(argv)
-
-    from trainforge.mlflow_setup import start_server
 
     home = trainforge_home()
     if args.dags_folder is not None and not args.dags_folder.is_dir():
@@ -75,8 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _stop_tree(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
     """Stop airflow standalone and everything it started (scheduler, triggerer, workers)."""
-    import psutil
-
     try:
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     except psutil.Error:

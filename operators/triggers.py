@@ -39,6 +39,10 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from trainforge.engines.registry import get_backend
+from trainforge.engines.base import JobState
+from trainforge.errors import TriggerEventError
+
 EVENT_STATUSES = ("success", "error", "timeout", "cancelled")
 
 # How long the task-state lookup on cancellation may take before we give up and keep the job.
@@ -109,8 +113,6 @@ class TrainingJobTrigger(BaseTrigger):
         )
 
     def _backend(self):
-        from trainforge.engines.registry import get_backend
-
         return get_backend(self.engine, **self.backend_kwargs)
 
     def _event(self, status: str, message: str, job_status=None) -> TriggerEvent:
@@ -151,8 +153,6 @@ class TrainingJobTrigger(BaseTrigger):
         Raises:
             TriggerEventError: the wait ended without an event (never expected).
         """
-        from trainforge.errors import TriggerEventError
-
         self._in_task_process = True
 
         async def first_event() -> dict[str, Any]:
@@ -284,8 +284,6 @@ class TrainingJobTrigger(BaseTrigger):
 
     # -- the wait ---------------------------------------------------------------------------
     async def _wait(self) -> AsyncIterator[TriggerEvent]:
-        from trainforge.engines.base import JobState
-
         backend = await asyncio.to_thread(self._backend)
         key = self.handle.get("key")
         while True:

@@ -19,17 +19,6 @@ from tests.packaging.layout import REPO, copy_installed_tree
 
 CONTRACTS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
 
-# Contracts the restructuring of the layout has still to satisfy; strict, so each entry has to
-# go the day its contract holds.
-NOT_YET = {
-    "dag-parse-without-heavy-clients": "trainforge.graph, the pure task-graph function, does not "
-                                       "exist yet",
-    "engines-independent": "the engine packages trainforge.engines.<engine> do not exist yet",
-    "no-cycles": "four import circles remain: runner -> cli, data.remote -> data.prepare, "
-                 "trainer.checkpoint_s3 -> trainer.checkpoint, trainer.data_s3 -> trainer.data",
-}
-
-
 @pytest.fixture(scope="module")
 def installed_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return copy_installed_tree(tmp_path_factory.mktemp("site"))
@@ -37,14 +26,9 @@ def installed_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_contract_has_an_id():
     assert all("id" in contract for contract in CONTRACTS)
-    assert set(NOT_YET) <= {contract["id"] for contract in CONTRACTS}
 
 
-@pytest.mark.parametrize("contract", [
-    pytest.param(c["id"], marks=[pytest.mark.xfail(reason=NOT_YET[c["id"]], strict=True)]
-                 if c["id"] in NOT_YET else [])
-    for c in CONTRACTS
-])
+@pytest.mark.parametrize("contract", [c["id"] for c in CONTRACTS])
 def test_contract(contract: str, installed_tree: Path):
     # The installed copy first; the checkout for tests.import_contracts (the custom contract types).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(installed_tree), str(REPO)])}

@@ -88,3 +88,12 @@ class MlflowTimeoutError(MlflowHookError, TimeoutError):
         super().__init__(
             f"timed out after {waited_s:.1f} s waiting for {what}; last state: {last_state}"
         )
+
+
+class MlflowModelSourceError(MlflowHookError):
+    """A registered model URI cannot be used: another form, or no such model version."""
+
+    def __init__(self, uri: str, reason: str) -> None:
+        self.uri = uri
+        self.reason = reason
+        super().__init__(f"registered model {uri}: {reason}")

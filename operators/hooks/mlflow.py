@@ -1,9 +1,10 @@
 """MLflow hook: every call trainforge makes to the MLflow tracking server and model registry.
 
 One MLflow run per DAG run (found by its tags), params/metrics/tags/artifacts/dataset inputs
-logged into it, and one model version per idempotency key, waited on until READY before any
-alias moves. ``mlflow`` is imported inside methods only: importing this module is cheap (DAG
-parsing imports it).
+logged into it (this module); one model version per idempotency key, waited on until READY
+before any alias moves (trainforge.hooks.mlflow_versions); a model version's files found and
+downloaded (trainforge.hooks.mlflow_artifacts). ``mlflow`` is imported inside methods only:
+importing these modules is cheap (DAG parsing imports them).
 
 Tracking URI: the ``tracking_uri`` argument, else ``$MLFLOW_TRACKING_URI``. The hook never puts
 credentials into ``os.environ``; URIs with ``user:password@`` are refused. (Reading an Airflow
@@ -16,16 +17,13 @@ an interval and a deadline in seconds.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
@@ -33,21 +31,21 @@ from trainforge.hooks.errors import (
     MlflowConfigError,
     MlflowInvalidArgumentError,
     MlflowParamConflictError,
-    MlflowRegistrationError,
     MlflowRequestError,
-    MlflowTimeoutError,
 )
+from trainforge.hooks.mlflow_artifacts import ModelArtifacts
+from trainforge.hooks.mlflow_calls import mlflow_errors, quote, tracking_uri_from_connection
+from trainforge.hooks.mlflow_versions import ModelVersions
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Run
-    from mlflow.entities.model_registry import ModelVersion
 
 log = logging.getLogger(__name__)
 
 TAG_DAG_ID = "trainforge.dag_id"
 TAG_AIRFLOW_RUN_ID = "trainforge.airflow_run_id"
-TAG_IDEMPOTENCY_KEY = "trainforge.idempotency_key"
+TAG_STAGE = "trainforge.stage"
 TAG_DATASET_DIGEST = "trainforge.dataset_digest"
 # MLflow's own input-tag key for a dataset's role (mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT).
 DATASET_CONTEXT_TAG = "mlflow.data.context"
@@ -56,13 +54,10 @@ RUN_END_STATUSES = ("FINISHED", "FAILED", "KILLED")
 # the full digest goes into the TAG_DATASET_DIGEST input tag.
 MAX_DATASET_DIGEST_CHARS = 36
 MAX_PARAM_VALUE_CHARS = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
-_PIN_PACKAGES = ("transformers", "torch", "tokenizers", "safetensors")
 _RUN_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._/-]+")
-# mlflow.<flavor>.log_model resolves the *global* tracking URI; see _fluent_tracking_uri.
-_FLUENT_LOCK = threading.Lock()
 
 
-class MlflowHook:
+class MlflowHook(ModelVersions, ModelArtifacts):
     """Client-side access to one MLflow tracking server (and its model registry).
 
     Args:
@@ -85,7 +80,7 @@ class MlflowHook:
     def tracking_uri(self) -> str:
         uri = self._tracking_uri_arg
         if uri is None and self.conn_id is not None:
-            uri = self._uri_from_connection(self.conn_id)
+            uri = tracking_uri_from_connection(self.conn_id)
         uri = uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             raise MlflowConfigError(
@@ -99,28 +94,6 @@ class MlflowHook:
                 "remove user:password@ from it (credentials never go into URIs or os.environ)"
             )
         return uri
-
-    @staticmethod
-    def _uri_from_connection(conn_id: str) -> str:
-        from airflow.sdk import BaseHook
-
-        try:
-            conn = BaseHook.get_connection(conn_id)
-        except Exception as err:  # noqa: BLE001 - Airflow raises several types for "not found"
-            raise MlflowConfigError(
-                f"Airflow connection {conn_id!r} for MLflow could not be read: {err}"
-            ) from err
-        if conn.login or conn.password:
-            raise MlflowConfigError(
-                f"Airflow connection {conn_id!r} carries a login or password; MLflow would need "
-                "them in os.environ, which trainforge never writes: use an unauthenticated "
-                "endpoint or a proxy"
-            )
-        if not conn.host:
-            raise MlflowConfigError(f"Airflow connection {conn_id!r} has no host")
-        scheme = conn.conn_type if conn.conn_type in ("http", "https") else "http"
-        port = f":{conn.port}" if conn.port else ""
-        return f"{scheme}://{conn.host}{port}{('/' + conn.schema) if conn.schema else ''}"
 
     @cached_property
     def client(self) -> MlflowClient:
@@ -162,7 +135,7 @@ class MlflowHook:
             if extra_tags:
                 self.set_tags(found, extra_tags)
             return found
-        with _mlflow_errors("create_run", target):
+        with mlflow_errors("create_run", target):
             created = self.client.create_run(
                 experiment_id,
                 tags={TAG_DAG_ID: dag_id, TAG_AIRFLOW_RUN_ID: run_id, **extra_tags},
@@ -171,20 +144,15 @@ class MlflowHook:
         matching = self._runs_of_dag_run(experiment_id, dag_id, run_id)
         winner = matching[0].info.run_id if matching else created
         if winner != created:
-            log.info(
-                "MLflow run %s for %s lost a creation race to %s; deleting it",
-                created,
-                target,
-                winner,
-            )
-            with _mlflow_errors("delete_run", created):
+            log.info("MLflow run %s for %s lost a creation race to %s; deleting it",
+                     created, target, winner)
+            with mlflow_errors("delete_run", created):
                 self.client.delete_run(created)
             if extra_tags:
                 self.set_tags(winner, extra_tags)
         else:
-            log.info(
-                "created MLflow run %s for %s in experiment %s", created, target, experiment_id
-            )
+            log.info("created MLflow run %s for %s in experiment %s",
+                     created, target, experiment_id)
         return winner
 
     def find_run(self, experiment_name: str, dag_id: str, run_id: str) -> str | None:
@@ -193,12 +161,21 @@ class MlflowHook:
         Raises:
             MlflowRequestError: the server failed a call.
         """
-        with _mlflow_errors("get_experiment_by_name", f"experiment {experiment_name}"):
+        with mlflow_errors("get_experiment_by_name", f"experiment {experiment_name}"):
             experiment = self.client.get_experiment_by_name(experiment_name)
         if experiment is None:
             return None
         runs = self._runs_of_dag_run(str(experiment.experiment_id), dag_id, run_id)
         return runs[0].info.run_id if runs else None
+
+    def get_run(self, run_id: str) -> Run:
+        """The run ``run_id`` (info, params, metrics, tags).
+
+        Raises:
+            MlflowRequestError: the server failed a call (also: no such run).
+        """
+        with mlflow_errors("get_run", f"run {run_id}"):
+            return self.client.get_run(run_id)
 
     def child_runs(self, run_id: str) -> list[Run]:
         """The active runs whose ``mlflow.parentRunId`` tag is ``run_id`` (a staged pipeline's
@@ -208,14 +185,53 @@ class MlflowHook:
             MlflowInvalidArgumentError: ``run_id`` contains both ' and ".
             MlflowRequestError: the server failed a call.
         """
-        with _mlflow_errors("get_run", f"run {run_id}"):
+        with mlflow_errors("get_run", f"run {run_id}"):
             experiment_id = self.client.get_run(run_id).info.experiment_id
-        query = f"tags.`mlflow.parentRunId` = {_quote('run_id', run_id)}"
-        with _mlflow_errors("search_runs", f"child runs of run {run_id}"):
+        query = f"tags.`mlflow.parentRunId` = {quote('run_id', run_id)}"
+        with mlflow_errors("search_runs", f"child runs of run {run_id}"):
             runs = self.client.search_runs(
                 [experiment_id], query, max_results=1000, order_by=["attributes.start_time ASC"]
             )
         return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+
+    def get_or_create_child_run(self, parent_run_id: str, stage: str,
+                                tags: Mapping[str, Any] | None = None) -> str:
+        """The id of stage ``stage``'s run under ``parent_run_id`` (tags ``mlflow.parentRunId``
+        and ``trainforge.stage``), created in the parent's experiment, named ``stage``, with
+        ``tags``, when missing; found again by those tags on a retry.
+
+        Raises:
+            MlflowInvalidArgumentError: an id contains both ' and ".
+            MlflowRequestError: the server failed a call.
+        """
+        with mlflow_errors("get_run", f"run {parent_run_id}"):
+            experiment_id = self.client.get_run(parent_run_id).info.experiment_id
+        query = (f"tags.mlflow.parentRunId = {quote('parent_run_id', parent_run_id)} and "
+                 f"tags.`{TAG_STAGE}` = {quote('stage', stage)}")
+        with mlflow_errors("search_runs", f"stage {stage} of run {parent_run_id}"):
+            found = self.client.search_runs([experiment_id], max_results=1, filter_string=query)
+        if found:
+            return found[0].info.run_id
+        all_tags = {"mlflow.parentRunId": parent_run_id, TAG_STAGE: stage,
+                    **{str(k): str(v) for k, v in (tags or {}).items()}}
+        with mlflow_errors("create_run", f"stage {stage} of run {parent_run_id}"):
+            return self.client.create_run(experiment_id, tags=all_tags,
+                                          run_name=stage).info.run_id
+
+    def reopen_run(self, run_id: str) -> str | None:
+        """Set a run that ended ``KILLED`` or ``FAILED`` back to ``RUNNING``; the status it had,
+        or None when it was left as it was.
+
+        Raises:
+            MlflowRequestError: the server failed a call.
+        """
+        with mlflow_errors("get_run", f"run {run_id}"):
+            status = self.client.get_run(run_id).info.status
+        if status not in ("KILLED", "FAILED"):
+            return None
+        with mlflow_errors("update_run", f"run {run_id}"):
+            self.client.update_run(run_id, status="RUNNING")
+        return status
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         """Log params; values already logged with the same value are skipped (retries).
@@ -229,14 +245,14 @@ class MlflowHook:
         from mlflow.entities import Param
 
         given = {str(k): _param_value(v) for k, v in params.items()}
-        with _mlflow_errors("get_run", f"run {run_id}"):
+        with mlflow_errors("get_run", f"run {run_id}"):
             logged = self.client.get_run(run_id).data.params
         conflicts = {k: (logged[k], v) for k, v in given.items() if k in logged and logged[k] != v}
         if conflicts:
             raise MlflowParamConflictError(run_id, conflicts)
         new = [Param(k, v) for k, v in given.items() if k not in logged]
         if new:
-            with _mlflow_errors("log_batch(params)", f"run {run_id}"):
+            with mlflow_errors("log_batch(params)", f"run {run_id}"):
                 self.client.log_batch(run_id, params=new)
 
     def log_metrics(
@@ -259,7 +275,7 @@ class MlflowHook:
                 raise MlflowInvalidArgumentError(f"metric {key!r}", value, "a number") from err
             batch.append(Metric(str(key), number, timestamp_ms, step or 0))
         if batch:
-            with _mlflow_errors("log_batch(metrics)", f"run {run_id}"):
+            with mlflow_errors("log_batch(metrics)", f"run {run_id}"):
                 self.client.log_batch(run_id, metrics=batch)
 
     def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
@@ -272,7 +288,7 @@ class MlflowHook:
 
         batch = [RunTag(str(k), str(v)) for k, v in tags.items()]
         if batch:
-            with _mlflow_errors("log_batch(tags)", f"run {run_id}"):
+            with mlflow_errors("log_batch(tags)", f"run {run_id}"):
                 self.client.log_batch(run_id, tags=batch)
 
     def log_dict_artifact(
@@ -286,7 +302,7 @@ class MlflowHook:
         Raises:
             MlflowRequestError: the server failed a call.
         """
-        with _mlflow_errors("log_dict", f"run {run_id} artifact {path}"):
+        with mlflow_errors("log_dict", f"run {run_id} artifact {path}"):
             self.client.log_dict(run_id, obj, path)  # type: ignore[arg-type]
         return f"runs:/{run_id}/{path}"
 
@@ -321,7 +337,7 @@ class MlflowHook:
         tags = {DATASET_CONTEXT_TAG: context, TAG_DATASET_DIGEST: digest}
         tags.update({str(k): str(v) for k, v in (extra_tags or {}).items()})
         dataset_input = DatasetInput(dataset, tags=[InputTag(k, v) for k, v in tags.items()])
-        with _mlflow_errors("log_inputs", f"run {run_id} dataset {name}"):
+        with mlflow_errors("log_inputs", f"run {run_id} dataset {name}"):
             self.client.log_inputs(run_id, datasets=[dataset_input])
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
@@ -333,171 +349,13 @@ class MlflowHook:
         """
         if status not in RUN_END_STATUSES:
             raise MlflowInvalidArgumentError("run end status", status, f"one of {RUN_END_STATUSES}")
-        with _mlflow_errors("set_terminated", f"run {run_id}"):
+        with mlflow_errors("set_terminated", f"run {run_id}"):
             self.client.set_terminated(run_id, status=status)
-
-    # --- model registry ---------------------------------------------------------------------
-
-    def register_model_version(
-        self,
-        run_id: str,
-        model_dir: str | os.PathLike[str],
-        registered_model_name: str,
-        idempotency_key: str,
-        aliases: Sequence[str] = (),
-        description: str | None = None,
-        tags: Mapping[str, Any] | None = None,
-        ready_timeout_s: float = 300.0,
-        poll_interval_s: float = 1.0,
-        task: str = "text-generation",
-        pip_requirements: Sequence[str] | None = None,
-    ) -> dict[str, Any]:
-        """Register the Hugging Face model folder ``model_dir`` once per ``idempotency_key``.
-
-        1. A version of ``registered_model_name`` tagged ``trainforge.idempotency_key`` =
-           key exists (and is not FAILED_REGISTRATION): reuse it (``created`` False), wait
-           until READY, set the aliases.
-        2. Else log the folder with ``mlflow.transformers.log_model`` as a LoggedModel of run
-           ``run_id`` (reusing a READY one this run already logged for the key), create the
-           registered model if missing, create the version (key in its tags), wait until
-           READY, then set each alias. The run's status is never changed.
-
-        Same key, concurrent callers: whoever created a version searches again and keeps the
-        lowest version with the key, deleting its own if that is not the one. Different keys
-        get different versions.
-
-        Returns:
-            JSON-able ``{"name", "version", "aliases", "model_uri" (models:/name/version),
-            "created", "model_id", "run_id"}``.
-
-        Raises:
-            MlflowInvalidArgumentError: the key contains both ' and ", or model_dir is missing.
-            MlflowRegistrationError: the version is FAILED_REGISTRATION (no alias moved).
-            MlflowTimeoutError: not READY after ``ready_timeout_s`` seconds (no alias moved).
-            MlflowRequestError: the server failed a call.
-        """
-        name = registered_model_name
-        existing = self._versions_with_key(name, idempotency_key)
-        if existing:
-            version, created = existing[0], False
-            log.info(
-                "%s v%s already has key %s; reusing it", name, version.version, idempotency_key
-            )
-        else:
-            version, created = self._create_version(
-                run_id,
-                Path(model_dir),
-                name,
-                idempotency_key,
-                description,
-                {str(k): str(v) for k, v in (tags or {}).items()},
-                task,
-                pip_requirements,
-            )
-        ready = wait_model_version_ready(
-            self.client, name, str(version.version), ready_timeout_s, poll_interval_s
-        )
-        for alias in aliases:
-            with _mlflow_errors(
-                "set_registered_model_alias", f"{name} alias {alias} -> v{ready.version}"
-            ):
-                self.client.set_registered_model_alias(name, alias, str(ready.version))
-        with _mlflow_errors("get_model_version", f"{name} v{ready.version}"):
-            final = self.client.get_model_version(name, str(ready.version))
-        return {**_version_dict(final), "created": created}
-
-    def find_model_version(self, name: str, idempotency_key: str) -> dict[str, Any] | None:
-        """The usable version of ``name`` registered with ``idempotency_key`` (lowest), or None.
-
-        Lets a retry skip the export and upload when its version already exists.
-
-        Raises:
-            MlflowInvalidArgumentError: the key contains both ' and ".
-            MlflowRequestError: the server failed a call.
-        """
-        found = self._versions_with_key(name, idempotency_key)
-        return _version_dict(found[0]) if found else None
-
-    def get_model_version_by_alias(self, name: str, alias: str) -> dict[str, Any] | None:
-        """The version ``alias`` points at, or None when the model or the alias does not exist.
-
-        Reads the registered model's alias table rather than calling
-        ``get_model_version_by_alias``, which answers a missing alias with the same
-        INVALID_PARAMETER_VALUE code as a malformed request.
-
-        Returns:
-            ``{"name", "version", "aliases", "model_uri", "model_id", "run_id", "status",
-            "tags", "source"}``.
-
-        Raises:
-            MlflowRequestError: the server failed a call.
-        """
-        from mlflow.exceptions import MlflowException
-
-        try:
-            registered = self.client.get_registered_model(name)
-        except MlflowException as err:
-            if err.error_code == "RESOURCE_DOES_NOT_EXIST":
-                return None
-            raise MlflowRequestError(
-                "get_registered_model", name, err.error_code, err.message
-            ) from err
-        version = (registered.aliases or {}).get(alias)
-        if version is None:
-            return None
-        with _mlflow_errors("get_model_version", f"{name} v{version} (alias {alias})"):
-            return _version_dict(self.client.get_model_version(name, str(version)))
-
-    # --- helpers ----------------------------------------------------------------------------
-
-    def _create_version(
-        self,
-        run_id: str,
-        model_dir: Path,
-        name: str,
-        key: str,
-        description: str | None,
-        tags: dict[str, str],
-        task: str,
-        pip_requirements: Sequence[str] | None,
-    ) -> tuple[ModelVersion, bool]:
-        """Log the model, create a version with ``key``, settle a race; (version, created)."""
-        model_path = model_dir.resolve()
-        if not (model_path / "config.json").is_file():
-            raise MlflowInvalidArgumentError(
-                "model_dir", str(model_dir), "a Hugging Face model folder with config.json"
-            )
-        model_id = self._logged_model_for_key(run_id, model_path, key, task, pip_requirements)
-        self._ensure_registered_model(name)
-        with _mlflow_errors("create_model_version", f"registered model {name}"):
-            mine = self.client.create_model_version(
-                name,
-                source=f"models:/{model_id}",
-                run_id=run_id,
-                tags={**tags, TAG_IDEMPOTENCY_KEY: key},
-                description=description,
-                await_creation_for=0,  # waited on by the caller, with its own deadline
-                model_id=model_id,
-            )
-        winner = (self._versions_with_key(name, key) or [mine])[0]
-        if winner.version == mine.version:
-            log.info("created %s v%s (key %s) from %s", name, mine.version, key, model_id)
-            return mine, True
-        log.info(
-            "%s v%s lost a race for key %s to v%s; deleting it",
-            name,
-            mine.version,
-            key,
-            winner.version,
-        )
-        with _mlflow_errors("delete_model_version", f"{name} v{mine.version}"):
-            self.client.delete_model_version(name, mine.version)
-        return winner, False
 
     def _experiment_id(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
 
-        with _mlflow_errors("get_experiment_by_name", f"experiment {name}"):
+        with mlflow_errors("get_experiment_by_name", f"experiment {name}"):
             experiment = self.client.get_experiment_by_name(name)
         if experiment is None:
             try:
@@ -507,7 +365,7 @@ class MlflowHook:
                     raise MlflowRequestError(
                         "create_experiment", f"experiment {name}", err.error_code, err.message
                     ) from err
-                with _mlflow_errors("get_experiment_by_name", f"experiment {name}"):
+                with mlflow_errors("get_experiment_by_name", f"experiment {name}"):
                     experiment = self.client.get_experiment_by_name(name)
         if experiment.lifecycle_stage == "deleted":
             raise MlflowConfigError(
@@ -520,178 +378,14 @@ class MlflowHook:
     def _runs_of_dag_run(self, experiment_id: str, dag_id: str, run_id: str) -> list[Run]:
         """Active runs tagged with (dag_id, run_id), oldest first (start time, then run id)."""
         query = (
-            f"tags.`{TAG_DAG_ID}` = {_quote('dag_id', dag_id)} "
-            f"AND tags.`{TAG_AIRFLOW_RUN_ID}` = {_quote('run_id', run_id)}"
+            f"tags.`{TAG_DAG_ID}` = {quote('dag_id', dag_id)} "
+            f"AND tags.`{TAG_AIRFLOW_RUN_ID}` = {quote('run_id', run_id)}"
         )
-        with _mlflow_errors("search_runs", f"DAG run {dag_id}/{run_id}"):
+        with mlflow_errors("search_runs", f"DAG run {dag_id}/{run_id}"):
             runs = self.client.search_runs(
                 [experiment_id], query, max_results=100, order_by=["attributes.start_time ASC"]
             )
         return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
-
-    def _versions_with_key(self, name: str, key: str) -> list[ModelVersion]:
-        """Versions of ``name`` tagged with ``key``, lowest first (all pages), failed ones left out.
-
-        A FAILED_REGISTRATION version does not hold its key: a retry registers a new version.
-        """
-        query = (
-            f"name = {_quote('registered_model_name', name)} "
-            f"AND tags.`{TAG_IDEMPOTENCY_KEY}` = {_quote('idempotency_key', key)}"
-        )
-        found: list[ModelVersion] = []
-        page_token = None
-        while True:
-            with _mlflow_errors("search_model_versions", f"registered model {name} key {key}"):
-                page = self.client.search_model_versions(
-                    query, max_results=100, page_token=page_token
-                )
-            found.extend(page)
-            page_token = page.token
-            if not page_token:
-                break
-        failed = [mv.version for mv in found if mv.status == "FAILED_REGISTRATION"]
-        if failed:
-            log.warning(
-                "ignoring FAILED_REGISTRATION versions %s of %s with key %s", failed, name, key
-            )
-        usable = [mv for mv in found if mv.status != "FAILED_REGISTRATION"]
-        return sorted(usable, key=lambda mv: int(mv.version))
-
-    def _ensure_registered_model(self, name: str) -> None:
-        from mlflow.exceptions import MlflowException
-
-        try:
-            self.client.create_registered_model(name)
-            log.info("created registered model %s", name)
-        except MlflowException as err:
-            if err.error_code != "RESOURCE_ALREADY_EXISTS":
-                raise MlflowRequestError(
-                    "create_registered_model", name, err.error_code, err.message
-                ) from err
-
-    def _logged_model_for_key(
-        self,
-        run_id: str,
-        model_path: Path,
-        key: str,
-        task: str,
-        pip_requirements: Sequence[str] | None,
-    ) -> str:
-        """Model id of a READY LoggedModel of ``run_id`` for ``key``; logs one if there is none.
-
-        The LoggedModel is created with the client first so that it lands in the run's
-        experiment (``log_model(run_id=...)`` alone would put it in the active/default
-        experiment) and carries the key; ``log_model(model_id=...)`` then uploads into it
-        without starting, activating or ending any run.
-        """
-        import mlflow
-        from mlflow.entities import LoggedModelStatus
-
-        with _mlflow_errors("get_run", f"run {run_id}"):
-            experiment_id = self.client.get_run(run_id).info.experiment_id
-        query = (
-            f"tags.`{TAG_IDEMPOTENCY_KEY}` = {_quote('idempotency_key', key)} "
-            f"AND source_run_id = {_quote('run_id', run_id)}"
-        )
-        with _mlflow_errors("search_logged_models", f"run {run_id} key {key}"):
-            found = self.client.search_logged_models(
-                [experiment_id], filter_string=query, max_results=50
-            )
-        ready = sorted(
-            (m for m in found if m.status == LoggedModelStatus.READY),
-            key=lambda m: m.creation_timestamp,
-        )
-        if ready:
-            log.info("reusing logged model %s of run %s for key %s", ready[0].model_id, run_id, key)
-            return str(ready[0].model_id)
-        with _mlflow_errors("create_logged_model", f"run {run_id}"):
-            model = self.client.create_logged_model(
-                experiment_id=experiment_id,
-                name="model",
-                source_run_id=run_id,
-                tags={TAG_IDEMPOTENCY_KEY: key},
-            )
-        with (
-            _mlflow_errors("transformers.log_model", f"run {run_id} model {model.model_id}"),
-            _fluent_tracking_uri(self.tracking_uri),
-        ):
-            mlflow.transformers.log_model(
-                transformers_model=str(model_path),
-                task=task,
-                name="model",
-                run_id=run_id,
-                model_id=model.model_id,
-                pip_requirements=list(pip_requirements or default_pip_requirements()),
-            )
-        return str(model.model_id)
-
-
-def wait_model_version_ready(
-    client: MlflowClient,
-    name: str,
-    version: str,
-    timeout_s: float,
-    interval_s: float = 1.0,
-) -> ModelVersion:
-    """Poll ``get_model_version`` every ``interval_s`` s until READY; return that version.
-
-    Raises:
-        MlflowRegistrationError: status FAILED_REGISTRATION (with MLflow's status message).
-        MlflowTimeoutError: still not READY after ``timeout_s`` seconds (last status in it).
-        MlflowRequestError: the server failed a call.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with _mlflow_errors("get_model_version", f"{name} v{version}"):
-            mv = client.get_model_version(name, version)
-        if mv.status == "READY":
-            return mv
-        if mv.status == "FAILED_REGISTRATION":
-            raise MlflowRegistrationError(name, version, mv.status, mv.status_message)
-        if time.monotonic() + interval_s > deadline:
-            raise MlflowTimeoutError(
-                f"model version {name} v{version} to become READY",
-                timeout_s,
-                f"{mv.status} ({mv.status_message or 'no status message'})",
-            )
-        time.sleep(interval_s)
-
-
-def default_pip_requirements() -> list[str]:
-    """Pinned requirements of a logged HF model: the installed versions, without local labels.
-
-    Passed explicitly because mlflow.transformers' own default list adds ``torchvision``
-    whenever torch is the engine and fails when torchvision is not installed.
-    """
-    from importlib.metadata import PackageNotFoundError, version
-
-    pins = []
-    for package in _PIN_PACKAGES:
-        try:
-            pins.append(f"{package}=={version(package).split('+')[0]}")
-        except PackageNotFoundError:
-            continue
-    return pins
-
-
-def _version_dict(mv: ModelVersion) -> dict[str, Any]:
-    return {
-        "name": mv.name,
-        "version": str(mv.version),
-        "aliases": sorted(mv.aliases or []),
-        "model_uri": f"models:/{mv.name}/{mv.version}",
-        "model_id": getattr(mv, "model_id", None) or _model_id_from_source(mv.source),
-        "run_id": mv.run_id,
-        "status": mv.status,
-        "tags": dict(mv.tags or {}),
-        "source": mv.source,
-    }
-
-
-def _model_id_from_source(source: str | None) -> str | None:
-    if source and source.startswith("models:/m-"):
-        return source[len("models:/") :]
-    return None
 
 
 def _run_name(dag_id: str, run_id: str) -> str:
@@ -703,50 +397,3 @@ def _param_value(value: Any) -> str:
     if len(text) > MAX_PARAM_VALUE_CHARS:
         log.warning("param value of %d characters cut to %d", len(text), MAX_PARAM_VALUE_CHARS)
     return text[:MAX_PARAM_VALUE_CHARS]
-
-
-def _quote(argument: str, value: str) -> str:
-    """Quote ``value`` for an MLflow search filter (MLflow has no escape inside quotes)."""
-    if "'" not in value:
-        return f"'{value}'"
-    if '"' not in value:
-        return f'"{value}"'
-    raise MlflowInvalidArgumentError(argument, value, "a string without both ' and \" quotes")
-
-
-@contextlib.contextmanager
-def _mlflow_errors(operation: str, target: str) -> Iterator[None]:
-    """Turn MLflow's exceptions into MlflowRequestError naming the operation and its target."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        yield
-    except MlflowException as err:
-        raise MlflowRequestError(operation, target, err.error_code, err.message) from err
-
-
-@contextlib.contextmanager
-def _fluent_tracking_uri(uri: str) -> Iterator[None]:
-    """Point MLflow's global tracking URI at ``uri`` for one fluent call, then restore it.
-
-    ``Model.log`` (behind ``mlflow.transformers.log_model``) builds its client from the
-    global tracking URI and ``mlflow.set_tracking_uri`` also writes ``MLFLOW_TRACKING_URI``
-    into ``os.environ``. Both are restored exactly afterwards; the URI never holds credentials
-    (refused in ``MlflowHook.tracking_uri``). A lock keeps threads of this process from
-    interleaving.
-    """
-    import mlflow
-    from mlflow.tracking._tracking_service import utils as tracking_utils
-
-    with _FLUENT_LOCK:
-        saved_uri = getattr(tracking_utils, "_tracking_uri", None)
-        saved_env = os.environ.get("MLFLOW_TRACKING_URI")
-        mlflow.set_tracking_uri(uri)
-        try:
-            yield
-        finally:
-            mlflow.set_tracking_uri(saved_uri)  # type: ignore[arg-type]
-            if saved_env is None:
-                os.environ.pop("MLFLOW_TRACKING_URI", None)
-            else:
-                os.environ["MLFLOW_TRACKING_URI"] = saved_env

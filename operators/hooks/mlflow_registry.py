@@ -14,7 +14,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from trainforge.hooks.mlflow import MlflowHook, _mlflow_errors
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.mlflow_calls import mlflow_errors
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +47,24 @@ class ModelRegistry:
     def set_version_tags(self, name: str, version: str, tags: Mapping[str, Any]) -> None:
         """Set each tag on ``name`` v``version`` (``str(value)``, cut to 5000 characters)."""
         for key, value in tags.items():
-            with _mlflow_errors("set_model_version_tag", f"{name} v{version} tag {key}"):
+            with mlflow_errors("set_model_version_tag", f"{name} v{version} tag {key}"):
                 self.client.set_model_version_tag(name, str(version), str(key),
                                                   str(value)[:MAX_TAG_VALUE_CHARS])
 
     def move_alias(self, name: str, alias: str, version: str) -> None:
         """Point ``alias`` of ``name`` at ``version`` (creates or moves it)."""
-        with _mlflow_errors("set_registered_model_alias", f"{name} alias {alias} -> v{version}"):
+        with mlflow_errors("set_registered_model_alias", f"{name} alias {alias} -> v{version}"):
             self.client.set_registered_model_alias(name, alias, str(version))
         log.info("registered model %s: alias %s -> v%s", name, alias, version)
 
     def set_description(self, name: str, version: str, description: str) -> None:
         """Replace the description (model card) of ``name`` v``version``."""
-        with _mlflow_errors("update_model_version", f"{name} v{version}"):
+        with mlflow_errors("update_model_version", f"{name} v{version}"):
             self.client.update_model_version(name, str(version), description=description)
 
     def aliases_of(self, name: str, version: str) -> list[str]:
         """The aliases pointing at ``name`` v``version``, sorted."""
-        with _mlflow_errors("get_model_version", f"{name} v{version}"):
+        with mlflow_errors("get_model_version", f"{name} v{version}"):
             return sorted(self.client.get_model_version(name, str(version)).aliases or [])
 
     def promote(self, name: str, version: str, previous: str | None,

@@ -68,7 +68,7 @@ registry:
 
 @pytest.fixture(scope="module")
 def s3_run(tmp_path_factory, shakespeare_corpus, mlflow_server, s3_server):
-    from trainforge.trainer import s3
+    from trainforge.storage import s3
 
     home = tmp_path_factory.mktemp("trainforge-home-s3")
     (home / "corpus").mkdir()
@@ -77,7 +77,7 @@ def s3_run(tmp_path_factory, shakespeare_corpus, mlflow_server, s3_server):
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_server}
     bucket = f"tiny-s3-{uuid.uuid4().hex[:8]}"
     old = {k: os.environ.get(k) for k in aws}
-    os.environ.update(aws)  # for this process's own S3 client (trainforge.trainer.s3) while the module runs
+    os.environ.update(aws)  # for this process's own S3 client (trainforge.storage.s3) while the module runs
     s3.client().create_bucket(Bucket=bucket)
     spec = home / "tiny_s3.yaml"
     spec.write_text(SPEC.format(bucket=bucket))
@@ -102,7 +102,7 @@ def s3_run(tmp_path_factory, shakespeare_corpus, mlflow_server, s3_server):
 
 def test_every_stage_succeeds_and_the_chosen_checkpoint_is_on_s3(s3_run):
     from trainforge.trainer import checkpoint as ckpt
-    from trainforge.trainer import s3
+    from trainforge.storage import s3
 
     _, bucket, summary = s3_run
     assert summary["state"] == "success", summary
@@ -119,7 +119,7 @@ def test_every_stage_succeeds_and_the_chosen_checkpoint_is_on_s3(s3_run):
 
 
 def test_the_trainer_read_the_dataset_from_s3(s3_run):
-    from trainforge.trainer import s3
+    from trainforge.storage import s3
 
     home, bucket, summary = s3_run
     digest = summary["dataset_digest"]

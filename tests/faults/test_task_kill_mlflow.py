@@ -13,7 +13,7 @@ import pytest
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.local.backend import LocalBackend
 from trainforge.pipeline.loader import load_spec
-from trainforge.training import TrainingLaunchOperator
+from trainforge.tasks.train import TrainOperator
 
 pytestmark = [pytest.mark.integration]
 
@@ -34,8 +34,8 @@ def setup(tmp_path, monkeypatch, mlflow_server):
         identity=JobIdentity("fault_tiny", "r1", "train", 1),
         config={"fake": {"lines": 1, "sleep_s": 120}}, module="fake_trainer",
     ))
-    op = TrainingLaunchOperator(task_id="train", spec=spec.model_dump(mode="json"),
-                                mlflow_tracking_uri=mlflow_server)
+    op = TrainOperator(task_id="train", spec=spec.model_dump(mode="json"),
+                       mlflow_tracking_uri=mlflow_server)
     op._handle, op._mlflow_run_id = handle, run_id
     yield op, backend, handle, client, run_id, spec
     backend.cancel(handle, grace_s=5)

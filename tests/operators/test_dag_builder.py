@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainforge.dag_builder import build_dag, build_dags
+from trainforge.graph import task_graph
 from trainforge.pipeline import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +99,7 @@ def test_dag_file_warns_per_yaml_file_and_line_and_imports_nothing_heavy(tmp_pat
 def test_bad_trigger_params_fail_the_first_task_before_anything_runs(override, fragment):
     from airflow.sdk.exceptions import AirflowFailException
 
-    from trainforge.prepare import PrepareDataOperator
+    from trainforge.tasks.prepare_data import PrepareDataOperator
 
     spec = load_spec(DEMO)
     op = PrepareDataOperator(task_id="prepare_data", spec=spec.model_dump(mode="json"))
@@ -149,7 +150,7 @@ def test_every_task_feeds_the_close_run_teardown_which_never_decides_the_run(kin
     from airflow.task.trigger_rule import TriggerRule
 
     from trainforge.callbacks import close_mlflow_run_on_failure
-    from trainforge.teardown import CloseRunOperator
+    from trainforge.tasks.close_run import CloseRunOperator
 
     spec = load_spec(DEMO) if kind == "single" else _staged(kind)
     dag = build_dag(spec, f"{kind}.yaml")
@@ -160,7 +161,7 @@ def test_every_task_feeds_the_close_run_teardown_which_never_decides_the_run(kin
     assert close.upstream_task_ids == set(dag.task_ids) - {"close_run"}
     assert not close.downstream_task_ids
     trains = {t.task_id: t.stage for t in dag.tasks if t.task_id.startswith("train")}
-    assert close.train_tasks == trains and close.register_task_id == "register_model"
+    assert {node.task_id: node.stage for node in task_graph(spec).train_nodes} == trains
     # A failed teardown must not end a finished MLflow run FAILED.
     assert close_mlflow_run_on_failure not in (close.on_failure_callback or [])
     assert close_mlflow_run_on_failure in dag.get_task("register_model").on_failure_callback
@@ -217,7 +218,7 @@ def test_pipeline_task_settings_of_train_apply_to_every_stage_task():
 
 
 def test_validation_picks_the_valid_leaf_with_the_lowest_validation_loss():
-    from trainforge.validation import best_leaf
+    from trainforge.tasks.validate_checkpoint import best_leaf
 
     results = [{"stage": "a", "metrics": {"val_loss": 2.5}},
                {"stage": "b", "metrics": {"val_loss": 2.1}},

@@ -2,7 +2,7 @@
 
 import pytest
 
-from trainforge.runner import ConsoleFilter, console_line, gate_line
+from trainforge.runner_console import ConsoleFilter, console_line
 
 
 def test_task_boundaries_trainer_lines_and_failures_are_shown_and_chatter_is_not():
@@ -19,7 +19,12 @@ def test_task_boundaries_trainer_lines_and_failures_are_shown_and_chatter_is_not
             "    !! - eval: val_perplexity 900 does not beat the unigram baseline 560",
         "2026-11-29T20:06:29.227360Z [info     ] Task instance state updated    "
         "[airflow.api_fastapi.execution_api.routes.task_instances] loc=task_instances.py:485": None,
-        '  File "/x/operators/prepare.py", line 51, in execute': None,
+        '  File "/x/operators/tasks/prepare_data.py", line 51, in execute': None,
+        "2026-11-29T20:06:30.100000Z [info     ] Launched local job k1 "
+        "[airflow.task.operators.trainforge.tasks.train.TrainOperator] loc=train.py:120":
+            "    Launched local job k1",
+        "2026-11-29T20:06:30.200000Z [info     ] Dataset reused "
+        "[trainforge.data.prepare] loc=prepare.py:80": "    Dataset reused",
     }
     for line, shown in lines.items():
         assert console_line(line) == shown, line
@@ -69,38 +74,3 @@ def test_a_task_end_without_a_recorded_state_never_claims_done():
     console("2026-11-29T23:30:19.7Z [error    ] [DAG TEST] Error running task <TaskInstance: x> "
             "[airflow.sdk.definitions.dag] loc=dag.py:1556")
     assert console(_END) == "<== task prepare_data: failed"
-
-
-@pytest.mark.parametrize(("summary", "line"), [
-    ({"stages": {"register_model": {"state": "upstream_failed"}}},
-     "not run: register_model did not finish (state upstream_failed)"),
-    ({}, "not run: register_model did not finish"),
-    ({"gate_decision": "pass", "gate_reason": "first version", "champion_after": "1"},
-     "pass: first version (champion is now v1)"),
-    ({"gate_decision": "fail", "gate_reason": "val_loss 5.1 vs 4.9", "champion_after": "1"},
-     "fail: val_loss 5.1 vs 4.9 (champion stays v1)"),
-    ({"gate_decision": "fail", "gate_reason": "above max_val_loss", "champion_after": "none"},
-     "fail: above max_val_loss (no champion: the alias stays unset)"),
-])
-def test_the_gate_row_says_whether_the_gate_ran_and_where_the_champion_is(summary, line):
-    assert gate_line(summary) == line
-
-
-def test_the_summary_lists_the_teardown_apart_from_the_stages():
-    from rich.console import Console
-
-    from trainforge.runner import TEARDOWN_TASK_IDS, print_summary, split_teardown
-    from trainforge.teardown import CLOSE_RUN_TASK_ID
-
-    assert TEARDOWN_TASK_IDS == (CLOSE_RUN_TASK_ID,)
-    times = {"prepare_data": {"state": "success", "seconds": 3.0},
-             "train": {"state": "failed", "seconds": 40.0},
-             "close_run": {"state": "success", "seconds": 2.5}}
-    split = split_teardown(times)
-    assert list(split["stages"]) == ["prepare_data", "train"]
-    assert split["teardown"] == {"close_run": {"state": "success", "seconds": 2.5}}
-    console = Console(record=True, width=200)
-    print_summary({"dag_id": "d", "airflow_run_id": "r", "state": "failed", **split}, console)
-    text = console.export_text()
-    assert "stage train" in text and "stage close_run" not in text
-    assert "teardown close_run" in text and "does not decide the run's state" in text

@@ -10,7 +10,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from trainforge.cli import app
-from trainforge.runner import derived_spec, ray_cluster, write_spec
+from trainforge.engine_switch import derived_spec, write_spec
+from trainforge.runner import ray_cluster
 from trainforge.pipeline import load_spec
 
 SPEC = Path(__file__).resolve().parents[1] / "e2e" / "tiny_shakespeare.yaml"
@@ -98,3 +99,15 @@ def test_an_interrupted_ray_run_names_the_jobs_stopped_before_it_looked(ray_head
     assert stopped.cancelled == [running]
     assert stopped.already_cancelled == [stopped_first]
     assert client.get_job_status(running).is_terminal()
+
+
+def test_the_dag_file_it_writes_is_one_airflow_parses_in_safe_mode(tmp_path):
+    """Airflow's safe-mode parsing skips a Python file that does not name both "airflow" and
+    "dag"; `airflow dags test` would then not find the pipeline."""
+    from airflow.utils.file import might_contain_dag
+
+    from trainforge.runner import airflow_env
+
+    env = airflow_env(tmp_path, [tmp_path / "spec.yaml"])
+    dag_file = Path(env["AIRFLOW__CORE__DAGS_FOLDER"]) / "trainforge_pipelines.py"
+    assert might_contain_dag(str(dag_file), safe_mode=True)

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from trainforge.cli import app
 from trainforge.dag_builder import build_dag
+from trainforge.graph import CLOSE_RUN_TASK_ID
 from trainforge.pipeline import load_spec
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -48,9 +49,6 @@ def _spec(tmp_path: Path, extra: str) -> Path:
              ["validate_checkpoint", "register_model"]]),
 ], ids=["single", "chain", "sweep"])
 def test_render_lists_the_edges_of_the_dag_airflow_builds(tmp_path, extra, edges):
-    from trainforge.cli import CLOSE_RUN_TASK_ID
-    from trainforge.teardown import CLOSE_RUN_TASK_ID as built_teardown
-
     path = _spec(tmp_path, extra)
     result = runner.invoke(app, ["render", str(path)])
     assert result.exit_code == 0, result.output
@@ -60,7 +58,7 @@ def test_render_lists_the_edges_of_the_dag_airflow_builds(tmp_path, extra, edges
     edges = edges + [[task, "close_run"] for task in rendered["tasks"][:-1]]
     assert rendered["edges"] == edges
     assert sorted(rendered["tasks"]) == sorted([*tasks, "close_run"])
-    assert rendered["teardown"] == CLOSE_RUN_TASK_ID == built_teardown
+    assert rendered["teardown"] == CLOSE_RUN_TASK_ID
     dag = build_dag(load_spec(path), str(path))
     built = sorted([up, task.task_id] for task in dag.tasks for up in task.upstream_task_ids)
     assert sorted(edges) == built

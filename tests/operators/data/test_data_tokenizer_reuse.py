@@ -1,5 +1,5 @@
 """Reusing an existing tokenizer (local path here; S3 in test_data_s3.py, a registered model in
-tests/operators/test_prepare_operator.py)."""
+tests/operators/tasks/test_prepare_data.py)."""
 
 from __future__ import annotations
 

@@ -16,12 +16,10 @@ from trainforge.hooks.errors import (
     MlflowRegistrationError,
     MlflowTimeoutError,
 )
-from trainforge.hooks.mlflow import (
+from trainforge.hooks.mlflow import MlflowHook, _run_name
+from trainforge.hooks.mlflow_calls import fluent_tracking_uri, quote
+from trainforge.hooks.mlflow_versions import (
     TAG_IDEMPOTENCY_KEY,
-    MlflowHook,
-    _fluent_tracking_uri,
-    _quote,
-    _run_name,
     default_pip_requirements,
     wait_model_version_ready,
 )
@@ -31,7 +29,7 @@ CLOSED_URL = "http://127.0.0.1:9"  # nothing listens on the discard port; never 
 
 def test_importing_the_hook_does_not_import_mlflow() -> None:
     code = (
-        "import sys, trainforge.hooks.mlflow; "
+        "import sys, trainforge.hooks.mlflow, trainforge.hooks.mlflow_registry; "
         "heavy = [m for m in ('mlflow', 'torch', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
@@ -76,13 +74,13 @@ def test_tracking_uri_from_argument_then_environment(monkeypatch: pytest.MonkeyP
         ("it's", '"it\'s"'),
     ],
 )
-def test_quote(value: str, quoted: str) -> None:
-    assert _quote("run_id", value) == quoted
+def testquote(value: str, quoted: str) -> None:
+    assert quote("run_id", value) == quoted
 
 
 def test_quote_refuses_both_quote_kinds() -> None:
     with pytest.raises(MlflowInvalidArgumentError, match="run_id"):
-        _quote("run_id", "a'b\"c")
+        quote("run_id", "a'b\"c")
 
 
 def test_run_name_is_sanitised() -> None:
@@ -120,7 +118,7 @@ def test_fluent_tracking_uri_restores_global_and_environment(
     else:
         monkeypatch.setenv("MLFLOW_TRACKING_URI", env_before)
     monkeypatch.setattr(tracking_utils, "_tracking_uri", None)
-    with _fluent_tracking_uri("http://scoped:1"):
+    with fluent_tracking_uri("http://scoped:1"):
         assert mlflow.get_tracking_uri() == "http://scoped:1"
     assert tracking_utils._tracking_uri is None
     assert os.environ.get("MLFLOW_TRACKING_URI") == env_before

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from trainforge.hooks.mlflow import TAG_IDEMPOTENCY_KEY, MlflowHook
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.mlflow_versions import TAG_IDEMPOTENCY_KEY
 
 pytestmark = pytest.mark.integration
 

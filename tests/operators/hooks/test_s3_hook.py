@@ -199,7 +199,7 @@ def conn_bucket(s3_server: str, monkeypatch: pytest.MonkeyPatch, no_ambient_aws)
 def test_data_prep_reads_s3_with_the_connection_only(conn_bucket, s3_server, tmp_path,
                                                      monkeypatch):
     from trainforge.data import SourceAccessError, prepare_dataset
-    from trainforge.prepare import connection_s3_client, prepare_settings
+    from trainforge.tasks.prepare_data import connection_s3_client, prepare_settings
     from tests.operators.data.conftest import make_text
 
     client = S3Hook("my_s3").client()
@@ -228,7 +228,7 @@ def test_data_prep_reads_s3_with_the_connection_only(conn_bucket, s3_server, tmp
 def test_missing_connection_fails_data_prep_naming_it(no_ambient_aws, monkeypatch):
     from airflow.sdk.exceptions import AirflowFailException
 
-    from trainforge.prepare import connection_s3_client
+    from trainforge.tasks.prepare_data import connection_s3_client
 
     monkeypatch.delenv("AIRFLOW_CONN_NOPE", raising=False)
     spec = PipelineSpec.model_validate(tiny_spec(**{"storage.aws_conn_id": "nope"}))
@@ -253,10 +253,10 @@ print("probe listed", len(keys), "objects", flush=True)
 
 def _train_job(spec: PipelineSpec, tmp_path: Path):
     from trainforge.jobconfig import build_training_job
-    from trainforge.training import TrainingLaunchOperator
+    from trainforge.tasks.train import TrainOperator
 
-    op = TrainingLaunchOperator(task_id="train", spec=spec.model_dump(mode="json"))
-    plain, secret = op._s3_access(spec)
+    op = TrainOperator(task_id="train", spec=spec.model_dump(mode="json"))
+    plain, secret = op.rank_s3_env(spec)
     return build_training_job(
         spec, str(tmp_path / "ds"), str(tmp_path / "ckpt"),
         JobIdentity("tiny_shakespeare", f"manual__{uuid.uuid4().hex[:8]}", "train", 1),
@@ -349,13 +349,13 @@ def test_validator_and_exporter_children_get_the_connection_env(monkeypatch):
 def test_kubernetes_with_a_connection_fails_the_train_task():
     from airflow.sdk.exceptions import AirflowFailException
 
-    from trainforge.training import TrainingLaunchOperator
+    from trainforge.tasks.train import TrainOperator
 
     # A spec validated without the connection, the connection added afterwards (model_copy
     # skips validation): the train task still refuses to inline the keys.
     spec = PipelineSpec.model_validate(_k8s())
     spec = spec.model_copy(update={"storage": spec.storage.model_copy(
         update={"aws_conn_id": "my_s3"})})
-    op = TrainingLaunchOperator(task_id="train", spec=spec.model_dump(mode="json"))
+    op = TrainOperator(task_id="train", spec=spec.model_dump(mode="json"))
     with pytest.raises(AirflowFailException, match="cannot be used with the kubernetes engine"):
-        op._s3_access(spec)
+        op.rank_s3_env(spec)

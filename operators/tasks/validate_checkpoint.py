@@ -17,9 +17,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from airflow.sdk.exceptions import AirflowFailException
+
+from trainforge.engines.base import JobIdentity
 from trainforge.base import TrainforgeStageOperator, fail_permanently
+from trainforge.hooks.s3 import S3ConnectionError, spec_child_env
+from trainforge.jobconfig import render_job_config
 from trainforge.paths import dataset_location
 from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.stages import stage_spec, stage_task_id
 
 REPORT_ARTIFACT = "validation/report.json"
 
@@ -50,9 +56,6 @@ def expected_job_config(spec: PipelineSpec, dataset_dir: str, checkpoint_dir: st
                         init: dict[str, str] | None = None) -> dict[str, Any]:
     """The job config the ``train`` task handed the trainer (its digest ignores ``identity``;
     ``init``: the ``init`` block it was given, if any)."""
-    from trainforge.engines.base import JobIdentity
-    from trainforge.jobconfig import render_job_config
-
     identity = JobIdentity(dag_id, run_id, train_task_id, 1)
     return render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init)
 
@@ -62,8 +65,6 @@ def s3_env(spec: PipelineSpec) -> dict[str, str] | None:
     (``storage.aws_conn_id`` keys, the S3 endpoint; trainforge.hooks.s3.spec_child_env), or None
     to inherit this process's. A connection that cannot be used fails the task without
     retries, naming it."""
-    from trainforge.hooks.s3 import S3ConnectionError, spec_child_env
-
     try:
         return spec_child_env(spec)
     except S3ConnectionError as err:
@@ -134,10 +135,6 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
         return self._validate_leaves(context, spec)
 
     def _validate_leaves(self, context: Any, spec: PipelineSpec) -> dict[str, Any]:
-        from airflow.sdk.exceptions import AirflowFailException
-
-        from trainforge.pipeline.stages import stage_spec, stage_task_id
-
         results, leaves = [], []
         for stage in self.leaf_stages or []:
             try:

@@ -24,11 +24,16 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
+
+from airflow.sdk import Asset, AssetAlias
 
 from trainforge.base import TrainforgeStageOperator, fail_permanently
 from trainforge.gate import PASS, GateDecision, decide, evaluator_argv
+from trainforge.hooks.mlflow_registry import CHAMPION, ModelRegistry
 from trainforge.paths import dataset_location
-from trainforge.validation import s3_env, threshold_failures
+from trainforge.pipeline.stages import stage_spec
+from trainforge.tasks.validate_checkpoint import s3_env, threshold_failures
 
 # Rounds of "evaluate against the champion, then check it did not move meanwhile" before giving up.
 MAX_GATE_ROUNDS = 3
@@ -42,16 +47,12 @@ def model_asset_name(model_name: str) -> str:
 
 def model_asset(model_name: str):
     """``Asset("trainforge-model-<name>")``: what downstream DAGs schedule on."""
-    from airflow.sdk import Asset
-
     return Asset(name=model_asset_name(model_name))
 
 
 def champion_outlet(model_name: str):
     """The ``AssetAlias`` outlet of ``register_model``: it emits an event for `model_asset` only
     when ``champion`` moved (a plain ``Asset`` outlet emits on every success)."""
-    from airflow.sdk import AssetAlias
-
     return AssetAlias(name=f"{model_asset_name(model_name)}-champion")
 
 
@@ -88,8 +89,6 @@ def model_card(spec, prepared: dict, validated: dict, context: Any, mlflow_run_u
 
 
 def _airflow_run_url(dag_id: str, run_id: str) -> str:
-    from urllib.parse import quote
-
     try:
         from airflow.configuration import conf
 
@@ -125,8 +124,6 @@ class RegisterModelOperator(TrainforgeStageOperator):
         prepared = ti.xcom_pull(task_ids=self.prepare_task_id) or {}
         validated = ti.xcom_pull(task_ids=self.validate_task_id) or {}
         if validated.get("stage"):  # the chosen leaf stage (docs/stages.md): its settings
-            from trainforge.pipeline.stages import stage_spec
-
             spec = stage_spec(spec, validated["stage"])
         if not validated.get("checkpoint") or not validated.get("checkpoint_digest"):
             fail_permanently(f"no validated checkpoint (validate XCom was {validated!r})")
@@ -190,16 +187,12 @@ class RegisterModelOperator(TrainforgeStageOperator):
     # -- the gate ---------------------------------------------------------------------------
     @property
     def _registry(self):
-        from trainforge.hooks.mlflow_registry import ModelRegistry
-
         return ModelRegistry(self.mlflow_hook)
 
     def run_gate(self, spec, prepared: dict, validated: dict, registered: dict,
                  run_id: str) -> GateDecision:
         """Decide, and move ``champion`` on a pass (module doc). Returns the decision with
         ``champion_after`` filled in."""
-        from trainforge.hooks.mlflow_registry import CHAMPION
-
         registry = self._registry
         name, version = registered["name"], str(registered["version"])
         rules = spec.validation.gate
@@ -289,7 +282,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
 
     def _mlflow_run_url(self, run_id: str) -> str:
         try:
-            experiment_id = self.mlflow_hook.client.get_run(run_id).info.experiment_id
+            experiment_id = self.mlflow_hook.get_run(run_id).info.experiment_id
         except Exception:  # noqa: BLE001 - a link is a convenience
             return ""
         base = self.mlflow_hook.tracking_uri.rstrip("/")

@@ -1,4 +1,4 @@
-"""The ``close_run`` teardown (operators/teardown.py) against a real MLflow server on loopback and
+"""The ``close_run`` teardown (operators/tasks/close_run.py) against a real MLflow server on loopback and
 real local-engine jobs (torchrun running the backend tests' stand-in workload).
 
 ``CloseRunOperator.close`` is given the task states Airflow would report; the Airflow side (the
@@ -19,7 +19,7 @@ from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.local.backend import LocalBackend
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.pipeline import load_spec, parse_spec_text
-from trainforge.teardown import (
+from trainforge.tasks.close_run import (
     TAG_CANCELLED_JOBS,
     TAG_CLOSED_BY,
     TAG_KEPT_JOBS,
@@ -31,7 +31,7 @@ from trainforge.teardown import (
 
 pytestmark = [pytest.mark.integration]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SPEC = ROOT / "tests" / "faults" / "fault_tiny.yaml"
 FAKE_DIR = ROOT / "tests" / "operators" / "engines"
 FAILED_AFTER_TRAIN = {"prepare_data": "success", "train": "failed",
@@ -70,9 +70,9 @@ def world(tmp_path, monkeypatch, mlflow_server):
         backend.cancel(handle, grace_s=5)
 
 
-def _operator(raw, server, train_tasks=None, retries=0) -> CloseRunOperator:
+def _operator(raw, server, retries=0) -> CloseRunOperator:
     return CloseRunOperator(task_id="close_run", spec=raw, mlflow_tracking_uri=server,
-                            train_tasks=train_tasks or {"train": None}, retries=retries)
+                            retries=retries)
 
 
 def _spec(raw):
@@ -150,7 +150,7 @@ def test_a_failed_stage_run_is_closed_and_a_finished_one_left_alone(world):
     parent = hook.get_or_create_run(spec.experiment_name, "fault_tiny", "manual__r1")
     experiment = client.get_run(parent).info.experiment_id
 
-    def child(stage):  # as TrainingLaunchOperator._stage_run_id creates them
+    def child(stage):  # as TrainOperator._stage_run_id creates them
         return client.create_run(experiment, run_name=stage, tags={
             "mlflow.parentRunId": parent, "trainforge.stage": stage,
             "trainforge.pipeline": "fault_tiny"}).info.run_id
@@ -162,8 +162,7 @@ def test_a_failed_stage_run_is_closed_and_a_finished_one_left_alone(world):
     states = {"prepare_data": "success", "train_pretrain": "success",
               "train_finetune": "failed", "validate_checkpoint": "upstream_failed",
               "register_model": "upstream_failed"}
-    op = _operator(raw, world.server, {"train_pretrain": "pretrain",
-                                       "train_finetune": "finetune"})
+    op = _operator(raw, world.server)  # the stages come from the spec's task graph
 
     report = op.close(spec, "fault_tiny", "manual__r1", states,
                       {"train_pretrain": {"last_checkpoint": "/c/step-1"}})
@@ -257,7 +256,7 @@ from airflow.providers.standard.operators.python import PythonOperator
 from airflow.sdk import DAG
 
 from trainforge.pipeline.loader import load_spec
-from trainforge.teardown import CloseRunOperator
+from trainforge.tasks.close_run import CloseRunOperator
 
 raw = load_spec({spec!r}).model_dump(mode="json")
 raw["pipeline"]["mlflow_experiment"] = {experiment!r}
@@ -283,7 +282,7 @@ for dag_id, broken, tracking_uri in (("teardown_failed", True, None),
             PythonOperator(task_id="register_model", python_callable=lambda: {{"version": "1"}}),
         ]
         tasks[0] >> tasks[1] >> tasks[2]
-        tasks >> CloseRunOperator(task_id="close_run", spec=raw, train_tasks={{"train": None}},
+        tasks >> CloseRunOperator(task_id="close_run", spec=raw,
                                   mlflow_tracking_uri=tracking_uri).as_teardown()
     globals()[dag_id] = dag
 '''

@@ -7,8 +7,8 @@ Hugging Face model folder is located in its artifacts, and the trainer is handed
 * an ``s3://`` artifact store: the folder's URI, which every engine's ranks read directly;
 * any other store (local, or proxied through the MLflow server): a local copy under
   ``TRAINFORGE_HOME/models/<name>/<version>/`` (versions are immutable, so one download serves
-  every run), which the local engine, and a Ray head on the same machine, can read. The
-  kubernetes engine needs the S3 form: its pods do not share this machine's disk.
+  every run), which the local engine, and a Ray head on the same machine, can read. An engine
+  whose jobs do not share this machine's disk (kubernetes) needs the S3 form.
 
 The tokenizer must be the one the data was encoded with: the prepare task resolved
 ``data.tokenizer.source`` (the spec requires the same URI) to a version too, and the two must be
@@ -20,13 +20,16 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from trainforge.errors import TrainforgeError
+from trainforge.hooks.errors import MlflowModelSourceError
+from trainforge.hooks.mlflow import MlflowHook
 from trainforge.paths import safe_segment
-
+from trainforge.pipeline.engines import needs_s3
 #: The file that marks a model version's Hugging Face folder in its artifacts.
 WEIGHTS_FILE = "model.safetensors"
+#: Folders searched below a model version's artifact root for :data:`WEIGHTS_FILE`.
+WEIGHTS_SEARCH_DEPTH = 4
 
 
 class InitSourceError(TrainforgeError):
@@ -37,14 +40,15 @@ class InitSourceError(TrainforgeError):
         self.uri, self.reason = uri, reason
 
 
-def registered_init(client: Any, tracking_uri: str, uri: str, engine: str, dest_root: Path,
+def registered_init(hook: MlflowHook, uri: str, engine: str, dest_root: Path,
                     tokenizer_source: str | None) -> dict[str, str]:
     """The job config's ``init`` block for registered model ``uri``.
 
     Args:
-        client: an ``MlflowClient`` of ``tracking_uri`` (it serves the registry too).
+        hook: the MLflow hook of the tracking server (it serves the registry too).
         uri: ``models:/<name>@<alias>`` or ``models:/<name>/<version>``.
-        engine: ``training.engine``; ``kubernetes`` requires an ``s3://`` artifact store.
+        engine: ``training.engine``; an engine without a shared disk (kubernetes) requires an
+            ``s3://`` artifact store.
         dest_root: where local copies go (``<dest_root>/<name>/<version>/``).
         tokenizer_source: the ``models:/<name>/<version>`` the prepare task took the tokenizer
             from (its XCom ``tokenizer_source``).
@@ -55,27 +59,28 @@ def registered_init(client: Any, tracking_uri: str, uri: str, engine: str, dest_
     Raises:
         InitSourceError: the version does not exist, has no ``model.safetensors``, the data was
             encoded with another version's tokenizer, or the engine cannot read the weights.
+        MlflowRequestError: the server or the artifact store failed a call.
     """
-
-    from trainforge.prepare import _artifact_repository, _find_file, resolve_model_version
-
-    name, version = resolve_model_version(client, uri, InitSourceError)
+    try:
+        name, version = hook.resolve_model_version(uri)
+    except MlflowModelSourceError as err:
+        raise InitSourceError(uri, err.reason) from err
     resolved = f"models:/{name}/{version.version}"
     if tokenizer_source != resolved:
         raise InitSourceError(uri, f"resolves to {resolved}, but the data was encoded with the "
                                    f"tokenizer of {tokenizer_source or 'a newly trained tokenizer'} "
                                    f"(an alias moved between the tasks?); run the pipeline again")
-    repo = _artifact_repository(client, tracking_uri, version)
-    found = _find_file(repo, WEIGHTS_FILE)
+    files = hook.model_version_files(version)
+    found = files.find(WEIGHTS_FILE, WEIGHTS_SEARCH_DEPTH)
     if found is None:
         raise InitSourceError(uri, f"{resolved} has no {WEIGHTS_FILE} in its artifacts")
     folder = found.rpartition("/")[0]
-    root = str(getattr(repo, "artifact_uri", "") or "")
+    root = files.root_uri
     if root.startswith("s3://"):
         location = root.rstrip("/") + (f"/{folder}" if folder else "")
         return {"checkpoint": location, "source": resolved}
-    if engine == "kubernetes":
-        raise InitSourceError(uri, f"the kubernetes engine reads initial weights from S3, but "
+    if needs_s3(engine):
+        raise InitSourceError(uri, f"the {engine} engine reads initial weights from S3, but "
                                    f"{resolved} is stored at {root or 'a non-S3 location'}: use an "
                                    f"s3:// artifact store for the MLflow server")
     dest = dest_root / safe_segment(name) / str(version.version)
@@ -85,10 +90,7 @@ def registered_init(client: Any, tracking_uri: str, uri: str, engine: str, dest_
         tmp.mkdir(parents=True)
         try:
             # the folder's direct files: config.json, model.safetensors, tokenizer files
-            for item in repo.list_artifacts(folder or None):
-                if not item.is_dir:
-                    repo.download_artifacts(item.path, dst_path=str(tmp))
-            downloaded = tmp / folder if folder else tmp
+            downloaded = files.download_folder_files(folder, tmp)
             shutil.rmtree(dest, ignore_errors=True)
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.replace(downloaded, dest)  # atomic: a reader sees the whole folder or none

@@ -22,13 +22,13 @@ import safetensors.torch
 import torch
 
 from trainforge.hooks.mlflow import MlflowHook
-from trainforge.registration import RegisterModelOperator, champion_outlet, model_asset_name
+from trainforge.tasks.register_model import RegisterModelOperator, champion_outlet, model_asset_name
 from trainforge.pipeline.loader import load_spec
 from trainforge.pipeline.model import PipelineSpec
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 class FakeTI:
@@ -62,7 +62,7 @@ def case(tmp_path_factory, mlflow_server) -> dict[str, Any]:
     safetensors.torch.save_file({k: torch.zeros_like(v) for k, v in weights.items()}, zero / "model.safetensors",
                                 metadata={"format": "pt"})
     manifest = json.loads((zero / "manifest.json").read_text())
-    from trainforge.trainer.fsutil import atomic_write_json, sha256_file
+    from trainforge.storage.files import atomic_write_json, sha256_file
 
     manifest["files"]["model.safetensors"] = {"bytes": (zero / "model.safetensors").stat().st_size,
                                               "sha256": sha256_file(zero / "model.safetensors")}

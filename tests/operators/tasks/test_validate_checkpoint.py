@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from trainforge.pipeline.loader import load_spec
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.registry import RegistrySection, ValidationSection
-from trainforge.validation import expected_job_config, validator_argv
+from trainforge.tasks.validate_checkpoint import expected_job_config, validator_argv
 
-SPEC = Path(__file__).resolve().parents[1] / "e2e" / "tiny_shakespeare.yaml"
+SPEC = Path(__file__).resolve().parents[2] / "e2e" / "tiny_shakespeare.yaml"
 
 
 def _spec(**validation) -> PipelineSpec:

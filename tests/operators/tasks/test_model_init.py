@@ -1,7 +1,7 @@
 """``model.init_from``: a registered model's weights start training (real MLflow server).
 
 The tiny Llama of ``tiny_hf_model_dir`` is registered, resolved by the ``train`` task's helper
-(trainforge.model_init) to its Hugging Face folder, and loaded by the trainer's one weights-only
+(trainforge.tasks.model_init) to its Hugging Face folder, and loaded by the trainer's one weights-only
 loader into a freshly built model: every tensor must equal the registered one before any step.
 """
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from trainforge.hooks.mlflow import MlflowHook
-from trainforge.model_init import InitSourceError, registered_init
+from trainforge.tasks.model_init import InitSourceError, registered_init
 from trainforge.trainer.config import ModelConfig
 from trainforge.trainer.errors import ConfigError
-from trainforge.trainer.fsutil import sha256_file
+from trainforge.storage.files import sha256_file
 from trainforge.trainer.model import build_model, llama_config, load_initial_weights
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def test_init_from_a_registered_model_loads_its_weights_at_step_0(
 
     name, version = registered["name"], registered["version"]
     hook = MlflowHook(tracking_uri=mlflow_server)
-    init = registered_init(hook.client, mlflow_server, f"models:/{name}@champion", "local",
+    init = registered_init(hook, f"models:/{name}@champion", "local",
                            tmp_path / "models", tokenizer_source=f"models:/{name}/{version}")
     assert init["source"] == f"models:/{name}/{version}"
     assert Path(init["checkpoint"]).is_relative_to(tmp_path / "models")
@@ -70,7 +70,7 @@ def test_init_from_a_registered_model_loads_its_weights_at_step_0(
         assert torch.equal(got[key], tensor), key
 
     # a second resolution reuses the downloaded version
-    again = registered_init(hook.client, mlflow_server, f"models:/{name}/{version}", "local",
+    again = registered_init(hook, f"models:/{name}/{version}", "local",
                             tmp_path / "models", tokenizer_source=f"models:/{name}/{version}")
     assert again == init
 
@@ -79,7 +79,7 @@ def test_another_architecture_is_refused_naming_the_field(
     mlflow_server: str, registered: dict[str, str], tiny_hf_model_dir: Path, tmp_path: Path
 ) -> None:
     name, version = registered["name"], registered["version"]
-    init = registered_init(MlflowHook(tracking_uri=mlflow_server).client, mlflow_server,
+    init = registered_init(MlflowHook(tracking_uri=mlflow_server),
                            f"models:/{name}/{version}", "local", tmp_path,
                            tokenizer_source=f"models:/{name}/{version}")
     tokenizer = tiny_hf_model_dir / "tokenizer.json"
@@ -104,7 +104,7 @@ def test_unusable_init_sources_are_refused_before_launch(
 ) -> None:
     name, version = registered["name"], registered["version"]
     with pytest.raises(InitSourceError, match=fragment):
-        registered_init(MlflowHook(tracking_uri=mlflow_server).client, mlflow_server,
+        registered_init(MlflowHook(tracking_uri=mlflow_server),
                         uri_of(name, version), engine, tmp_path, tokenizer_of(name, version))
 
 
@@ -112,7 +112,7 @@ def test_the_trainer_reads_a_model_folder_from_s3(s3_server, monkeypatch, tiny_h
     """With an S3 artifact store the train task hands the trainer an s3:// folder URI."""
     from transformers import LlamaForCausalLM
 
-    from trainforge.trainer import s3
+    from trainforge.storage import s3
 
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_server}.items():

@@ -41,16 +41,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from trainforge.engines.registry import backend_kwargs, get_backend
 from trainforge.engines.base import JobHandle, JobIdentity, JobState
 from trainforge.base import TrainforgeStageOperator
 from trainforge.errors import TrainforgeError
+from trainforge.graph import CLOSE_RUN_TASK_ID, REGISTER_MODEL_TASK_ID, task_graph
+from trainforge.hooks.mlflow import TAG_STAGE
+from trainforge.paths import trainforge_home
+from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.stages import stage_spec
 
-CLOSE_RUN_TASK_ID = "close_run"
 TAG_CLOSED_BY = "trainforge.closed_by"
 TAG_NOT_SUCCEEDED = "trainforge.close_run.tasks_not_succeeded"
 TAG_CANCELLED_JOBS = "trainforge.close_run.cancelled_jobs"
 TAG_KEPT_JOBS = "trainforge.close_run.kept_jobs"
-TAG_STAGE = "trainforge.stage"
 # A try that adopted an earlier try's job launched none of its own, so the search for a task's
 # jobs steps over this many tries without a job past the task's retries + 1 before it stops.
 SCAN_PAST_TRIES = 3
@@ -145,12 +149,11 @@ class CloseRunOperator(TrainforgeStageOperator):
     """Teardown of a pipeline: cancel what failed training tasks left running, end every MLflow
     run of the DAG run that is still ``RUNNING`` (module docstring).
 
+    The training tasks and their stages come from the spec's task graph
+    (:func:`trainforge.graph.task_graph`); ``register_model``'s XCom says registration finished.
+
     XCom: ``{"tasks_not_succeeded", "cancelled_jobs", "kept_jobs", "ended_runs": {run id:
     status}, "problems"}``.
-
-    Args:
-        train_tasks: training task id -> its stage name (None for a spec without stages).
-        register_task_id: the registration task, whose XCom says registration finished.
 
     Raises (from ``execute``):
         CloseRunError: an engine or the MLflow server failed on some item (all others were
@@ -159,22 +162,15 @@ class CloseRunOperator(TrainforgeStageOperator):
 
     ui_color = "#eeeeee"
 
-    def __init__(self, *, train_tasks: dict[str, str | None],
-                 register_task_id: str = "register_model", **kwargs: Any):
-        super().__init__(**kwargs)
-        self.train_tasks = dict(train_tasks)
-        self.register_task_id = register_task_id
-
     def execute(self, context: Any) -> dict[str, Any]:
-        from trainforge.pipeline.model import PipelineSpec
-
         ti = context["ti"]
         # The spec as written: trigger params touch only optimisation fields, and a bad one
         # must not stop the teardown.
         spec = PipelineSpec.model_validate(self.spec)
         states = self.task_states(ti)
+        train_tasks = [node.task_id for node in task_graph(spec).train_nodes]
         results = {task_id: ti.xcom_pull(task_ids=task_id)
-                   for task_id in [*self.train_tasks, self.register_task_id]
+                   for task_id in [*train_tasks, REGISTER_MODEL_TASK_ID]
                    if states.get(task_id) == "success"}
         report = self.close(spec, ti.dag_id, ti.run_id, states, results)
         if report.problems:
@@ -184,6 +180,7 @@ class CloseRunOperator(TrainforgeStageOperator):
     def task_states(self, ti: Any) -> dict[str, str]:
         """``{task_id: state}`` of the DAG run's other tasks (``"none"`` for no state yet),
         read through the Task SDK's execution API."""
+        # The Task SDK's runtime, imported only inside a running task (never at parse time).
         from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
         found = RuntimeTaskInstance.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id])
@@ -205,10 +202,11 @@ class CloseRunOperator(TrainforgeStageOperator):
         else:
             self.log.info("Every task of DAG run %s succeeded", run_id)
         jobs = {}
-        for task_id, stage in self.train_tasks.items():
-            if states.get(task_id) == "success":
+        for node in task_graph(spec).train_nodes:
+            if states.get(node.task_id) == "success":
                 continue
-            jobs[task_id] = self._close_jobs(spec, stage, dag_id, run_id, task_id, report)
+            jobs[node.task_id] = self._close_jobs(spec, node.stage, dag_id, run_id, node.task_id,
+                                                  report)
         self._close_runs(spec, dag_id, run_id, states, results, jobs, report)
         if not (report.cancelled_jobs or report.kept_jobs or report.ended_runs
                 or report.problems):
@@ -217,10 +215,6 @@ class CloseRunOperator(TrainforgeStageOperator):
 
     def _close_jobs(self, spec: Any, stage: str | None, dag_id: str, run_id: str, task_id: str,
                     report: CloseReport) -> TaskJobs:
-        from trainforge.engines.registry import backend_kwargs, get_backend
-        from trainforge.paths import trainforge_home
-        from trainforge.pipeline.stages import stage_spec
-
         out = TaskJobs(task_id)
         try:
             training = stage_spec(spec, stage).training
@@ -260,8 +254,7 @@ class CloseRunOperator(TrainforgeStageOperator):
     def _close_runs(self, spec: Any, dag_id: str, run_id: str, states: dict[str, str],
                     results: dict[str, Any], jobs: dict[str, TaskJobs],
                     report: CloseReport) -> None:
-        from trainforge.pipeline.stages import stage_task_id
-
+        stage_tasks = {node.stage: node.task_id for node in task_graph(spec).train_nodes}
         hook = self.mlflow_hook
         try:
             parent = hook.find_run(spec.experiment_name, dag_id, run_id)
@@ -269,7 +262,7 @@ class CloseRunOperator(TrainforgeStageOperator):
                 self.log.info("DAG run %s has no MLflow run in experiment %s", run_id,
                               spec.experiment_name)
                 return
-            runs = [hook.client.get_run(parent), *hook.child_runs(parent)]
+            runs = [hook.get_run(parent), *hook.child_runs(parent)]
         except Exception as err:  # noqa: BLE001 - reported
             self.log.error("Could not read the MLflow runs of DAG run %s: %s", run_id, err,
                            exc_info=True)
@@ -281,7 +274,7 @@ class CloseRunOperator(TrainforgeStageOperator):
                 continue
             stage = run.data.tags.get(TAG_STAGE) if run.info.run_id != parent else None
             if stage is not None:
-                task_id = stage_task_id(stage)
+                task_id = stage_tasks.get(stage)  # None: a stage the spec no longer has
                 covered = [jobs.get(task_id)]
                 succeeded = states.get(task_id) == "success"
                 finished = bool((results.get(task_id) or {}).get("last_checkpoint"))
@@ -289,7 +282,7 @@ class CloseRunOperator(TrainforgeStageOperator):
             else:
                 covered = list(jobs.values())
                 succeeded = all_succeeded
-                finished = bool((results.get(self.register_task_id) or {}).get("version"))
+                finished = bool((results.get(REGISTER_MODEL_TASK_ID) or {}).get("version"))
                 what = f"MLflow run {run.info.run_id} of DAG run {run_id}"
             status = run_end_status(
                 all_succeeded=succeeded, finished=finished,

@@ -19,11 +19,12 @@ import pytest
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.local.backend import LocalBackend
 from trainforge.pipeline.loader import load_spec
-from trainforge.training import TaskProcessTerminated, TrainingLaunchOperator
+from trainforge.cluster_job import TaskProcessTerminated
+from trainforge.tasks.train import TrainOperator
 from trainforge.triggers import TrainingJobTrigger
 
-FAKE_DIR = Path(__file__).resolve().parents[1] / "engines"
-FAULT_SPEC = Path(__file__).resolve().parents[2] / "faults" / "fault_tiny.yaml"
+FAKE_DIR = Path(__file__).resolve().parent / "engines"
+FAULT_SPEC = Path(__file__).resolve().parents[1] / "faults" / "fault_tiny.yaml"
 
 
 def _text(records) -> str:
@@ -77,7 +78,7 @@ def killable(tmp_path, monkeypatch, mlflow_server):
     def make(cancel_on_kill=True):
         data = load_spec(FAULT_SPEC).model_dump(mode="json")
         data["training"]["fault"].update(deferrable=False, cancel_on_kill=cancel_on_kill)
-        op = TrainingLaunchOperator(task_id="train", spec=data, mlflow_tracking_uri=mlflow_server)
+        op = TrainOperator(task_id="train", spec=data, mlflow_tracking_uri=mlflow_server)
         op._handle, op._mlflow_run_id = handle, run_id
         return op, _trigger(tmp_path, handle, cancel_on_kill)
 

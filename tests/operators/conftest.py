@@ -1,4 +1,4 @@
-"""Fixtures of the hook tests: a tiny Hugging Face Llama folder and an MLflow hook."""
+"""Fixtures of the hook and task tests: a tiny Hugging Face Llama folder and an MLflow hook."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from trainforge.prepare import (
+from trainforge.tasks.prepare_data import (
     PrepareDataOperator, dataset_asset, dataset_root_uri, fetch_registered_tokenizer,
     prepare_settings, staging_root,
 )
@@ -23,7 +23,7 @@ from trainforge.pipeline.data import DataSection
 from trainforge.pipeline.loader import load_spec
 from trainforge.pipeline.model import PipelineSpec
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def tiny_spec(**data: Any) -> dict[str, Any]:
@@ -143,21 +143,21 @@ def register_tokenizer(url: str, name: str, tokenizer_json: bytes, tmp_path: Pat
 
 @pytest.mark.integration
 def test_fetch_registered_tokenizer_by_alias_and_version(mlflow_server, tmp_path):
-    from mlflow import MlflowClient
+    from trainforge.hooks.mlflow import MlflowHook
 
     name = f"tok-{uuid.uuid4().hex[:8]}"
     version = register_tokenizer(mlflow_server, name, b'{"tokenizer": 1}', tmp_path)
-    client = MlflowClient(mlflow_server, registry_uri=mlflow_server)
-    path, resolved = fetch_registered_tokenizer(client, mlflow_server, f"models:/{name}@champion",
+    hook = MlflowHook(tracking_uri=mlflow_server)
+    path, resolved = fetch_registered_tokenizer(hook, f"models:/{name}@champion",
                                                 tmp_path / "dl")
     assert resolved == f"models:/{name}/{version}" and path.read_bytes() == b'{"tokenizer": 1}'
-    again, _ = fetch_registered_tokenizer(client, mlflow_server, f"models:/{name}/{version}",
+    again, _ = fetch_registered_tokenizer(hook, f"models:/{name}/{version}",
                                           tmp_path / "dl")
     assert again == path
     from trainforge.data import TokenizerSourceError
 
     with pytest.raises(TokenizerSourceError, match="the registry has no such version"):
-        fetch_registered_tokenizer(client, mlflow_server, f"models:/{name}@nope", tmp_path / "dl")
+        fetch_registered_tokenizer(hook, f"models:/{name}@nope", tmp_path / "dl")
 
 
 @pytest.mark.integration

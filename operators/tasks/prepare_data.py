@@ -22,16 +22,21 @@ reuses the finished dataset and says so.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+from airflow.sdk import Asset
+
 from trainforge.base import TrainforgeStageOperator, fail_permanently
+from trainforge.storage.s3 import make_client
+from trainforge.data.errors import DataPrepError, TokenizerSourceError
+from trainforge.data.settings import PrepareSettings
+from trainforge.hooks.errors import MlflowModelSourceError
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.s3 import S3ConnectionError, S3Hook
 from trainforge.paths import resolve, safe_segment, trainforge_home
 from trainforge.pipeline.model import PipelineSpec
-
-_MODELS_URI = re.compile(r"^models:/([^/@]+)(?:@([^/]+)|/([0-9]+))$")
 #: Folders searched below a model version's artifact root for ``tokenizer.json``.
 _TOKENIZER_SEARCH_DEPTH = 4
 #: MLflow input-tag values are at most 500 characters.
@@ -47,8 +52,6 @@ def dataset_root_uri(spec: PipelineSpec) -> str:
 def dataset_asset(spec: PipelineSpec):
     """The Airflow asset the ``prepare_data`` task updates: the spec's dataset root (pipelines
     sharing a root share the asset; each event's extra names the dataset digest)."""
-    from airflow.sdk import Asset
-
     return Asset(uri=dataset_root_uri(spec))
 
 
@@ -62,8 +65,6 @@ def prepare_settings(spec: PipelineSpec, tokenizer_uri: str | None = None):
 
     ``tokenizer_uri`` replaces ``data.tokenizer.source`` (a downloaded ``models:/`` tokenizer).
     """
-    from trainforge.data.settings import PrepareSettings
-
     data = spec.data
     source = tokenizer_uri or data.tokenizer.source
     return PrepareSettings(
@@ -99,12 +100,9 @@ def connection_s3_client(spec: PipelineSpec) -> Any:
     """
     if spec.storage.aws_conn_id is None:
         return None
-    from trainforge.data import s3
-    from trainforge.hooks.s3 import S3ConnectionError, S3Hook
-
     hook = S3Hook.for_spec(spec)
     try:
-        return s3.make_client(hook.endpoint_url, session=hook.session())
+        return make_client(hook.endpoint_url, session=hook.session())
     except S3ConnectionError as err:
         fail_permanently(f"data preparation for {spec.dag_id}: {err}")
         raise  # unreachable
@@ -117,34 +115,8 @@ def _tokenizer_location(source: str | None) -> str | None:
     return resolve(source)
 
 
-def resolve_model_version(client: Any, uri: str, error: type[Exception]) -> tuple[str, Any]:
-    """``(name, ModelVersion)`` of a registered model URI, by alias or by number.
-
-    ``uri`` is ``models:/<name>@<alias>`` or ``models:/<name>/<version>``.
-
-    Raises:
-        error: (built as ``error(uri, reason)``) the URI has another form, or the registry has
-            no such version (with MLflow's error code and message).
-    """
-    from mlflow.exceptions import MlflowException
-
-    match = _MODELS_URI.match(uri)
-    if not match:
-        raise error(uri, "expected models:/<name>@<alias> or models:/<name>/<version>")
-    name, alias, number = match.groups()
-    try:
-        version = (client.get_model_version_by_alias(name, alias) if alias
-                   else client.get_model_version(name, number))
-    except MlflowException as err:
-        raise error(uri, f"the registry has no such version ({err.error_code}: "
-                         f"{err.message})") from err
-    return name, version
-
-
-def fetch_registered_tokenizer(client: Any, tracking_uri: str, uri: str, dest_root: Path
-                               ) -> tuple[Path, str]:
-    """Download the ``tokenizer.json`` of registered model version ``uri`` with ``client`` (an
-    ``MlflowClient`` of ``tracking_uri``, which also serves the registry).
+def fetch_registered_tokenizer(hook: MlflowHook, uri: str, dest_root: Path) -> tuple[Path, str]:
+    """Download the ``tokenizer.json`` of registered model version ``uri`` through ``hook``.
 
     ``uri`` is ``models:/<name>@<alias>`` or ``models:/<name>/<version>``. The artifacts of the
     version (its logged model, or the run path it was registered from) are searched breadth
@@ -156,60 +128,30 @@ def fetch_registered_tokenizer(client: Any, tracking_uri: str, uri: str, dest_ro
 
     Raises:
         TokenizerSourceError: no such model version, or no tokenizer.json in its artifacts.
+        MlflowRequestError: the server or the artifact store failed a call.
     """
-
-    from trainforge.data.errors import TokenizerSourceError
-
-    name, version = resolve_model_version(client, uri, TokenizerSourceError)
+    try:
+        name, version = hook.resolve_model_version(uri)
+    except MlflowModelSourceError as err:
+        raise TokenizerSourceError(uri, err.reason) from err
     resolved = f"models:/{name}/{version.version}"
     dest = dest_root / safe_segment(name) / str(version.version)
     if (dest / "tokenizer.json").is_file():
         return dest / "tokenizer.json", resolved
-    repo = _artifact_repository(client, tracking_uri, version)
-    found = _find_file(repo, "tokenizer.json")
+    files = hook.model_version_files(version)
+    found = files.find("tokenizer.json", _TOKENIZER_SEARCH_DEPTH)
     if found is None:
         raise TokenizerSourceError(uri, f"{resolved} has no tokenizer.json in its artifacts "
                                         f"(searched {_TOKENIZER_SEARCH_DEPTH} folders deep)")
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        local = Path(repo.download_artifacts(found, dst_path=str(tmp)))
+        local = files.download_file(found, tmp)
         dest.mkdir(parents=True, exist_ok=True)
         local.replace(dest / "tokenizer.json")  # atomic: a reader sees all of it or nothing
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest / "tokenizer.json", resolved
-
-
-def _artifact_repository(client: Any, tracking_uri: str, version: Any) -> Any:
-    """The artifact repository holding a model version's files."""
-    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
-
-    source = version.source or ""
-    model_id = getattr(version, "model_id", None) or (
-        source[len("models:/"):] if source.startswith("models:/m-") else None)
-    if model_id:
-        location = client.get_logged_model(model_id).artifact_location
-    elif source.startswith("runs:/"):
-        run_id, _, path = source[len("runs:/"):].partition("/")
-        location = client.get_run(run_id).info.artifact_uri.rstrip("/") + "/" + path
-    else:
-        location = source
-    return get_artifact_repository(location, tracking_uri=tracking_uri)
-
-
-def _find_file(repo: Any, filename: str) -> str | None:
-    level = [""]
-    for _ in range(_TOKENIZER_SEARCH_DEPTH + 1):
-        entries = [f for folder in level for f in repo.list_artifacts(folder)]
-        files = sorted(f.path for f in entries
-                       if not f.is_dir and f.path.rsplit("/", 1)[-1] == filename)
-        if files:
-            return files[0]
-        level = [f.path for f in entries if f.is_dir]
-        if not level:
-            return None
-    return None
 
 
 def _short(values: list[str]) -> str:
@@ -234,8 +176,7 @@ class PrepareDataOperator(TrainforgeStageOperator):
         return dataset_asset(spec)
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from trainforge.data.errors import DataPrepError
-        from trainforge.data.prepare import prepare_dataset
+        from trainforge.data.prepare import prepare_dataset  # tokenizers: at run time only
 
         spec = self.resolved_spec(context)
         run_id = self.mlflow_run_id(context, spec)
@@ -245,8 +186,7 @@ class PrepareDataOperator(TrainforgeStageOperator):
             tokenizer_uri = None
             if tokenizer_source and tokenizer_source.startswith("models:/"):
                 path, tokenizer_source = fetch_registered_tokenizer(
-                    self.mlflow_hook.client, self.mlflow_hook.tracking_uri, tokenizer_source,
-                    trainforge_home() / "staging" / "tokenizers")
+                    self.mlflow_hook, tokenizer_source, trainforge_home() / "staging" / "tokenizers")
                 tokenizer_uri = str(path)
                 self.log.info("Reusing the tokenizer of %s (%s)", tokenizer_source, path)
             prepared = prepare_dataset(

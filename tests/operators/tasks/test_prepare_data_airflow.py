@@ -15,14 +15,14 @@ import pytest
 
 pytestmark = [pytest.mark.airflow, pytest.mark.integration]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 DAG_FILE = '''
 import datetime as dt
 
 from airflow.sdk import DAG
 
-from trainforge.prepare import PrepareDataOperator
+from trainforge.tasks.prepare_data import PrepareDataOperator
 from trainforge.pipeline.loader import load_spec
 from trainforge.pipeline.model import PipelineSpec
 

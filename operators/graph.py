@@ -1,0 +1,123 @@
+"""The pipeline's task graph: every task id, its kind and its edges, written once.
+
+One spec gives these tasks, in this order::
+
+    prepare_data >> train >> validate_checkpoint >> register_model      (+ close_run teardown)
+
+With ``stages`` (operators/pipeline/stages.py, docs/stages.md) there is one training task per
+stage, ``train_<name>``, wired by ``depends_on``: the stages without dependencies follow
+``prepare_data``, and the leaves (stages no other stage depends on) all feed
+``validate_checkpoint``. ``close_run`` (the teardown, trainforge.tasks.close_run) follows every
+other task.
+
+The DAG builder, ``trainforge render``, the runner's summary and the teardown all read the graph
+from :func:`task_graph`. Pure: pydantic models in, frozen dataclasses out; no Airflow import.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from trainforge.pipeline.stages import leaf_stages, resolve_stages
+
+
+class TaskKind(str, enum.Enum):
+    """What a task does; also its key under the spec's ``pipeline.tasks`` settings."""
+
+    PREPARE_DATA = "prepare_data"
+    TRAIN = "train"
+    VALIDATE_CHECKPOINT = "validate_checkpoint"
+    REGISTER_MODEL = "register_model"
+    CLOSE_RUN = "close_run"
+
+
+PREPARE_DATA_TASK_ID = TaskKind.PREPARE_DATA.value
+VALIDATE_CHECKPOINT_TASK_ID = TaskKind.VALIDATE_CHECKPOINT.value
+REGISTER_MODEL_TASK_ID = TaskKind.REGISTER_MODEL.value
+CLOSE_RUN_TASK_ID = TaskKind.CLOSE_RUN.value
+
+
+@dataclass(frozen=True)
+class TaskNode:
+    """One task of the graph.
+
+    Attributes:
+        task_id: the Airflow task id.
+        kind: what the task does (the operator that runs it).
+        upstream: task ids this task waits for, in wiring order.
+        stage: the spec stage a training task trains (``stages[].name``); None for the
+            single-stage ``train`` task and for every other kind.
+        is_teardown: an Airflow teardown task: runs once its upstream tasks are done, whatever
+            their states, and never decides the DAG run's state.
+    """
+
+    task_id: str
+    kind: TaskKind
+    upstream: tuple[str, ...] = ()
+    stage: str | None = None
+    is_teardown: bool = False
+
+
+@dataclass(frozen=True)
+class TaskGraph:
+    """The tasks of one pipeline, upstream tasks before their downstream tasks."""
+
+    nodes: tuple[TaskNode, ...]
+
+    @property
+    def task_ids(self) -> list[str]:
+        return [node.task_id for node in self.nodes]
+
+    def node(self, task_id: str) -> TaskNode:
+        """The node of ``task_id``.
+
+        Raises:
+            KeyError: the graph has no such task.
+        """
+        for node in self.nodes:
+            if node.task_id == task_id:
+                return node
+        raise KeyError(f"no task {task_id!r} in the pipeline (tasks: {', '.join(self.task_ids)})")
+
+    def of_kind(self, kind: TaskKind) -> list[TaskNode]:
+        """The nodes of ``kind``, in graph order."""
+        return [node for node in self.nodes if node.kind is kind]
+
+    @property
+    def train_nodes(self) -> list[TaskNode]:
+        """The training tasks, dependencies before dependants."""
+        return self.of_kind(TaskKind.TRAIN)
+
+    @property
+    def teardown(self) -> TaskNode:
+        """The pipeline's teardown task (``close_run``)."""
+        return next(node for node in self.nodes if node.is_teardown)
+
+    @property
+    def teardown_ids(self) -> frozenset[str]:
+        return frozenset(node.task_id for node in self.nodes if node.is_teardown)
+
+    def edges(self) -> list[list[str]]:
+        """The dependencies as ``[upstream, downstream]`` task id pairs, in graph order."""
+        return [[up, node.task_id] for node in self.nodes for up in node.upstream]
+
+
+def task_graph(spec) -> TaskGraph:
+    """The task graph of a validated ``PipelineSpec`` (module docstring)."""
+    stages = resolve_stages(spec)
+    by_name = {stage.name: stage.task_id for stage in stages}
+    nodes = [TaskNode(PREPARE_DATA_TASK_ID, TaskKind.PREPARE_DATA)]
+    nodes += [
+        TaskNode(stage.task_id, TaskKind.TRAIN,
+                 tuple(by_name[name] for name in stage.depends_on) or (PREPARE_DATA_TASK_ID,),
+                 stage=stage.name)
+        for stage in stages
+    ]
+    nodes.append(TaskNode(VALIDATE_CHECKPOINT_TASK_ID, TaskKind.VALIDATE_CHECKPOINT,
+                          tuple(leaf.task_id for leaf in leaf_stages(stages))))
+    nodes.append(TaskNode(REGISTER_MODEL_TASK_ID, TaskKind.REGISTER_MODEL,
+                          (VALIDATE_CHECKPOINT_TASK_ID,)))
+    nodes.append(TaskNode(CLOSE_RUN_TASK_ID, TaskKind.CLOSE_RUN,
+                          tuple(node.task_id for node in nodes), is_teardown=True))
+    return TaskGraph(tuple(nodes))

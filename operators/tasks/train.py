@@ -1,0 +1,223 @@
+"""The ``train`` task: render the training job, run it on the engine, record what it trained.
+
+The submit / adopt / defer / complete / cancel machinery is
+:class:`~trainforge.cluster_job.ClusterJobOperator`'s (deadlines across deferral, waiting in
+the worker slot with ``fault.deferrable: false``, cancel on kill: see that module). This task
+adds what training means:
+
+* the job: the spec's (or the stage's) training section rendered into a job config, with the
+  dataset of ``prepare_data``, the DAG run's checkpoint folder, the MLflow run to log into, the
+  ranks' S3 access, and the ``init`` block of ``init_from`` (a stage's upstream checkpoint, or
+  a registered model version through trainforge.tasks.model_init);
+* the MLflow run: reopened when an earlier try ended it, tagged with the job, ended ``KILLED``
+  when the task is killed; a stage logs into a child run of the DAG run's run;
+* on success: the final step, tokens and loss, and the job's accounting, as metrics and XCom.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainforge.accounting import account
+from trainforge.engines.base import JobHandle, JobIdentity, TrainingJob
+from trainforge.base import fail_permanently
+from trainforge.cluster_job import ClusterJobOperator
+from trainforge.jobconfig import build_training_job, init_block
+from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
+from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec, stage_task_id
+from trainforge.tasks.model_init import InitSourceError, registered_init
+
+
+class TrainOperator(ClusterJobOperator):
+    """Launch distributed training for the spec and wait for it (deferrable).
+
+    XCom (return value): ``{"job": key, "engine", "checkpoint_dir", "last_checkpoint",
+    "final_step", "tokens_seen", "final_train_loss", "mlflow_run_id", "stage", "init"}``.
+
+    Args:
+        stage: the spec stage this task trains (``stages[].name``; docs/stages.md), or None for
+            a spec without stages. A stage trains with its merged training section, writes its
+            checkpoints to ``<run's checkpoint root>/<stage>/``, logs into a child MLflow run of
+            the DAG run's run, and, with ``init_from``, starts from the weights of that stage's
+            final checkpoint (its task's XCom ``last_checkpoint``; job config ``init``).
+    """
+
+    ui_color = "#fde9d9"
+
+    def __init__(self, *, prepare_task_id: str = "prepare_data", stage: str | None = None,
+                 **kwargs: Any):
+        super().__init__(**kwargs)
+        self.prepare_task_id = prepare_task_id
+        self.stage = stage
+        self._mlflow_run_id: str | None = None
+
+    # -- the stage and its init ---------------------------------------------------------------
+    def resolved_spec(self, context: Any) -> PipelineSpec:
+        """The run's spec (trigger params applied) as this task's stage sees it."""
+        return stage_spec(super().resolved_spec(context), self.stage)
+
+    def plain_spec(self) -> PipelineSpec:
+        """The spec as written, as this task's stage sees it."""
+        return stage_spec(super().plain_spec(), self.stage)
+
+    def _checkpoint_dir(self, spec: Any, ti: Any) -> str:
+        return stage_folder(checkpoint_root(spec.training.checkpoint.uri, ti.dag_id, ti.run_id),
+                            self.stage)
+
+    def _stage_init(self, spec: Any, ti: Any) -> dict[str, str] | None:
+        """The job config's ``init`` block of a stage with ``init_from``, else None."""
+        checkpoint = self._init_checkpoint(spec, ti)
+        if checkpoint is None:
+            return None
+        return init_block(checkpoint, f"stage:{stage_init_from(spec, self.stage)}")
+
+    def _registered_init(self, spec: Any, prepared: dict[str, Any]) -> dict[str, str]:
+        """The ``init`` block of ``model.init_from`` (trainforge.tasks.model_init); a version that
+        cannot be used fails the task without retries."""
+        try:
+            init = registered_init(self.mlflow_hook, spec.model.init_from, spec.training.engine,
+                                   trainforge_home() / "models", prepared.get("tokenizer_source"))
+        except InitSourceError as err:
+            fail_permanently(str(err))
+        self.log.info("Training starts from the weights of %s (%s)", init["source"],
+                      init["checkpoint"])
+        return init
+
+    def _init_after_wait(self, spec: Any, ti: Any, init: dict[str, str] | None):
+        """The ``init`` block the job was launched with, once the wait is over.
+
+        ``airflow dags test`` resumes a deferred task with the event only, without the
+        deferral's kwargs: then the block is rebuilt the way :meth:`prepare_job` built it — a
+        stage's from the upstream stage's XCom, ``model.init_from``'s by resolving the same
+        registered version again (the same value unless the alias moved meanwhile, which the
+        validator then reports as a config-digest mismatch rather than passing silently).
+        """
+        if init is not None:
+            return init
+        init = self._stage_init(spec, ti)
+        if init is None and spec.model.init_from:
+            prepared = ti.xcom_pull(task_ids=self.prepare_task_id) or {}
+            init = self._registered_init(spec, prepared)
+        return init
+
+    def _init_checkpoint(self, spec: Any, ti: Any) -> str | None:
+        """The final checkpoint of the stage this one starts from (``init_from``), or None."""
+        init_from = stage_init_from(spec, self.stage)
+        if init_from is None:
+            return None
+        upstream = ti.xcom_pull(task_ids=stage_task_id(init_from)) or {}
+        if not upstream.get("last_checkpoint"):
+            fail_permanently(f"stage {self.stage!r} starts from stage {init_from!r}, whose task "
+                             f"{stage_task_id(init_from)!r} left no last_checkpoint (XCom was "
+                             f"{upstream!r})")
+        return upstream["last_checkpoint"]
+
+    def _stage_run_id(self, spec: Any, parent_run_id: str) -> str:
+        """This stage's MLflow run: a child of the DAG run's run, found again on a retry
+        (:meth:`~trainforge.hooks.mlflow.MlflowHook.get_or_create_child_run`). The DAG run's own
+        run for a spec without stages."""
+        if self.stage is None:
+            return parent_run_id
+        return self.mlflow_hook.get_or_create_child_run(
+            parent_run_id, self.stage, {"trainforge.pipeline": spec.dag_id})
+
+    # -- the job ------------------------------------------------------------------------------
+    def prepare_job(self, context: Any, spec: PipelineSpec, identity: JobIdentity
+                    ) -> tuple[TrainingJob, dict[str, Any]]:
+        """The training job of this try; ``init`` crosses the deferral for the XCom."""
+        ti = context["ti"]
+        prepared = ti.xcom_pull(task_ids=self.prepare_task_id)
+        if not prepared or "dataset_dir" not in prepared:
+            fail_permanently(
+                f"no dataset from task {self.prepare_task_id!r} (XCom was {prepared!r})"
+            )
+        mlflow_run_id = self.mlflow_run_id(context, spec)
+        self._mlflow_run_id = mlflow_run_id
+        self._reopen_mlflow_run(mlflow_run_id, identity.try_number)
+        init = self._stage_init(spec, ti)
+        if init is None and spec.model.init_from:
+            init = self._registered_init(spec, prepared)
+        env = {"MLFLOW_RUN_ID": self._stage_run_id(spec, mlflow_run_id)}
+        tracking_uri = self.mlflow_hook.tracking_uri
+        if tracking_uri:
+            env["MLFLOW_TRACKING_URI"] = tracking_uri
+        if init is not None and self.stage:
+            self.log.info("Stage %s starts from the weights of %s (%s)", self.stage,
+                          init["checkpoint"], init["source"])
+        s3_env, secret_env = self.rank_s3_env(spec)
+        env.update(s3_env)
+        job = build_training_job(spec, dataset_location(prepared), self._checkpoint_dir(spec, ti),
+                                 identity, env, init=init, secret_env=secret_env,
+                                 secret_env_source=f"Airflow connection {spec.storage.aws_conn_id}")
+        return job, {"init": init}
+
+    def job_attached(self, context: Any, spec: PipelineSpec, handle: JobHandle) -> None:
+        self.log.info("Job %s writes its checkpoints to %s", handle["key"],
+                      self._checkpoint_dir(spec, context["ti"]))
+        self.mlflow_hook.set_tags(
+            self._mlflow_run_id or self.mlflow_run_id(context, spec),
+            {"trainforge.train.job": handle["key"], "trainforge.train.engine": spec.training.engine},
+        )
+
+    def _reopen_mlflow_run(self, run_id: str, try_number: int) -> None:
+        """An earlier try that was killed (KILLED) or failed (FAILED) ended the DAG run's MLflow
+        run; this try trains on, so the run is RUNNING again until the pipeline ends it."""
+        status = self.mlflow_hook.reopen_run(run_id)
+        if status is not None:
+            self.mlflow_hook.set_tags(run_id, {f"trainforge.train.reopened_by_try_{try_number}":
+                                               status})
+            self.log.info("MLflow run %s was %s after an earlier try: RUNNING again for try %d",
+                          run_id, status, try_number)
+
+    # -- the outcome --------------------------------------------------------------------------
+    def job_succeeded(self, context: Any, spec: PipelineSpec, event: dict[str, Any],
+                      init: dict[str, str] | None = None) -> dict[str, Any]:
+        """Log the final step, tokens, loss and accounting; the task's XCom."""
+        result = event.get("result") or {}
+        ti = context["ti"]
+        mlflow_run_id = self.mlflow_run_id(context, spec)
+        final = {"train/final_step": result.get("final_step"),
+                 "train/tokens_seen": result.get("tokens_seen"),
+                 "train/final_loss": result.get("final_train_loss")}
+        prefix = f"{self.stage}/" if self.stage else ""  # one series per stage
+        if event.get("wall_s") is not None:
+            usage = account(spec, event["wall_s"])
+            final.update({f"accounting/{prefix}{k}": v for k, v in usage.items()})
+            self.log.info("Accounting: %.1f s wall, %.4f GPU-hours, %.4f CPU-core-hours, "
+                          "%.4f %s, %.5f kWh", usage["wall_s"], usage["gpu_hours"],
+                          usage["cpu_core_hours"], usage["cost"], spec.cost.currency,
+                          usage["energy_kwh"])
+        if self.stage:
+            final = {k.replace("train/", f"train/{prefix}", 1): v for k, v in final.items()}
+            self.mlflow_hook.end_run(self._stage_run_id(spec, mlflow_run_id), "FINISHED")
+        self.mlflow_hook.log_metrics(
+            mlflow_run_id, {k: float(v) for k, v in final.items() if v is not None}
+        )
+        return {
+            "stage": self.stage,
+            # The job config's init block: validation expects the same.
+            "init": self._init_after_wait(spec, ti, init),
+            "job": event["handle"]["key"],
+            "engine": spec.training.engine,
+            "checkpoint_dir": self._checkpoint_dir(spec, ti),
+            "last_checkpoint": result.get("last_checkpoint"),
+            "final_step": result.get("final_step"),
+            "tokens_seen": result.get("tokens_seen"),
+            "final_train_loss": result.get("final_train_loss"),
+            "mlflow_run_id": mlflow_run_id,
+        }
+
+    def job_killed(self) -> None:
+        """The task was killed: the MLflow run ends KILLED (a retry reopens it)."""
+        self._end_mlflow_run_killed()
+
+    def _end_mlflow_run_killed(self) -> None:
+        if self._mlflow_run_id is None:
+            return
+        try:
+            self.mlflow_hook.set_tags(self._mlflow_run_id, {"trainforge.killed_task": self.task_id})
+            self.mlflow_hook.end_run(self._mlflow_run_id, "KILLED")
+            self.log.info("MLflow run %s ended KILLED", self._mlflow_run_id)
+        except Exception:  # noqa: BLE001 - never mask the kill itself
+            self.log.warning("could not end the MLflow run KILLED", exc_info=True)

@@ -1,0 +1,42 @@
+"""The summary `trainforge run` prints: the eval-gate row, the teardown apart from the stages."""
+
+from pathlib import Path
+
+import pytest
+
+from trainforge.graph import task_graph
+from trainforge.pipeline import load_spec
+from trainforge.runner_summary import gate_line, print_summary, split_teardown
+
+DEMO = Path(__file__).resolve().parents[2] / "dags" / "pipelines" / "shakespeare_llm.yaml"
+
+
+@pytest.mark.parametrize(("summary", "line"), [
+    ({"stages": {"register_model": {"state": "upstream_failed"}}},
+     "not run: register_model did not finish (state upstream_failed)"),
+    ({}, "not run: register_model did not finish"),
+    ({"gate_decision": "pass", "gate_reason": "first version", "champion_after": "1"},
+     "pass: first version (champion is now v1)"),
+    ({"gate_decision": "fail", "gate_reason": "val_loss 5.1 vs 4.9", "champion_after": "1"},
+     "fail: val_loss 5.1 vs 4.9 (champion stays v1)"),
+    ({"gate_decision": "fail", "gate_reason": "above max_val_loss", "champion_after": "none"},
+     "fail: above max_val_loss (no champion: the alias stays unset)"),
+])
+def test_the_gate_row_says_whether_the_gate_ran_and_where_the_champion_is(summary, line):
+    assert gate_line(summary) == line
+
+
+def test_the_summary_lists_the_teardown_apart_from_the_stages():
+    from rich.console import Console
+
+    times = {"prepare_data": {"state": "success", "seconds": 3.0},
+             "train": {"state": "failed", "seconds": 40.0},
+             "close_run": {"state": "success", "seconds": 2.5}}
+    split = split_teardown(task_graph(load_spec(DEMO)), times)
+    assert list(split["stages"]) == ["prepare_data", "train"]
+    assert split["teardown"] == {"close_run": {"state": "success", "seconds": 2.5}}
+    console = Console(record=True, width=200)
+    print_summary({"dag_id": "d", "airflow_run_id": "r", "state": "failed", **split}, console)
+    text = console.export_text()
+    assert "stage train" in text and "stage close_run" not in text
+    assert "teardown close_run" in text and "does not decide the run's state" in text
