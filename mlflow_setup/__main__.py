@@ -27,12 +27,12 @@ from trainforge.mlflow_setup.server import (
     ServerConfig,
     build_server_command,
     client_url,
-    free_port,
     server_env,
     start_server,
     stop_server,
     wait_healthy,
 )
+from trainforge.mlflow_setup.processes import free_port
 from trainforge.mlflow_setup.stores import check_stores
 
 

@@ -5,11 +5,9 @@ The server is ``mlflow server`` (uvicorn, one worker) with a SQLite backend stor
 ``<home>/artifacts``; both can be overridden (``postgresql://...`` and ``s3://bucket/prefix``:
 trainforge.mlflow_setup.stores, which checks them before a start and keeps passwords out of argv and files).
 
-Files in ``home``:
-
-    mlflow-server.pid   JSON: pid, process create time, url, host, port, stores, log file
-    mlflow-server.log   the server's stdout and stderr (appended on every start)
-    mlflow-server.lock  held while a start runs, so two starts do not race
+The files it keeps in ``home`` (pid file, log, start lock) are described in
+:mod:`trainforge.mlflow_setup.home`; stopping the server's process group is
+:mod:`trainforge.mlflow_setup.processes`.
 
     python -m trainforge.mlflow_setup start --home .trainforge/mlflow --port 0   # prints the URL
     python -m trainforge.mlflow_setup stop --home .trainforge/mlflow
@@ -17,19 +15,14 @@ Files in ``home``:
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import json
 import logging
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -37,14 +30,20 @@ from typing import Any
 
 import psutil
 
-from trainforge.mlflow_setup.errors import HealthTimeoutError, ServerStartError, ServerStopError
+from trainforge.mlflow_setup.errors import HealthTimeoutError, ServerStartError
+from trainforge.mlflow_setup.home import (
+    LOG_FILE_NAME,
+    home_lock,
+    read_pid_file,
+    record_alive,
+    remove_pid_file,
+    write_pid_file,
+)
+from trainforge.mlflow_setup.processes import free_port, port_in_use, terminate_group
 from trainforge.mlflow_setup.stores import check_stores, driver_uri, has_password, redact
 
 log = logging.getLogger(__name__)
 
-PID_FILE_NAME = "mlflow-server.pid"
-LOG_FILE_NAME = "mlflow-server.log"
-LOCK_FILE_NAME = "mlflow-server.lock"
 
 # Environment of the server process. Job execution would start a huey consumer next to the
 # web server (only needed for GenAI evaluation jobs); telemetry would try to reach the
@@ -215,8 +214,8 @@ class ServerHandle:
         Raises:
             ServerStopError: the group was still alive after SIGKILL.
         """
-        _terminate_group(self.pid, grace_s, self._process)
-        _remove_pid_file(self.home, self.pid)
+        terminate_group(self.pid, grace_s, self._process)
+        remove_pid_file(self.home, self.pid)
 
     def __enter__(self) -> ServerHandle:
         return self
@@ -272,13 +271,13 @@ def start_server(
     check_stores(config.store_uri, config.artifacts_uri, connect=False)
     if "://" not in config.artifacts_uri:
         Path(config.artifacts_uri).mkdir(parents=True, exist_ok=True)
-    with _home_lock(home_path):
-        record = _read_pid_file(home_path)
-        if record is not None and _record_alive(record):
+    with home_lock(home_path):
+        record = read_pid_file(home_path)
+        if record is not None and record_alive(record):
             return _reuse(config, record, timeout_s, interval_s)
         if record is not None:
             log.info("removing stale pid file of dead server pid %s", record.get("pid"))
-            _remove_pid_file(home_path, record.get("pid"))
+            remove_pid_file(home_path, record.get("pid"))
         attempts = 3 if port == 0 else 1  # a free port can be taken between pick and bind
         for attempt in range(1, attempts + 1):
             try:
@@ -298,13 +297,13 @@ def stop_server(home: str | os.PathLike[str], grace_s: float = 10.0) -> bool:
         ServerStopError: the process group was still alive after SIGKILL.
     """
     home_path = Path(home).resolve()
-    record = _read_pid_file(home_path)
+    record = read_pid_file(home_path)
     if record is None:
         return False
-    alive = _record_alive(record)
+    alive = record_alive(record)
     if alive:
-        _terminate_group(int(record["pid"]), grace_s, None)
-    _remove_pid_file(home_path, record.get("pid"))
+        terminate_group(int(record["pid"]), grace_s, None)
+    remove_pid_file(home_path, record.get("pid"))
     return alive
 
 
@@ -332,7 +331,7 @@ def _reuse(
 def _launch(config: ServerConfig, timeout_s: float, interval_s: float) -> ServerHandle:
     check_stores(config.store_uri, config.artifacts_uri)  # a wrong database fails here, fast
     port = config.port or free_port(config.host)
-    if _port_in_use(config.host, port):
+    if port_in_use(config.host, port):
         raise ServerStartError(
             str(config.home),
             f"port {port} on {config.host} is already in use; pick another --port (0 = any free)",
@@ -363,117 +362,18 @@ def _launch(config: ServerConfig, timeout_s: float, interval_s: float) -> Server
         "log_file": str(log_path),
         "argv": argv,
     }
-    _write_pid_file(config.home, record)
+    write_pid_file(config.home, record)
     log.info("started MLflow server pid %d at %s (log %s)", process.pid, url, log_path)
     try:
         wait_healthy(url, timeout_s, interval_s, log_file=log_path, process=process)
     except ServerExitedError:
         # The `mlflow server` process is gone, but its uvicorn workers share its process group
         # and may outlive it: stop whatever is left so nothing is orphaned.
-        _terminate_group(process.pid, 5.0, process)
-        _remove_pid_file(config.home, process.pid)
+        terminate_group(process.pid, 5.0, process)
+        remove_pid_file(config.home, process.pid)
         raise
     except BaseException:
-        _terminate_group(process.pid, 5.0, process)
-        _remove_pid_file(config.home, process.pid)
+        terminate_group(process.pid, 5.0, process)
+        remove_pid_file(config.home, process.pid)
         raise
     return ServerHandle(url=url, pid=process.pid, home=config.home, reused=False, process=process)
-
-
-def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def _port_in_use(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        # Same option as the server's own bind, so TIME_WAIT leftovers do not count as in use.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def _group_members(pgid: int) -> list[psutil.Process]:
-    """Live (non-zombie) processes of process group ``pgid``."""
-    members = []
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                members.append(proc)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return members
-
-
-def _terminate_group(pgid: int, grace_s: float, process: subprocess.Popen[bytes] | None) -> None:
-    def wait_gone(budget_s: float) -> bool:
-        deadline = time.monotonic() + budget_s
-        while True:
-            if process is not None:
-                process.poll()  # reap our own child so it does not linger as a zombie
-            if not _group_members(pgid):
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.1)
-
-    for sig, budget_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        if wait_gone(budget_s):
-            return
-        log.warning("MLflow server group %d still alive %.1f s after %s", pgid, budget_s, sig.name)
-    raise ServerStopError(pgid, grace_s + 5.0)
-
-
-def _record_alive(record: Mapping[str, Any]) -> bool:
-    """True when the pid file's process is alive and is the same process (not a reused pid)."""
-    try:
-        proc = psutil.Process(int(record["pid"]))
-        same = abs(proc.create_time() - float(record["create_time"])) < 0.05
-        return same and proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
-
-
-def _read_pid_file(home: Path) -> dict[str, Any] | None:
-    try:
-        record = json.loads((home / PID_FILE_NAME).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        log.warning("ignoring unreadable pid file %s", home / PID_FILE_NAME)
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def _write_pid_file(home: Path, record: Mapping[str, Any]) -> None:
-    tmp = home / f".{PID_FILE_NAME}.tmp"
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, home / PID_FILE_NAME)
-
-
-def _remove_pid_file(home: Path, pid: object) -> None:
-    """Remove the pid file if it still names ``pid`` (or is unreadable)."""
-    record = _read_pid_file(home)
-    if record is not None and record.get("pid") in (pid, None):
-        with contextlib.suppress(FileNotFoundError):
-            (home / PID_FILE_NAME).unlink()
-
-
-@contextlib.contextmanager
-def _home_lock(home: Path) -> Iterator[None]:
-    with open(home / LOCK_FILE_NAME, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)

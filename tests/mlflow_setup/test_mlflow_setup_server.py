@@ -23,7 +23,8 @@ from trainforge.mlflow_setup import (
     start_server,
     wait_healthy,
 )
-from trainforge.mlflow_setup.server import PID_FILE_NAME, client_url
+from trainforge.mlflow_setup.home import PID_FILE_NAME
+from trainforge.mlflow_setup.server import client_url
 
 REPO_ROOT = Path(__file__).parents[2]
 

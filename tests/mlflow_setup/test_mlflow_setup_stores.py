@@ -15,7 +15,9 @@ import psutil
 import pytest
 
 from trainforge.mlflow_setup import ServerConfig, StoreArgumentError, StoreUnreachableError, build_server_command
-from trainforge.mlflow_setup.server import PID_FILE_NAME, free_port, server_env, wait_healthy
+from trainforge.mlflow_setup.home import PID_FILE_NAME
+from trainforge.mlflow_setup.processes import free_port
+from trainforge.mlflow_setup.server import server_env, wait_healthy
 from trainforge.mlflow_setup.stores import check_stores, redact
 
 REPO_ROOT = Path(__file__).parents[2]

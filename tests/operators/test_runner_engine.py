@@ -1,17 +1,18 @@
-"""`trainforge run --engine`: the derived spec, and which Ray cluster a run uses."""
+"""`trainforge run --engine`: the derived spec, the engine check, and stopping Ray jobs.
+
+Which Ray cluster a run uses is the engine's development cluster:
+tests/operators/engines/ray/test_ray_dev_cluster.py.
+"""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 from typer.testing import CliRunner
 
 from trainforge.cli import app
 from trainforge.engine_switch import derived_spec, write_spec
-from trainforge.runner import ray_cluster
 from trainforge.pipeline import load_spec
 
 SPEC = Path(__file__).resolve().parents[1] / "e2e" / "tiny_shakespeare.yaml"
@@ -19,7 +20,7 @@ SPEC = Path(__file__).resolve().parents[1] / "e2e" / "tiny_shakespeare.yaml"
 
 def test_derived_spec_switches_the_engine_and_sets_the_ray_address(tmp_path):
     spec = load_spec(SPEC)
-    ray = derived_spec(spec, "ray", "http://127.0.0.1:18265")
+    ray = derived_spec(spec, "ray", {"address": "http://127.0.0.1:18265"})
     assert ray.training.engine == "ray"
     assert ray.training.engine_block.address == "http://127.0.0.1:18265"
     assert ray.dag_id == spec.dag_id and ray.training.resources == spec.training.resources
@@ -37,18 +38,6 @@ def test_run_rejects_an_unknown_engine_without_a_traceback():
     result = CliRunner().invoke(app, ["run", str(SPEC), "--engine", "raay"])
     assert result.exit_code == 1
     assert "unknown engine 'raay'" in result.output and "Traceback" not in result.output
-
-
-@pytest.mark.integration
-def test_a_ray_cluster_that_answers_is_used_and_none_is_started(ray_head, monkeypatch):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setenv("RAY_API_SERVER_ADDRESS", ray_head.address)
-    env = {"RAY_API_SERVER_ADDRESS": ray_head.address}
-    with contextlib.ExitStack() as stack:
-        address = ray_cluster(derived_spec(load_spec(SPEC), "ray"), stack, Console(), env)
-        assert address == ray_head.address
-        assert not stack._exit_callbacks  # no head was started, nothing to stop
-    assert env == {"RAY_API_SERVER_ADDRESS": ray_head.address}
 
 
 @pytest.mark.integration
