@@ -12,12 +12,23 @@ Location = Path | str
 
 
 class StorageError(Exception):
-    """A storage call failed (on S3: after botocore's retries). Transient for the trainer."""
+    """A storage call failed (on S3: after botocore's retries). Transient for the trainer.
 
-    def __init__(self, location: str, operation: str, cause: str) -> None:
+    Attributes:
+        location, operation, cause: what failed, how, and the store's answer.
+        throttled: how many answers of the call were throttling (S3 ``503 SlowDown``, ``429``);
+            0 when the call failed otherwise.
+        remedy: what to do about it, when the cause tells (empty otherwise; callers may then
+            add their own).
+    """
+
+    def __init__(self, location: str, operation: str, cause: str, throttled: int = 0,
+                 remedy: str = "") -> None:
         self.location, self.operation, self.cause = location, operation, cause
-        super().__init__(f"S3 {operation} {location} failed: {cause}" if location.startswith("s3://")
-                         else f"{operation} {location} failed: {cause}")
+        self.throttled, self.remedy = throttled, remedy
+        text = (f"S3 {operation} {location} failed: {cause}" if location.startswith("s3://")
+                else f"{operation} {location} failed: {cause}")
+        super().__init__(f"{text}; {remedy}" if remedy else text)
 
 
 class Storage(Protocol):
