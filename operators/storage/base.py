@@ -37,7 +37,14 @@ class Storage(Protocol):
     A "folder" on S3 is a key prefix ending in ``/``; it exists while an object is under it.
     Every method raises `StorageError` when the store cannot be reached or refuses the call; a
     missing file is an answer (``None`` / ``False`` / empty), not an error.
+
+    ``settle_s``: how long a file this product has just written may take to become readable
+    (seconds): 0 on the local disk; on S3, whose compatible stores may answer 404 for seconds
+    after a PUT, :data:`trainforge.storage.s3.SETTLE_S`. Used only by
+    :mod:`trainforge.storage.settle`, for files the product itself wrote.
     """
+
+    settle_s: float
 
     def join(self, base: Location, *names: str) -> Location:
         """``base/name/...`` (``base`` may end with ``/``)."""

@@ -53,6 +53,10 @@ READ_TIMEOUT_S = 60
 RETRY_MODE = "standard"  # botocore retry mode (module doc)
 MAX_ATTEMPTS = 8  # attempts per request, the first included
 MULTIPART_BYTES = 8 << 20
+# How long an object this product has just PUT may keep answering 404 on an S3-compatible store
+# whose reads lag its writes (AWS S3 itself is strongly consistent since 2020); see
+# trainforge.storage.settle. TRAINFORGE_S3_SETTLE_S overrides it.
+SETTLE_S = 30.0
 HASH_CHUNK_BYTES = 4 << 20
 _URI = re.compile(r"^s3://([^/]+)/?(.*)$")
 _CLIENTS: dict[str | None, Any] = {}
@@ -349,11 +353,16 @@ class S3Storage:
 
     ``client_source``: returns the boto3 client to use, called on first use (data preparation
     hands in one made from an Airflow connection's session); default `client`, this process's
-    client for the environment's endpoint.
+    client for the environment's endpoint. ``settle_s``: the store's read-after-write lag
+    budget (`SETTLE_S`, or ``TRAINFORGE_S3_SETTLE_S``).
     """
 
-    def __init__(self, client_source: Callable[[], Any] = client) -> None:
+    def __init__(self, client_source: Callable[[], Any] = client,
+                 settle_s: float | None = None) -> None:
         self._client_source = client_source
+        if settle_s is None:
+            settle_s = float(os.environ.get("TRAINFORGE_S3_SETTLE_S") or SETTLE_S)
+        self.settle_s = settle_s
 
     @cached_property
     def _client(self) -> Any:
