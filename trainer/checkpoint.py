@@ -25,6 +25,7 @@ import json
 import logging
 import random
 import re
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -38,6 +39,7 @@ import torch
 
 from trainforge.storage import Location, Storage, StorageError, storage_for
 from trainforge.storage.files import chmod_like_umask
+from trainforge.storage.settle import read_written, size_written
 from trainforge.trainer.errors import CheckpointError
 from trainforge.trainer.hashing import hash_threads
 
@@ -78,20 +80,47 @@ def list_step_dirs(root: str | Path) -> list[tuple[int, Location]]:
     return sorted(found)
 
 
-def read_manifest(step_dir: str | Path) -> dict[str, Any]:
+# Manifests this process wrote, by location, with when (time.monotonic()): reading one of them
+# back is reading what the product just wrote, so "missing" is the store's read-after-write lag
+# (trainforge.storage.settle), not an incomplete checkpoint. The newest few are kept.
+_WRITTEN: dict[str, float] = {}
+_WRITTEN_KEPT = 64
+
+
+def _remember_written(manifest_at: Location) -> None:
+    _WRITTEN[str(manifest_at)] = time.monotonic()
+    for old in sorted(_WRITTEN, key=_WRITTEN.__getitem__)[:-_WRITTEN_KEPT]:
+        del _WRITTEN[old]
+
+
+def _just_written(manifest_at: Location, written: bool | None) -> bool:
+    return written if written is not None else str(manifest_at) in _WRITTEN
+
+
+def read_manifest(step_dir: str | Path, written: bool | None = None) -> dict[str, Any]:
     """The parsed manifest.json of a step folder.
+
+    ``written``: the caller knows the product wrote this checkpoint (the trainer's final one,
+    named in its result): a missing manifest is then read again for the store's read-after-write
+    lag (:mod:`trainforge.storage.settle`). None (default): only when this process wrote it.
 
     Raises:
         CheckpointError: missing, unreadable, not JSON, or not a trainforge.checkpoint/v1 manifest.
     """
     store, step_dir = _located(step_dir)
     where = store.join(step_dir, MANIFEST)
+    waited_s = 0.0
     try:
-        data = store.read_bytes(where)
+        if _just_written(where, written):
+            data, waited_s = read_written(store, where, "checkpoint manifest")
+        else:
+            data = store.read_bytes(where)
     except StorageError as err:
         raise CheckpointError(f"{where}: unreadable ({err.cause})") from err
     if data is None:
-        raise CheckpointError(f"{where}: missing (a folder without a manifest is not a checkpoint)")
+        lag = f"; still missing after waiting {waited_s:.1f} s for the store" if waited_s else ""
+        raise CheckpointError(f"{where}: missing (a folder without a manifest is not a checkpoint"
+                              f"{lag})")
     try:
         manifest = json.loads(data)
     except ValueError as err:
@@ -104,18 +133,21 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(step_dir: str | Path, hashes: bool = True, max_threads: int | None = None) -> list[str]:
+def verify(step_dir: str | Path, hashes: bool = True, max_threads: int | None = None,
+           written: bool | None = None) -> list[str]:
     """Every problem that stops ``step_dir`` from being a checkpoint; empty when it verifies.
 
     Checks the manifest (present, format, step = folder name, lists every required file), that
     the folder was not quarantined (`QUARANTINE_REASON` present), and each listed file's size
     and, when ``hashes``, SHA-256 (4 MiB reads, streamed on S3; files hashed in parallel on up
     to ``max_threads`` threads, default one per file up to the usable cores: see
-    trainforge.trainer.hashing).
+    trainforge.trainer.hashing). ``written``: as for `read_manifest`; the files of a checkpoint
+    the product just wrote get the same read-after-write allowance.
     """
     store, step_dir = _located(step_dir)
+    just_written = _just_written(store.join(step_dir, MANIFEST), written)
     try:
-        manifest = read_manifest(step_dir)
+        manifest = read_manifest(step_dir, just_written)
     except CheckpointError as err:
         return [str(err)]
     problems = []
@@ -134,7 +166,8 @@ def verify(step_dir: str | Path, hashes: bool = True, max_threads: int | None = 
             problems.append(f"{manifest_at}: bad entry for {name!r}")
             continue
         where = store.join(step_dir, name)
-        size = store.size(where)
+        size = (size_written(store, where, "checkpoint file")[0] if just_written
+                else store.size(where))
         if size is None:
             problems.append(f"{where}: listed in the manifest but missing")
         elif size != entry.get("bytes"):
@@ -196,6 +229,7 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
                 log.info("checkpoint %s already exists and verifies; not rewriting it", step_dir)
                 return step_dir
             log.warning("replacing incomplete checkpoint folder %s (its manifest first)", step_dir)
+            _WRITTEN.pop(str(store.join(step_dir, MANIFEST)), None)
             store.delete_dir(step_dir, first=MANIFEST)
         with store.staging_dir(step_dir) as folder:
             safetensors.torch.save_file(weights, folder / WEIGHTS, metadata={"format": "pt"})
@@ -208,6 +242,7 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
                      for name, digest in _digests(folder).items()}  # what was written, after fsync
             manifest = {"format": CHECKPOINT_FORMAT, "step": step, "files": files}
             store.write_bytes(store.join(step_dir, MANIFEST), (json.dumps(manifest, indent=2) + "\n").encode())
+            _remember_written(store.join(step_dir, MANIFEST))
     except (OSError, StorageError) as err:
         raise CheckpointError(f"writing checkpoint {step_dir} failed: {err}") from err
     return step_dir
@@ -240,21 +275,27 @@ def apply_retention(root: str | Path, keep_last: int) -> list[Location]:
     doomed = [p for s, p in dirs if p not in keep and s < newest_step]
     for path in doomed:
         log.info("retention (keep_last=%d): deleting %s", keep_last, path)
+        _WRITTEN.pop(str(store.join(path, MANIFEST)), None)
         store.delete_dir(path, first=MANIFEST)
     return doomed
 
 
 @contextmanager
-def local_copy(step_dir: str | Path) -> Iterator[Path]:
+def local_copy(step_dir: str | Path, written: bool | None = None) -> Iterator[Path]:
     """The step folder as a local folder of the same name: itself on disk; on S3 a temporary
     download of the manifest, every file it lists and a QUARANTINE_REASON (so the copy refuses
-    to verify too). Nothing is verified here: `verify` the copy (same bytes).
+    to verify too). Nothing is verified here: `verify` the copy (same bytes). ``written``: as
+    for `read_manifest` (the manifest and its files get the read-after-write allowance).
     """
     store, step_dir = _located(step_dir)
+    just_written = _just_written(store.join(step_dir, MANIFEST), written)
     try:
-        names = list(read_manifest(step_dir)["files"])
+        names = list(read_manifest(step_dir, just_written)["files"])
     except CheckpointError:
         names = []  # the copy has no manifest either: every check says so
+    if just_written:
+        for name in names:  # visible before the download looks for them
+            size_written(store, store.join(step_dir, name), "checkpoint file")
     with store.local_dir(step_dir, [*names, QUARANTINE_REASON, MANIFEST]) as folder:
         yield folder
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.storage import Storage
+from trainforge.storage.settle import read_written, size_written
 from trainforge.trainer.dataset import MANIFEST, Dataset, read_dataset
 from trainforge.trainer.errors import DatasetError
 
@@ -78,11 +79,15 @@ def listed_files(manifest: dict[str, Any], where: str) -> list[str]:
 
 
 def _read_manifest(store: Storage, uri: str) -> tuple[bytes, dict[str, Any], str]:
+    # The dataset is prepare_data's output, uploaded (manifest last) before the trainer was
+    # launched: a missing manifest may be the store's read-after-write lag, so it is read again
+    # for up to the store's settle_s (trainforge.storage.settle) before it counts as missing.
     manifest_uri = store.join(uri, MANIFEST)
-    data = store.read_bytes(manifest_uri)
+    data, waited_s = read_written(store, manifest_uri, "dataset manifest")
     if data is None:
-        raise DatasetError(f"{manifest_uri}: missing; a dataset without a manifest does not exist "
-                           "(was prepare_data's upload interrupted?)")
+        lag = f" (still missing after waiting {waited_s:.1f} s for the store)" if waited_s else ""
+        raise DatasetError(f"{manifest_uri}: missing{lag}; a dataset without a manifest does not "
+                           "exist (was prepare_data's upload interrupted?)")
     try:
         manifest = json.loads(data)
     except ValueError as err:
@@ -144,6 +149,8 @@ def _download(store: Storage, uri: str, manifest_bytes: bytes, manifest: dict[st
     tmp.mkdir(parents=True)
     try:
         log.info("dataset %s: downloading %d files into %s", uri, len(names), target)
+        for name in names:  # uploaded before the manifest: visible, or the store lags
+            size_written(store, store.join(uri, name), "dataset file")
         with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(names))) as pool:
             list(pool.map(lambda n: store.get_file(store.join(uri, n), tmp / n), names))
         (tmp / MANIFEST).write_bytes(manifest_bytes)  # last, as on S3

@@ -12,12 +12,23 @@ Location = Path | str
 
 
 class StorageError(Exception):
-    """A storage call failed (on S3: after botocore's retries). Transient for the trainer."""
+    """A storage call failed (on S3: after botocore's retries). Transient for the trainer.
 
-    def __init__(self, location: str, operation: str, cause: str) -> None:
+    Attributes:
+        location, operation, cause: what failed, how, and the store's answer.
+        throttled: how many answers of the call were throttling (S3 ``503 SlowDown``, ``429``);
+            0 when the call failed otherwise.
+        remedy: what to do about it, when the cause tells (empty otherwise; callers may then
+            add their own).
+    """
+
+    def __init__(self, location: str, operation: str, cause: str, throttled: int = 0,
+                 remedy: str = "") -> None:
         self.location, self.operation, self.cause = location, operation, cause
-        super().__init__(f"S3 {operation} {location} failed: {cause}" if location.startswith("s3://")
-                         else f"{operation} {location} failed: {cause}")
+        self.throttled, self.remedy = throttled, remedy
+        text = (f"S3 {operation} {location} failed: {cause}" if location.startswith("s3://")
+                else f"{operation} {location} failed: {cause}")
+        super().__init__(f"{text}; {remedy}" if remedy else text)
 
 
 class Storage(Protocol):
@@ -26,7 +37,14 @@ class Storage(Protocol):
     A "folder" on S3 is a key prefix ending in ``/``; it exists while an object is under it.
     Every method raises `StorageError` when the store cannot be reached or refuses the call; a
     missing file is an answer (``None`` / ``False`` / empty), not an error.
+
+    ``settle_s``: how long a file this product has just written may take to become readable
+    (seconds): 0 on the local disk; on S3, whose compatible stores may answer 404 for seconds
+    after a PUT, :data:`trainforge.storage.s3.SETTLE_S`. Used only by
+    :mod:`trainforge.storage.settle`, for files the product itself wrote.
     """
+
+    settle_s: float
 
     def join(self, base: Location, *names: str) -> Location:
         """``base/name/...`` (``base`` may end with ``/``)."""

@@ -23,6 +23,8 @@ def _error(location: Location, operation: str, err: OSError) -> StorageError:
 class LocalStorage:
     """`trainforge.storage.base.Storage` on the local disk; locations are ``Path`` objects."""
 
+    settle_s = 0.0  # a file written (and renamed into place) is readable at once
+
     def join(self, base: Location, *names: str) -> Path:
         return Path(base).joinpath(*names)
 

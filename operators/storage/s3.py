@@ -20,7 +20,10 @@ error codes), other 5xx answers and connection errors. The wait before attempt `
 jitter), so 8 attempts wait at most about 1 + 2 + 4 + 8 + 16 + 20 + 20 s. ``adaptive`` mode
 would add a client-side token bucket that slows every later request of the process once it was
 throttled; it suits clients that flood a bucket with small requests, not a checkpoint's few
-large ones, so ``standard`` is used. Each attempt has `CONNECT_TIMEOUT_S` / `READ_TIMEOUT_S`. Files above
+large ones, so ``standard`` is used. An error after the last attempt whose last answer was
+throttling says "throttled N times over T s" (N: the client's throttling answers during the call,
+counted by `ThrottleCounter`; T: the call's duration) and what to do (`THROTTLE_REMEDY`), in
+`StorageError.throttled` and `StorageError.remedy` too. Each attempt has `CONNECT_TIMEOUT_S` / `READ_TIMEOUT_S`. Files above
 `MULTIPART_BYTES` go up and down in multipart transfers of `MULTIPART_BYTES` parts, each part a
 request retried on its own.
 
@@ -35,6 +38,8 @@ import os
 import re
 import tempfile
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cached_property
@@ -48,6 +53,10 @@ READ_TIMEOUT_S = 60
 RETRY_MODE = "standard"  # botocore retry mode (module doc)
 MAX_ATTEMPTS = 8  # attempts per request, the first included
 MULTIPART_BYTES = 8 << 20
+# How long an object this product has just PUT may keep answering 404 on an S3-compatible store
+# whose reads lag its writes (AWS S3 itself is strongly consistent since 2020); see
+# trainforge.storage.settle. TRAINFORGE_S3_SETTLE_S overrides it.
+SETTLE_S = 30.0
 HASH_CHUNK_BYTES = 4 << 20
 _URI = re.compile(r"^s3://([^/]+)/?(.*)$")
 _CLIENTS: dict[str | None, Any] = {}
@@ -89,7 +98,11 @@ def make_client(endpoint: str | None = None, session: Any = None) -> Any:
     config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
                     retries={"total_max_attempts": MAX_ATTEMPTS, "mode": RETRY_MODE})
     session = session if session is not None else boto3.session.Session()
-    return session.client("s3", endpoint_url=endpoint, config=config)
+    made = session.client("s3", endpoint_url=endpoint, config=config)
+    counter = ThrottleCounter()
+    made.meta.events.register("needs-retry.s3", counter)
+    _THROTTLES[made] = counter
+    return made
 
 
 def client() -> Any:
@@ -108,8 +121,64 @@ def _transfer_config() -> Any:
                           max_concurrency=4)
 
 
+# Error codes of a throttling answer (botocore.retries.standard's list) and the HTTP statuses
+# S3 throttles with (503 SlowDown, also on HEAD where there is no body to carry the code; 429
+# from S3-compatible stores).
+THROTTLE_CODES = frozenset({
+    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException",
+    "TooManyRequestsException", "ProvisionedThroughputExceededException",
+    "TransactionInProgressException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+    "LimitExceededException", "RequestThrottled", "SlowDown", "PriorRequestNotComplete",
+    "EC2ThrottledException",
+})
+THROTTLE_STATUSES = frozenset({429, 503})
+THROTTLE_REMEDY = ("the store limits the request rate under this prefix; the task's retry tries "
+                   "again later, or lower the rate (fewer ranks or jobs writing to the bucket at "
+                   "once, a checkpoint less often)")
+
+
+def is_throttling(code: Any, status: Any) -> bool:
+    """Whether an S3 answer (error code, HTTP status) says "slow down"."""
+    return str(code) in THROTTLE_CODES or status in THROTTLE_STATUSES
+
+
+class ThrottleCounter:
+    """Counts a client's throttling answers, every attempt included (botocore's ``needs-retry``
+    event, emitted after each attempt before the retry decision)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, response: Any = None, **_: Any) -> None:
+        if response is None:  # no answer (connection error)
+            return None
+        http, parsed = response
+        code = ((parsed or {}).get("Error") or {}).get("Code")
+        if is_throttling(code, getattr(http, "status_code", None)):
+            with self._lock:
+                self.count += 1
+        return None  # no opinion: botocore's retry handler decides
+
+
+_THROTTLES: weakref.WeakKeyDictionary[Any, ThrottleCounter] = weakref.WeakKeyDictionary()
+
+
+def _response(err: BaseException) -> dict[str, Any]:
+    """The S3 answer behind ``err``, also when a transfer wrapped it (S3UploadFailedError)."""
+    seen: BaseException | None = err
+    for _ in range(5):
+        if seen is None:
+            break
+        response = getattr(seen, "response", None)
+        if response:
+            return response
+        seen = seen.__cause__ or seen.__context__
+    return {}
+
+
 def _cause(err: Exception) -> str:
-    response = getattr(err, "response", None) or {}
+    response = _response(err)
     error = response.get("Error") or {}
     status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     if error:
@@ -122,77 +191,108 @@ def _missing(err: Exception) -> bool:
     return str(error.get("Code")) in ("NoSuchKey", "404", "NotFound")
 
 
+def _error(uri: str, operation: str, err: Exception, elapsed_s: float,
+           throttled: int | None) -> StorageError:
+    """A StorageError for ``err``; when the store's last answer was throttling, one that says
+    so: "throttled N times over T s" (N counted on the client, else the attempts the last
+    request made) and what to do, not a hint at URIs or credentials."""
+    response = _response(err)
+    code = (response.get("Error") or {}).get("Code")
+    meta = response.get("ResponseMetadata") or {}
+    if response and is_throttling(code, meta.get("HTTPStatusCode")):
+        times = throttled or int(meta.get("RetryAttempts") or 0) + 1
+        return StorageError(uri, operation,
+                            f"throttled {times} times over {elapsed_s:.1f} s (last answer "
+                            f"{_cause(err)})", throttled=times, remedy=THROTTLE_REMEDY)
+    return StorageError(uri, operation, _cause(err))
+
+
+@contextmanager
+def _errors(uri: str, operation: str, using: Any) -> Iterator[None]:
+    """Turn what the S3 call in the block raises into a :class:`StorageError` (:func:`_error`),
+    timing the call and counting its throttling answers."""
+    counter = _THROTTLES.get(using)
+    before = counter.count if counter else 0
+    started = time.monotonic()
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as err:  # boto3 and s3transfer raise many types
+        throttled = counter.count - before if counter else None
+        raise _error(uri, operation, err, time.monotonic() - started, throttled) from err
+
+
 def upload_file(path: str | os.PathLike, uri: str, using: Any = None) -> None:
     """Upload a local file, multipart above `MULTIPART_BYTES` (module doc: retries)."""
     bucket, key = split(uri)
-    try:
-        (using or client()).upload_file(str(path), bucket, key, Config=_transfer_config())
-    except Exception as err:  # boto3 wraps part failures in S3UploadFailedError
-        raise StorageError(uri, "upload to", _cause(err)) from err
+    c = using or client()
+    with _errors(uri, "upload to", c):  # boto3 wraps part failures in S3UploadFailedError
+        c.upload_file(str(path), bucket, key, Config=_transfer_config())
 
 
 def download_file(uri: str, path: str | os.PathLike, using: Any = None) -> None:
     """Download an object to a local file, multipart above `MULTIPART_BYTES`."""
     bucket, key = split(uri)
-    try:
-        (using or client()).download_file(bucket, key, str(path), Config=_transfer_config())
-    except Exception as err:
-        raise StorageError(uri, "download", _cause(err)) from err
+    c = using or client()
+    with _errors(uri, "download", c):
+        c.download_file(bucket, key, str(path), Config=_transfer_config())
 
 
 def put_bytes(uri: str, data: bytes, using: Any = None) -> None:
     """One PutObject: readers see the old object or the whole new one."""
     bucket, key = split(uri)
-    try:
-        (using or client()).put_object(Bucket=bucket, Key=key, Body=data)
-    except Exception as err:
-        raise StorageError(uri, "put", _cause(err)) from err
+    c = using or client()
+    with _errors(uri, "put", c):
+        c.put_object(Bucket=bucket, Key=key, Body=data)
 
 
 def get_bytes(uri: str, using: Any = None) -> bytes | None:
     """The object's bytes, or None when it does not exist."""
     bucket, key = split(uri)
-    try:
-        return (using or client()).get_object(Bucket=bucket, Key=key)["Body"].read()
-    except Exception as err:
-        if _missing(err):
-            return None
-        raise StorageError(uri, "get", _cause(err)) from err
+    c = using or client()
+    with _errors(uri, "get", c):
+        try:
+            return c.get_object(Bucket=bucket, Key=key)["Body"].read()
+        except Exception as err:
+            if _missing(err):
+                return None
+            raise
 
 
 def size_of(uri: str, using: Any = None) -> int | None:
     """The object's size in bytes, or None when it does not exist."""
     bucket, key = split(uri)
-    try:
-        return int((using or client()).head_object(Bucket=bucket, Key=key)["ContentLength"])
-    except Exception as err:
-        if _missing(err):
-            return None
-        raise StorageError(uri, "head", _cause(err)) from err
+    c = using or client()
+    with _errors(uri, "head", c):
+        try:
+            return int(c.head_object(Bucket=bucket, Key=key)["ContentLength"])
+        except Exception as err:
+            if _missing(err):
+                return None
+            raise
 
 
 def sha256(uri: str, using: Any = None) -> str:
     """SHA-256 hex of an object, streamed in `HASH_CHUNK_BYTES` reads."""
     bucket, key = split(uri)
     digest = hashlib.sha256()
-    try:
-        body = (using or client()).get_object(Bucket=bucket, Key=key)["Body"]
+    c = using or client()
+    with _errors(uri, "read", c):
+        body = c.get_object(Bucket=bucket, Key=key)["Body"]
         for chunk in body.iter_chunks(HASH_CHUNK_BYTES):
             digest.update(chunk)
-    except Exception as err:
-        raise StorageError(uri, "read", _cause(err)) from err
     return digest.hexdigest()
 
 
 def list_keys(prefix_uri: str, using: Any = None) -> Iterator[str]:
     """Every key under ``prefix_uri`` (all pages: S3 returns at most 1000 per page)."""
     bucket, prefix = split(prefix_uri)
-    try:
-        for page in (using or client()).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+    c = using or client()
+    with _errors(prefix_uri, "list", c):
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for item in page.get("Contents", ()):
                 yield item["Key"]
-    except Exception as err:
-        raise StorageError(prefix_uri, "list", _cause(err)) from err
 
 
 def list_children(prefix_uri: str, using: Any = None) -> list[str]:
@@ -209,13 +309,12 @@ def _list_level(prefix_uri: str, using: Any) -> tuple[list[str], list[str]]:
     """``(folder names, object names)`` one level under ``prefix_uri`` (delimiter listing)."""
     bucket, prefix = split(prefix_uri.rstrip("/") + "/")
     dirs, files = [], []
-    try:
-        pages = (using or client()).get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/")
+    c = using or client()
+    with _errors(prefix_uri, "list", c):
+        pages = c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/")
         for page in pages:
             dirs += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", ())]
             files += [o["Key"][len(prefix):] for o in page.get("Contents", ()) if o["Key"] != prefix]
-    except Exception as err:
-        raise StorageError(prefix_uri, "list", _cause(err)) from err
     return sorted(dirs), sorted(files)
 
 
@@ -223,10 +322,9 @@ def copy(src_uri: str, dst_uri: str, using: Any = None) -> None:
     """Server-side copy (multipart above `MULTIPART_BYTES`)."""
     src_bucket, src_key = split(src_uri)
     bucket, key = split(dst_uri)
-    try:
-        (using or client()).copy({"Bucket": src_bucket, "Key": src_key}, bucket, key, Config=_transfer_config())
-    except Exception as err:
-        raise StorageError(src_uri, f"copy to {dst_uri}", _cause(err)) from err
+    c = using or client()
+    with _errors(src_uri, f"copy to {dst_uri}", c):
+        c.copy({"Bucket": src_bucket, "Key": src_key}, bucket, key, Config=_transfer_config())
 
 
 def delete_keys(bucket_uri: str, keys: list[str], using: Any = None) -> None:
@@ -234,10 +332,9 @@ def delete_keys(bucket_uri: str, keys: list[str], using: Any = None) -> None:
     bucket, _ = split(bucket_uri)
     for lo in range(0, len(keys), 1000):
         batch = [{"Key": k} for k in keys[lo:lo + 1000]]
-        try:
-            out = (using or client()).delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
-        except Exception as err:
-            raise StorageError(bucket_uri, "delete", _cause(err)) from err
+        c = using or client()
+        with _errors(bucket_uri, "delete", c):
+            out = c.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
         if out.get("Errors"):
             first = out["Errors"][0]
             raise StorageError(f"s3://{bucket}/{first.get('Key')}", "delete",
@@ -256,11 +353,16 @@ class S3Storage:
 
     ``client_source``: returns the boto3 client to use, called on first use (data preparation
     hands in one made from an Airflow connection's session); default `client`, this process's
-    client for the environment's endpoint.
+    client for the environment's endpoint. ``settle_s``: the store's read-after-write lag
+    budget (`SETTLE_S`, or ``TRAINFORGE_S3_SETTLE_S``).
     """
 
-    def __init__(self, client_source: Callable[[], Any] = client) -> None:
+    def __init__(self, client_source: Callable[[], Any] = client,
+                 settle_s: float | None = None) -> None:
         self._client_source = client_source
+        if settle_s is None:
+            settle_s = float(os.environ.get("TRAINFORGE_S3_SETTLE_S") or SETTLE_S)
+        self.settle_s = settle_s
 
     @cached_property
     def _client(self) -> Any:
@@ -289,10 +391,8 @@ class S3Storage:
 
     def is_dir(self, location: Location) -> bool:
         bucket, prefix = split(str(location).rstrip("/") + "/")
-        try:
+        with _errors(str(location), "list", self._client):
             listed = self._client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
-        except Exception as err:
-            raise StorageError(str(location), "list", _cause(err)) from err
         return bool(listed.get("KeyCount") or listed.get("Contents"))
 
     def size(self, location: Location) -> int | None:

@@ -128,7 +128,8 @@ def test_s3_error_after_the_last_attempt_names_the_object(bucket, throttling_s3_
     monkeypatch.setattr(s3, "MAX_ATTEMPTS", 2)
     s3._CLIENTS.pop(proxy.url, None)
     proxy.throttle("PutObject", 2)
-    with pytest.raises(StorageError, match=rf"S3 put {bucket}/x/meta.json failed: SlowDown \(HTTP 503\)"):
+    with pytest.raises(StorageError, match=rf"S3 put {bucket}/x/meta.json failed: throttled 2 times "
+                       rf"over [\d.]+ s \(last answer SlowDown \(HTTP 503\)"):
         s3.put_bytes(f"{bucket}/x/meta.json", b"{}")
     s3._CLIENTS.pop(proxy.url, None)
     assert [status for op, _, status in proxy.log if op == "PutObject"] == [503, 503]

@@ -213,9 +213,8 @@ class KubernetesBackend(Backend):
                           self.namespace, plural, name, missing_ok=True)
 
     def find(self, identity: JobIdentity) -> JobHandle | None:
-        name = r.resource_name(identity)
         for api in r.APIS:
-            obj = self._get(api, name)  # None also when the cluster lacks that CRD
+            obj = self._get(api, r.resource_name(identity, api))  # None also when the cluster lacks that CRD
             if obj is not None:
                 self._check_identity(obj, identity, r.APIS[api][3])
                 return self._handle(api, obj)
@@ -272,6 +271,9 @@ class KubernetesBackend(Backend):
         if state == JobState.FAILED:
             kind = failure_kind(exit_code, result)
             message = (result or {}).get("message") or s.condition_text(cond)
+            if (rank0 is None and (cond or {}).get("reason") == s.RESOURCES_CREATION_FAILED
+                    and s.is_refusal(message)):
+                kind = FailureKind.PERMANENT  # its objects were refused: a retry is refused too
             if exit_code is not None:
                 message += f" (rank 0 exit code {exit_code})"
             return JobStatus(JobState.FAILED, message, exit_code, kind, result, wall_s)
@@ -285,6 +287,15 @@ class KubernetesBackend(Backend):
             text = s.condition_text(cond) if cond and cond.get("type") == "Restarting" else "running"
             return JobStatus(JobState.RUNNING, text, None, None, result)
         reason, permanent = self._pending_reason(api, obj, cond, pods)
+        if permanent and not pods:
+            # The controller made no pods because the API refuses what it derives from the job
+            # (a name too long, an invalid field): waiting for startup_timeout changes nothing.
+            self._delete(handle)
+            return JobStatus(
+                JobState.FAILED,
+                f"{r.APIS[api][3]} {handle['name']} made no pods and was deleted: {reason}",
+                None, FailureKind.PERMANENT,
+            )
         deadline = handle.get("startup_deadline_epoch_s")
         if deadline is not None and time.time() > deadline:
             timeout_s = deadline - handle.get("submitted_at_epoch_s", deadline)
@@ -311,8 +322,32 @@ class KubernetesBackend(Backend):
             if found:
                 return found
         if not pods:
+            meta = obj.get("metadata") or {}
+            failure = self._creation_failure(api, meta.get("name"),
+                                             meta.get("namespace") or self.namespace)
+            if failure:
+                return failure
             return f"no pods created yet ({s.condition_text(cond) or 'no condition yet'})", False
         return "pods are starting", False
+
+    def _creation_failure(self, api: str, name: str, namespace: str) -> tuple[str, bool] | None:
+        """A controller's Warning event saying why it could not create the job's pods (or the
+        JobSet and Job that make them), as ``(text, permanent)``; None when there is none or
+        events cannot be read."""
+        names = {name}
+        if api == "trainjob":
+            names.add(f"{name}-{r.TRAINJOB_REPLICATED_JOB}-0")  # JobSet's Job (its pods' maker)
+        events: list[dict[str, Any]] = []
+        for involved in sorted(names):
+            try:
+                listing = self._call(f"list the events of {involved}",
+                                     self._core.list_namespaced_event, namespace, raw=True,
+                                     field_selector=f"involvedObject.name={involved}")
+            except BackendError as err:  # a diagnostic only (e.g. no RBAC for events)
+                log.warning("Cannot read the events of %s: %s", involved, err)
+                return None
+            events += (listing or {}).get("items", [])
+        return s.creation_failure(events, names)
 
     def _kueue_reason(self, obj: dict[str, Any]) -> str:
         meta = obj.get("metadata") or {}

@@ -145,14 +145,30 @@ def network_errors() -> tuple[type[BaseException], ...]:
     return (OSError, urllib3.exceptions.HTTPError)
 
 
+class JobRefusedError(BackendError):
+    """The API refused an object as invalid (HTTP 422, or an admission webhook's denial):
+    sending the same object again is refused again, so the task should not be retried.
+
+    ``permanent`` is True, for callers that decide on retries by that attribute.
+    """
+
+    permanent = True
+
+
 def api_error(what: str, err: Any) -> BackendError:
-    """A one-line error from an ``ApiException``: what failed, the HTTP status and the API's reason."""
+    """A one-line error from an ``ApiException``: what failed, the HTTP status and the API's
+    reason; a :class:`JobRefusedError` when the API refuses the object as invalid."""
     detail = err.reason or ""
     try:
         body = json.loads(err.body or "{}")
         detail = body.get("message") or detail
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, AttributeError):
         pass
+    from trainforge.engines.kubernetes.status import is_refusal
+
+    if err.status == 422 or (err.status in (400, 403) and is_refusal(detail)):
+        return JobRefusedError(f"Kubernetes API refused to {what}: HTTP {err.status} {detail} "
+                               f"(the object is invalid; a retry would be refused too)")
     hint = ""
     if err.status == 404:
         hint = " (is the custom resource's operator installed? see docs/kubernetes.md)"

@@ -88,13 +88,42 @@ _RFC1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
-def resource_name(identity: JobIdentity) -> str:
-    """The custom resource's name: the identity key, made an RFC 1035 label (≤ 63 characters,
-    lowercase, starting with a letter). Deterministic; unique through the key's SHA-256 suffix."""
+# Names the controllers derive from the job's name, each a DNS label of at most 63 characters.
+# The pod index is budgeted for 4 digits, which covers any resources.nodes the spec accepts
+# (≤ 4096); render_objects refuses a job with more nodes than that rather than let the
+# controller refuse its pods.
+POD_INDEX_DIGITS = 4
+_MAX_INDEX = "9" * POD_INDEX_DIGITS
+DERIVED_NAMES = {
+    # TrainJob: the JobSet has the TrainJob's name; JobSet names the Job of a replicated job
+    # `<jobset>-<replicatedJob>-<jobIdx>` and the Job controller names its pods
+    # `<job>-<podIdx>-<5 random>`; JobSet's webhook refuses a JobSet whose longest pod name
+    # would pass 63 characters. The torch runtime has one Job (index 0) of numNodes pods.
+    "trainjob": (f"-{TRAINJOB_REPLICATED_JOB}-0-{_MAX_INDEX}-abcde", "-config"),
+    # PyTorchJob: the training operator names pods and services `<name>-master-0` and
+    # `<name>-worker-<i>`, i < nodes - 1.
+    "pytorchjob": ("-master-0", f"-worker-{_MAX_INDEX}", "-config"),
+}
+NAME_BUDGET = {api: 63 - max(len(suffix) for suffix in suffixes)
+               for api, suffixes in DERIVED_NAMES.items()}
+
+
+def resource_name(identity: JobIdentity, api: str = "trainjob") -> str:
+    """The custom resource's name for ``api``: the identity key when it is an RFC 1035 label
+    (lowercase, a letter first) that leaves room for every name the controllers derive from it
+    (:data:`NAME_BUDGET`: 45 characters for a TrainJob, 51 for a PyTorchJob). Otherwise the
+    readable part is shortened; the try number and the key's 10 hex digits of SHA-256 over the
+    full identity are always kept, so the name stays deterministic and unique."""
+    budget = NAME_BUDGET[api]
     key = identity.key
-    if not _RFC1035.match(key):
-        key = "tf-" + re.sub(r"[^a-z0-9-]+", "-", key.lower()).strip("-")
-    return key[:63].rstrip("-")
+    if len(key) <= budget and _RFC1035.match(key):
+        return key
+    slug, try_part, digest = key.rsplit("-", 2)
+    tail = f"-{try_part}-{digest}"
+    head = re.sub(r"[^a-z0-9-]+", "-", slug.lower()).strip("-")
+    if not head[:1].isalpha():
+        head = ("tf-" + head).rstrip("-")
+    return head[: budget - len(tail)].rstrip("-") + tail
 
 
 def configmap_name(name: str) -> str:
@@ -113,13 +142,13 @@ def label_value(value: str) -> str:
     return f"{safe[:54].rstrip('-_.')}-{digest}".lstrip("-")
 
 
-def identity_labels(identity: JobIdentity) -> dict[str, str]:
+def identity_labels(identity: JobIdentity, api: str = "trainjob") -> dict[str, str]:
     """Labels for selecting a job's objects (full identifiers are in :func:`identity_annotations`)."""
     return {
         "app.kubernetes.io/name": "trainforge",
         "app.kubernetes.io/component": "trainer",
         "app.kubernetes.io/managed-by": "trainforge",
-        LABEL_JOB: resource_name(identity),
+        LABEL_JOB: resource_name(identity, api),
         LABEL_PREFIX + "dag-id": label_value(identity.dag_id),
         LABEL_PREFIX + "task-id": label_value(identity.task_id),
         LABEL_PREFIX + "try-number": str(identity.try_number),
@@ -243,7 +272,7 @@ def _pod_spec_extras(opts: dict[str, Any]) -> dict[str, Any]:
 
 
 def _metadata(job: TrainingJob, name: str, namespace: str, opts: dict[str, Any], api: str) -> dict[str, Any]:
-    labels = identity_labels(job.identity)
+    labels = identity_labels(job.identity, api)
     if opts["queue_name"]:
         labels[KUEUE_QUEUE_LABEL] = opts["queue_name"]
         if opts["priority_class"] and api == "trainjob":
@@ -257,13 +286,14 @@ def _metadata(job: TrainingJob, name: str, namespace: str, opts: dict[str, Any],
     return {"name": name, "namespace": namespace, "labels": labels, "annotations": annotations}
 
 
-def render_configmap(job: TrainingJob, name: str, namespace: str) -> dict[str, Any]:
+def render_configmap(job: TrainingJob, name: str, namespace: str,
+                     api: str = "trainjob") -> dict[str, Any]:
     """The ConfigMap with the trainer's ``job.json`` (core/v1)."""
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": configmap_name(name), "namespace": namespace,
-                     "labels": identity_labels(job.identity),
+                     "labels": identity_labels(job.identity, api),
                      "annotations": identity_annotations(job.identity)},
         "data": {CONFIG_FILE: json.dumps(job.config, indent=2, sort_keys=True) + "\n"},
     }
@@ -294,7 +324,7 @@ def render_trainjob(job: TrainingJob, name: str, namespace: str, opts: dict[str,
             "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [{
                 "name": TRAINJOB_REPLICATED_JOB,
                 "template": {"spec": {"template": {
-                    "metadata": {"labels": identity_labels(job.identity)},
+                    "metadata": {"labels": identity_labels(job.identity, "trainjob")},
                     "spec": pod_spec,
                 }}},
             }]}}},
@@ -330,7 +360,7 @@ def pod_template(job: TrainingJob, name: str, opts: dict[str, Any]) -> dict[str,
     }
     if opts["priority_class"]:
         spec["priorityClassName"] = opts["priority_class"]
-    return {"metadata": {"labels": identity_labels(job.identity)}, "spec": spec}
+    return {"metadata": {"labels": identity_labels(job.identity, "pytorchjob")}, "spec": spec}
 
 
 def render_pytorchjob(job: TrainingJob, name: str, namespace: str, opts: dict[str, Any]) -> dict[str, Any]:
@@ -368,19 +398,23 @@ def render_objects(job: TrainingJob, namespace: str) -> dict[str, Any]:
     """``{"engine", "api", "namespace", "configmap", "job"}``: the exact objects submitted.
 
     Raises:
-        ValueError: the job cannot run on Kubernetes (no image, a variable set twice).
+        ValueError: the job cannot run on Kubernetes (no image, a variable set twice, more
+            nodes than the names are budgeted for).
     """
     if not job.image:
         raise ValueError("the kubernetes engine needs resources.image, the trainer's container "
                          "image (got none)")
+    if job.nodes > int(_MAX_INDEX) + 1:
+        raise ValueError(f"the kubernetes engine names pods for at most {int(_MAX_INDEX) + 1} "
+                         f"nodes (got resources.nodes {job.nodes})")
     opts = _options(job)
     api = opts["api"]
-    name = resource_name(job.identity)
+    name = resource_name(job.identity, api)
     render = render_trainjob if api == "trainjob" else render_pytorchjob
     return {
         "engine": "kubernetes",
         "api": api,
         "namespace": namespace,
-        "configmap": render_configmap(job, name, namespace),
+        "configmap": render_configmap(job, name, namespace, api),
         "job": render(job, name, namespace, opts),
     }

@@ -125,6 +125,43 @@ def pending_reason(pod: dict[str, Any], container: str) -> tuple[str, bool] | No
     return None
 
 
+# Warning events by which a controller says it could not create the job's pods or the objects
+# that make them: Kubeflow Trainer on the TrainJob (its JobSet), JobSet on the JobSet (its Jobs),
+# the Job controller on a Job (its pods), the training operator on the PyTorchJob (pods,
+# services).
+CREATION_FAILED_REASONS = {"TrainJobResourcesCreationFailed", "JobCreationFailed", "FailedCreate",
+                           "FailedCreatePod", "FailedCreateService"}
+# The API's words for a request it refuses as invalid: asking again gets the same answer.
+# (Others, such as an exceeded ResourceQuota, may clear up by themselves.)
+REFUSAL_MARKERS = ("is invalid", "Invalid value", "denied the request", "must be no more than")
+# Reason of a TrainJob's Failed condition when its objects could not be created (Trainer 2.3+).
+RESOURCES_CREATION_FAILED = "ResourcesCreationFailed"
+
+
+def is_refusal(message: str) -> bool:
+    """Whether an API error message refuses a request as invalid (not worth retrying)."""
+    return any(marker in message for marker in REFUSAL_MARKERS)
+
+
+def creation_failure(events: list[dict[str, Any]], names: set[str]) -> tuple[str, bool] | None:
+    """The newest Warning event of the objects ``names`` that says a controller could not create
+    the job's pods (or the objects that make them): ``(text, permanent)``, or None.
+
+    Permanent when the API refused the object as invalid (:data:`REFUSAL_MARKERS`).
+    """
+    found = [e for e in events
+             if e.get("type") == "Warning" and e.get("reason") in CREATION_FAILED_REASONS
+             and ((e.get("involvedObject") or {}).get("name") in names)]
+    if not found:
+        return None
+    newest = max(found, key=lambda e: (e.get("lastTimestamp") or e.get("eventTime") or "",
+                                       int(e.get("count") or 1)))
+    obj = newest.get("involvedObject") or {}
+    message = newest.get("message") or newest.get("note") or "no message"
+    text = f"{obj.get('kind', 'object')} {obj.get('name')} {newest.get('reason')}: {message}"
+    return text, is_refusal(message)
+
+
 def workload_reason(workload: dict[str, Any]) -> str | None:
     """Why Kueue has not admitted a workload (``QuotaReserved`` or ``Admitted`` false), or None."""
     conds = {c.get("type"): c for c in (workload.get("status") or {}).get("conditions") or []}

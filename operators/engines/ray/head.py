@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,11 +36,58 @@ class RayHeadError(RuntimeError):
     """The local Ray head did not start (the message carries the end of its log)."""
 
 
+# The ports `ray start --head` is given, one per component (its option names). Ray refuses a
+# port named twice, or one inside the workers' range ("Ray component X is trying to use a port
+# number N that is used by other components").
+RAY_PORT_OPTIONS = (
+    "port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
+    "node-manager-port", "object-manager-port",
+)
+# Ray's default range of worker ports (`--min-worker-port`, `--max-worker-port`), passed
+# explicitly so that the component ports can stay out of it.
+WORKER_PORTS = range(10002, 20000)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, avoid: range = range(0), max_tries: int = 1000) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1, free a moment ago and none in ``avoid``.
+
+    Every socket stays bound until all are chosen: a port is only the caller's while its socket
+    is open, and the kernel hands a just-closed port out again, so choosing them one after
+    another (bind, close, bind again) can name one port twice.
+
+    Raises:
+        RayHeadError: no ``count`` such ports after ``max_tries`` binds.
+    """
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        for _ in range(max_tries):
+            if len(ports) == count:
+                break
+            sock = socket.socket()
+            held.append(sock)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+            if port not in avoid and port not in ports:
+                ports.append(port)
+        if len(ports) < count:
+            raise RayHeadError(f"found {len(ports)} of {count} free ports on 127.0.0.1 outside "
+                               f"{avoid.start}-{avoid.stop - 1} after {max_tries} tries")
+        return ports
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def ray_ports() -> dict[str, int]:
+    """A free, distinct port for each of :data:`RAY_PORT_OPTIONS`, outside :data:`WORKER_PORTS`."""
+    return dict(zip(RAY_PORT_OPTIONS, free_ports(len(RAY_PORT_OPTIONS), avoid=WORKER_PORTS)))
 
 
 def job_api_ready(address: str, timeout_s: float = 3.0) -> bool:
@@ -88,18 +136,33 @@ class LocalRayHead:
         self._pgid: int | None = None
 
     def start(self) -> LocalRayHead:
+        """Start the head; when another process took one of the chosen ports before Ray bound
+        it, start again on fresh ports (at most :data:`START_ATTEMPTS` times)."""
         self.temp_dir.mkdir(parents=True, exist_ok=True)
         self.job_tmp_dir.mkdir(exist_ok=True)
+        log_path = self.temp_dir / "ray-start.log"
+        for attempt in range(1, START_ATTEMPTS + 1):
+            seen = log_path.stat().st_size if log_path.exists() else 0
+            try:
+                return self._start_once(log_path)
+            except RayHeadError:
+                if attempt == START_ATTEMPTS or not _port_taken(log_path, seen):
+                    raise
+                log.warning("A port chosen for the Ray head in %s was taken before Ray bound "
+                            "it; starting again on other ports (attempt %d of %d)",
+                            self.temp_dir, attempt + 1, START_ATTEMPTS)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, log_path: Path) -> LocalRayHead:
         bin_dir = str(Path(sys.executable).parent)
-        ports = {name: free_port() for name in (
-            "port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
-            "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port",
-            "node-manager-port", "object-manager-port")}
+        ports = ray_ports()
         argv = [str(Path(bin_dir) / "ray"), "start", "--head", "--node-ip-address", "127.0.0.1",
                 "--dashboard-host", "127.0.0.1", "--include-dashboard", "true",
                 "--num-cpus", str(self.num_cpus), "--num-gpus", "0",
                 "--object-store-memory", str(self.object_store_mib * 1024 * 1024),
-                "--temp-dir", str(self.temp_dir), "--disable-usage-stats"]
+                "--temp-dir", str(self.temp_dir), "--disable-usage-stats",
+                "--min-worker-port", str(WORKER_PORTS.start),
+                "--max-worker-port", str(WORKER_PORTS.stop - 1)]
         for name, port in ports.items():
             argv += [f"--{name}", str(port)]
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -112,7 +175,6 @@ class LocalRayHead:
             env.pop(name, None)
         self.address = f"http://127.0.0.1:{ports['dashboard-port']}"
         self.gcs_address = f"127.0.0.1:{ports['port']}"
-        log_path = self.temp_dir / "ray-start.log"
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
@@ -199,6 +261,21 @@ def _signal(proc, sig: int) -> None:
         proc.send_signal(sig)
     except psutil.Error:
         pass
+
+
+# How `ray start` and its components say a port was taken by someone else.
+_PORT_TAKEN = re.compile(r"address already in use|already in use|failed to bind", re.IGNORECASE)
+START_ATTEMPTS = 3
+
+
+def _port_taken(log_path: Path, offset: int) -> bool:
+    """Whether the log written after ``offset`` says a port was taken."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            return bool(_PORT_TAKEN.search(f.read().decode(errors="replace")))
+    except OSError:
+        return False
 
 
 def _tail(path: Path, max_chars: int = 3000) -> str:

@@ -31,7 +31,7 @@ from tests.operators.engines.kubernetes.test_kubernetes_common import IDENTITY, 
 NS_DEMO, NS_FULL = "default", "ml-train"
 TRAINJOBS = "trainer.kubeflow.org/v1alpha1/trainjobs"
 PYTORCHJOBS = "kubeflow.org/v1/pytorchjobs"
-PODS, CONFIGMAPS = "v1/pods", "v1/configmaps"
+PODS, CONFIGMAPS, EVENTS = "v1/pods", "v1/configmaps", "v1/events"
 WORKLOADS = "kueue.x-k8s.io/v1beta2/workloads"
 NAME = resource_name(IDENTITY)
 
@@ -89,6 +89,18 @@ class Cluster:
                                               "state": state or {}}]},
         }
 
+    def event(self, namespace: str, kind: str, name: str, reason: str, message: str,
+              type_: str = "Warning") -> None:
+        """A controller's event about object ``kind``/``name`` (core/v1 Event)."""
+        event_name = f"{name}.{uuid.uuid4().hex[:16]}"
+        self.server.objects[EVENTS, namespace, event_name] = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"name": event_name, "namespace": namespace},
+            "involvedObject": {"kind": kind, "name": name, "namespace": namespace},
+            "type": type_, "reason": reason, "message": message, "count": 1,
+            "lastTimestamp": _rfc3339(time.time()),
+        }
+
     def requests(self, method: str, path_re: str) -> list:
         return [r for r in list(self.server)
                 if str(r.method).lower().endswith(method) and re.search(path_re, r.url.path)]
@@ -96,7 +108,7 @@ class Cluster:
 
 @pytest_asyncio.fixture
 async def cluster(kmock, tmp_path):
-    for resource in (TRAINJOBS, PYTORCHJOBS, PODS, CONFIGMAPS, WORKLOADS):
+    for resource in (TRAINJOBS, PYTORCHJOBS, PODS, CONFIGMAPS, WORKLOADS, EVENTS):
         kmock.resources[resource] = {}
 
     def stamp(request):
@@ -481,3 +493,74 @@ async def test_suspended_without_rights_on_kueue_workloads_still_reports_pending
     status = await run(backend.status, handle)
     assert status.state == JobState.PENDING
     assert status.message == "suspended: waiting for Kueue to admit it from LocalQueue 'team-a'"
+
+
+# What the controllers say when they cannot make a job's pods (messages as the API words them).
+JOBSET_REFUSED = (
+    'TrainJob resources reconciliation failed: admission webhook "vjobset.kb.io" denied the '
+    'request: spec.replicatedJobs[0]: Invalid value: "x-node-0-1-abcde": must be no more than '
+    '63 characters')
+POD_REFUSED = ('Error creating: Pod "x-worker-11" is invalid: metadata.name: Invalid value: '
+               '"x-worker-11": must be no more than 63 characters')
+QUOTA = ('Error creating: pods "x-master-0" is forbidden: exceeded quota: gpu-quota, requested: '
+         'nvidia.com/gpu=8, used: nvidia.com/gpu=8, limited: nvidia.com/gpu=8')
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("api,kind,name,reason,message", [
+    ("trainjob", "TrainJob", NAME, "TrainJobResourcesCreationFailed", JOBSET_REFUSED),
+    ("trainjob", "Job", f"{NAME}-node-0", "FailedCreate", POD_REFUSED),
+    ("pytorchjob", "PyTorchJob", NAME, "FailedCreatePod", POD_REFUSED),
+])
+async def test_a_job_whose_controller_cannot_make_pods_fails_permanently_with_its_reason(
+        cluster, api, kind, name, reason, message):
+    backend = cluster.backend()
+    handle = await run(backend.submit, demo_job(api))
+    assert (await run(backend.status, handle)).state == JobState.PENDING
+    cluster.event(NS_DEMO, kind, name, reason, message)
+    cluster.event(NS_DEMO, kind, "another-job", reason, "not this job's")
+    status = await run(backend.status, handle)  # long before fault.startup_timeout
+    assert (status.state, status.failure) == (JobState.FAILED, FailureKind.PERMANENT)
+    assert f"{kind} {name} {reason}: " in status.message
+    assert "must be no more than 63 characters" in status.message
+    assert cluster.get(TRAINJOBS if api == "trainjob" else PYTORCHJOBS, NS_DEMO, NAME) is None
+
+
+@pytest.mark.asyncio
+async def test_a_creation_failure_that_may_clear_up_is_the_pending_reason(cluster):
+    backend = cluster.backend()
+    handle = await run(backend.submit, demo_job("pytorchjob"))
+    cluster.event(NS_DEMO, "PyTorchJob", NAME, "FailedCreatePod", QUOTA)
+    status = await run(backend.status, handle)
+    assert status.state == JobState.PENDING and "exceeded quota: gpu-quota" in status.message
+    status = await run(backend.status, {**handle, "startup_deadline_epoch_s": time.time() - 1})
+    assert (status.state, status.failure) == (JobState.FAILED, FailureKind.TRANSIENT)
+    assert "exceeded quota: gpu-quota" in status.message
+
+
+@pytest.mark.asyncio
+async def test_a_trainjob_failed_because_its_objects_were_refused_is_permanent(cluster):
+    backend = cluster.backend()
+    handle = await run(backend.submit, demo_job("trainjob"))
+    cluster.conditions(TRAINJOBS, NS_DEMO, NAME,
+                       ("Failed", "True", "ResourcesCreationFailed", JOBSET_REFUSED))
+    status = await run(backend.status, handle)
+    assert (status.state, status.failure) == (JobState.FAILED, FailureKind.PERMANENT)
+    assert "must be no more than 63 characters" in status.message
+
+
+@pytest.mark.asyncio
+async def test_a_job_the_api_refuses_is_a_permanent_error_and_leaves_no_configmap(cluster):
+    from trainforge.engines.kubernetes.client import JobRefusedError
+
+    backend = cluster.backend()
+    # Ahead of the emulator's own create reaction (priority 100): the API server's validation.
+    create = f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{NS_DEMO}/trainjobs"
+    (cluster.server ** 100)["post", create] << kmocklib.KubernetesError(
+        status=422, reason="Invalid",
+        message=f'TrainJob.trainer.kubeflow.org "{NAME}" is invalid: spec.trainer.numNodes: '
+                f'Invalid value: 0: must be greater than or equal to 1')
+    with pytest.raises(JobRefusedError, match="HTTP 422 .* is invalid: spec.trainer.numNodes") as err:
+        await run(backend.submit, demo_job("trainjob"))
+    assert err.value.permanent
+    assert cluster.get(CONFIGMAPS, NS_DEMO, configmap_name(NAME)) is None

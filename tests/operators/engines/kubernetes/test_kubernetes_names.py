@@ -76,3 +76,58 @@ def test_annotations_carry_the_full_identifiers():
     assert annotations["trainforge.io/task-id"] == identity.task_id
     assert annotations["trainforge.io/try-number"] == "12"
     assert job["metadata"]["name"] == resource_name(identity)
+
+
+# The worst cases a spec allows: a 50-character pipeline name, a 40-character task id, try 20,
+# 64 nodes; and a name that needs the `tf-` prefix (a digit first).
+WORST = [
+    JobIdentity("p" * 49 + "e", "scheduled__2026-01-01T00:00:00+00:00", "t" * 40, 20),
+    JobIdentity("9" + "a" * 49, "r", "train_" + "x" * 34, 20),
+    JobIdentity("team_" + "n" * 45, "r", "train", 10),
+]
+
+
+def derived_names(obj: dict) -> list[str]:
+    """Every name the controllers derive from the rendered job, as they form it."""
+    name = obj["metadata"]["name"]
+    if obj["kind"] == "TrainJob":
+        # JobSet's webhook checks `<jobset>-<replicatedJob>-<maxJobIdx>-<maxPodIdx>-<5 random>`;
+        # the torch runtime's `node` replicated job is one Job of numNodes pods.
+        nodes = obj["spec"]["trainer"]["numNodes"]
+        return [name, f"{name}-node-0", f"{name}-node-0-{nodes - 1}-abcde", f"{name}-config"]
+    workers = obj["spec"]["pytorchReplicaSpecs"].get("Worker", {}).get("replicas", 0)
+    return [name, f"{name}-master-0", *(f"{name}-worker-{i}" for i in range(workers)),
+            f"{name}-config"]
+
+
+@pytest.mark.parametrize("api", ["trainjob", "pytorchjob"])
+@pytest.mark.parametrize("nodes", [1, 64, 4096])
+@pytest.mark.parametrize("identity", WORST, ids=lambda i: f"{len(i.dag_id)}-{len(i.task_id)}")
+def test_every_name_the_controllers_derive_fits_63_characters(api, nodes, identity):
+    from tests.operators.engines.kubernetes.test_kubernetes_common import job_for, spec_for
+
+    spec = spec_for(api, resources={"nodes": nodes, "processes_per_node": 1},
+                    optimization={"micro_batch_size": 1, "global_batch_size": nodes})
+    job = job_for(spec, identity)
+    obj = render_objects(job, "default")["job"]
+    assert obj["metadata"]["name"] == resource_name(identity, api)
+    assert obj["metadata"]["labels"]["trainforge.io/job"] == obj["metadata"]["name"]
+    for derived in derived_names(obj):
+        assert RFC1035.match(derived) and len(derived) <= 63, (derived, len(derived))
+    # Still readable and unique: the ids' start, the try, the digest over the full identity.
+    assert obj["metadata"]["name"].endswith(identity.key[-(len(str(identity.try_number)) + 13):])
+
+
+def test_shortened_names_stay_unique_and_short_ones_are_unchanged():
+    a, b = WORST[0], JobIdentity(WORST[0].dag_id, "other_run", WORST[0].task_id, 20)
+    assert resource_name(a) != resource_name(b)
+    demo = JobIdentity("shakespeare_llm", "manual__2026-01-01T00:00:00+00:00", "train", 1)
+    assert resource_name(demo, "trainjob") == resource_name(demo, "pytorchjob") == demo.key
+
+
+def test_more_nodes_than_the_names_are_budgeted_for_is_refused_at_render():
+    import dataclasses
+
+    job = dataclasses.replace(demo_job(), nodes=10_001)
+    with pytest.raises(ValueError, match="at most 10000 nodes"):
+        render_objects(job, "default")
