@@ -48,7 +48,7 @@ from airflow.sdk.exceptions import AirflowTaskTimeout, TaskDeferralError, TaskDe
 from trainforge.engines.registry import backend_kwargs, get_backend, get_engine
 from trainforge.engines.base import JobHandle, JobIdentity, JobState, TrainingJob
 from trainforge.base import TrainforgeStageOperator, fail_permanently
-from trainforge.errors import TriggerEventError
+from trainforge.errors import JobRefusedError, TriggerEventError
 from trainforge.hooks.s3 import S3ConnectionError, S3Hook
 from trainforge.paths import trainforge_home
 from trainforge.pipeline.model import PipelineSpec
@@ -193,7 +193,10 @@ class ClusterJobOperator(TrainforgeStageOperator):
         if handle is not None:
             self.log.info("Re-attaching to existing job %s", handle["key"])
         else:
-            handle = backend.submit(job)
+            try:
+                handle = backend.submit(job)
+            except JobRefusedError as err:
+                fail_permanently(str(err))
             self.log.info("Launched %s job %s", spec.training.engine, handle["key"])
         self._handle = handle
         self.job_attached(context, spec, handle)

@@ -11,6 +11,12 @@ class BackendError(TrainforgeError):
     """An engine could not be reached or refused a request."""
 
 
+class JobRefusedError(BackendError):
+    """The engine refused the job as invalid (Kubernetes: HTTP 422 or an admission webhook's
+    denial): sending the same request again is refused again, so the task fails without retries.
+    """
+
+
 class JobNotFoundError(BackendError):
     """A job handle names a job the engine does not know."""
 

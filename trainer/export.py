@@ -49,7 +49,8 @@ def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: st
         CheckpointError: the checkpoint does not verify, cannot be loaded, or was trained with
             another tokenizer than the dataset's.
     """
-    with ckpt.local_copy(step_dir) as local:
+    # A checkpoint the trainer wrote: its files get the store's read-after-write allowance.
+    with ckpt.local_copy(step_dir, written=True) as local:
         return _export(local, dataset_dir, Path(out_dir), source or storage_for(step_dir).absolute(step_dir))
 
 

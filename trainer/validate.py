@@ -294,7 +294,8 @@ def _validate_one(step_dir: Location, dataset_dir: str | Path, expect: Expectati
                   kwargs: dict[str, Any]) -> dict[str, Any]:
     """`validate_checkpoint` of a local copy of ``step_dir`` (an S3 step is downloaded first),
     reported under ``step_dir``'s own name."""
-    with ckpt.local_copy(step_dir) as local:
+    # A checkpoint the trainer wrote: its files get the store's read-after-write allowance.
+    with ckpt.local_copy(step_dir, written=True) as local:
         report = validate_checkpoint(local, dataset_dir, expect=expect, **kwargs)
     report["checkpoint"] = storage_for(step_dir).absolute(step_dir)
     return report

@@ -47,7 +47,7 @@ def prepare_remote(output: Storage, output_root: str, staging_root: Path, digest
     try:
         return _prepare_remote(output, remote_dir, staging_root, digest, build, started, log)
     except StorageError as err:
-        raise SourceAccessError(err.location, err.operation, err.cause) from err
+        raise SourceAccessError(err.location, err.operation, err.cause, remedy=err.remedy) from err
 
 
 def _prepare_remote(output: Storage, remote_dir: str, staging_root: Path, digest: str,

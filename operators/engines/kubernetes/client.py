@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainforge.errors import BackendError
+from trainforge.errors import BackendError, JobRefusedError
 
 log = logging.getLogger(__name__)
 
@@ -143,16 +143,6 @@ def network_errors() -> tuple[type[BaseException], ...]:
     import urllib3
 
     return (OSError, urllib3.exceptions.HTTPError)
-
-
-class JobRefusedError(BackendError):
-    """The API refused an object as invalid (HTTP 422, or an admission webhook's denial):
-    sending the same object again is refused again, so the task should not be retried.
-
-    ``permanent`` is True, for callers that decide on retries by that attribute.
-    """
-
-    permanent = True
 
 
 def api_error(what: str, err: Any) -> BackendError:
