@@ -27,7 +27,8 @@ deadline) and ``max_log_bytes_per_poll``. A log read that fails is a warning nam
 the pod, where the engine's error does), never an event; one that hangs or trickles is left
 running in a daemon thread (at most one per trigger: the next poll waits on it again instead of
 starting another) and cannot delay the status poll, the deadline, or the end of the wait. A
-finished job's last lines are read in reads bounded by ``log_timeout_s`` in all.
+finished job's last lines are read in reads bounded by ``log_timeout_s`` in all (a failed one is
+tried again, a few times, after a pause).
 
 Events form one closed set (:data:`EVENT_STATUSES`); each carries a human ``message`` and the
 job's identity::
@@ -63,6 +64,9 @@ STATE_LOOKUP_TIMEOUT_S = 25.0
 LOG_WARNING_EVERY_S = 60.0
 # At most this many reads when the last lines of a finished job are read (within log_timeout_s).
 MAX_DRAIN_READS = 64
+# ...of which this many may fail, each after a pause, before the last lines are given up.
+DRAIN_RETRIES = 3
+DRAIN_RETRY_PAUSE_S = 0.5
 
 
 def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
@@ -198,6 +202,7 @@ class TrainingJobTrigger(BaseTrigger):
         until = time.monotonic() + self.log_timeout_s
         if self.deadline_epoch_s is not None:
             until = min(until, time.monotonic() + self.deadline_epoch_s - time.time())
+        failed_reads = 0
         for _ in range(MAX_DRAIN_READS if drain else 1):
             if self._log_read is None:
                 self._log_read = _in_daemon_thread(
@@ -211,7 +216,13 @@ class TrainingJobTrigger(BaseTrigger):
                 chunk = read.result()
             except Exception as err:  # noqa: BLE001 - logs are best effort
                 self._log_failed(f"{type(err).__name__}: {err}")
-                return
+                failed_reads += 1
+                left = until - time.monotonic()
+                if not drain or failed_reads >= DRAIN_RETRIES or left <= 0:
+                    return
+                # The finished job's last lines matter most: try again after a pause.
+                await asyncio.sleep(min(DRAIN_RETRY_PAUSE_S, left))
+                continue
             self._log_recovered()
             self._show(chunk.lines)
             self.log_offset = chunk.next_offset
