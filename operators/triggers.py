@@ -207,7 +207,8 @@ class TrainingJobTrigger(BaseTrigger):
             if self._log_read is None:
                 self._log_read = _in_daemon_thread(
                     backend.read_logs, self.handle, self.log_offset, self.max_log_bytes_per_poll)
-            done, _ = await asyncio.wait({self._log_read}, timeout=max(0.0, until - time.monotonic()))
+            left_s = max(0.0, until - time.monotonic())
+            done, _ = await asyncio.wait({self._log_read}, timeout=left_s)
             if not done:
                 self._log_failed(f"no answer within {self.log_timeout_s:g} s")
                 return

@@ -42,8 +42,9 @@ async def test_http_500_from_the_log_endpoint_is_a_warning_and_the_job_succeeds(
     cluster.logs[pod] = [(base + i * 1000, f"step {i}") for i in range(3)]
     failures = iter([kmocklib.KubernetesError(status=500, reason="InternalError",
                                               message="etcdserver: request timed out")])
-    (cluster.server ** 10)["get", re.compile(rf"^/api/v1/namespaces/{NS_DEMO}/pods/{pod}/log$")] << (
-        lambda: next(failures, None))
+    # Ahead of the fixture's pod log reaction (priority 10); None falls through to it.
+    log_path = re.compile(rf"^/api/v1/namespaces/{NS_DEMO}/pods/{pod}/log$")
+    (cluster.server ** 10)["get", log_path] << (lambda: next(failures, None))
 
     trigger = TrainingJobTrigger(
         engine="kubernetes",
