@@ -22,13 +22,14 @@ execution timeout, a SIGTERM): the trigger then leaves the job alone and asks no
 the task's ``on_kill`` decides about the job, once.
 
 The job's status alone decides the event; its log is best effort. Each poll asks for the status
-first, then for the log lines since the last offset, within ``log_timeout_s`` (never past the
-deadline) and ``max_log_bytes_per_poll``. A log read that fails is a warning naming the job (and
-the pod, where the engine's error does), never an event; one that hangs or trickles is left
-running in a daemon thread (at most one per trigger: the next poll waits on it again instead of
-starting another) and cannot delay the status poll, the deadline, or the end of the wait. A
-finished job's last lines are read in reads bounded by ``log_timeout_s`` in all (a failed one is
-tried again, a few times, after a pause).
+first, then for the log lines since the last offset (at most ``max_log_bytes_per_poll``), waiting
+for them until the next poll is due, never past the deadline. A log read runs in a daemon thread
+of its own, one at a time; one still running at the next poll is waited on again, and given up
+(a warning) once it has run ``log_timeout_s``. A log read that fails is a warning naming the job
+(and the pod, where the engine's error does), never an event. So a log that fails, hangs or
+trickles delays neither the status polls, nor the deadline, nor the end of the wait. A finished
+job's last lines are read within ``log_timeout_s`` in all (a failed read is tried again, a few
+times, after a pause).
 
 Events form one closed set (:data:`EVENT_STATUSES`); each carries a human ``message`` and the
 job's identity::
@@ -64,6 +65,8 @@ STATE_LOOKUP_TIMEOUT_S = 25.0
 LOG_WARNING_EVERY_S = 60.0
 # At most this many reads when the last lines of a finished job are read (within log_timeout_s).
 MAX_DRAIN_READS = 64
+# Given-up log reads whose threads still run, at most; past it no new read starts.
+MAX_ABANDONED_READS = 2
 # ...of which this many may fail, each after a pause, before the last lines are given up.
 DRAIN_RETRIES = 3
 DRAIN_RETRY_PAUSE_S = 0.5
@@ -114,8 +117,8 @@ class TrainingJobTrigger(BaseTrigger):
         log_offset: byte offset of the job log already shown.
         max_log_bytes_per_poll: cap on log bytes read per poll (bounds memory for chatty jobs);
             lines beyond it that a backend returns anyway are not shown.
-        log_timeout_s: seconds one log read may take before the poll goes on without it (and,
-            for a finished job, all reads of its last lines together).
+        log_timeout_s: seconds one log read may run before it is given up with a warning (and,
+            for a finished job, all reads of its last lines together); polls do not wait on it.
         cancel_on_kill: cancel the job when the task is killed while deferred (see module doc).
         cancel_grace_s: seconds between the polite stop and the forced one when cancelling.
         deadline_reason: what ``deadline_epoch_s`` is (``run_timeout`` of the job or the task's
@@ -150,6 +153,8 @@ class TrainingJobTrigger(BaseTrigger):
         self.log_timeout_s = float(log_timeout_s)
         self._kill_handled = False
         self._log_read: asyncio.Future | None = None  # a log read still in flight
+        self._log_read_started_s = 0.0
+        self._abandoned: set[asyncio.Future] = set()  # given-up reads whose threads still run
         self._log_trouble: str | None = None  # why the last log read failed
         self._log_trouble_since = 0.0
         self._log_warned_at = 0.0
@@ -192,33 +197,47 @@ class TrainingJobTrigger(BaseTrigger):
         }
         return TriggerEvent(payload)
 
-    async def _pump_logs(self, backend, drain: bool = False) -> None:
+    async def _pump_logs(self, backend, until_s: float, drain: bool = False) -> None:
         """Pass the job's new log lines to the task log; best effort, never raises.
 
-        Waits at most ``log_timeout_s`` (for ``drain``: for all reads together), and never past
-        the deadline. A read that has not answered by then stays in flight and is waited on
-        again at the next call instead of starting another.
+        Waits until ``until_s`` (``time.monotonic()``; the next poll's time, or for ``drain``
+        the end of the last lines' reads) at the latest, and never past the deadline. A read
+        still running then stays in flight and is waited on again at the next call; once it has
+        run ``log_timeout_s`` it is given up (warned) and the next call starts a new one, unless
+        :data:`MAX_ABANDONED_READS` given-up reads still hang.
         """
-        until = time.monotonic() + self.log_timeout_s
         if self.deadline_epoch_s is not None:
-            until = min(until, time.monotonic() + self.deadline_epoch_s - time.time())
+            until_s = min(until_s, time.monotonic() + self.deadline_epoch_s - time.time())
         failed_reads = 0
         for _ in range(MAX_DRAIN_READS if drain else 1):
             if self._log_read is None:
+                self._abandoned = {read for read in self._abandoned if not read.done()}
+                if len(self._abandoned) >= MAX_ABANDONED_READS:
+                    self._log_failed(f"{len(self._abandoned)} earlier log reads still hang; "
+                                     f"no new read until one of them ends")
+                    return
                 self._log_read = _in_daemon_thread(
                     backend.read_logs, self.handle, self.log_offset, self.max_log_bytes_per_poll)
-            left_s = max(0.0, until - time.monotonic())
+                self._log_read_started_s = time.monotonic()
+            gives_up_s = self._log_read_started_s + self.log_timeout_s
+            left_s = max(0.0, min(until_s, gives_up_s) - time.monotonic())
             done, _ = await asyncio.wait({self._log_read}, timeout=left_s)
             if not done:
+                if time.monotonic() < gives_up_s:
+                    return  # still within its time: waited on again at the next poll
+                self._abandon_log_read()
                 self._log_failed(f"no answer within {self.log_timeout_s:g} s")
-                return
+                failed_reads += 1
+                if not drain or failed_reads >= DRAIN_RETRIES or time.monotonic() >= until_s:
+                    return
+                continue
             read, self._log_read = self._log_read, None
             try:
                 chunk = read.result()
             except Exception as err:  # noqa: BLE001 - logs are best effort
                 self._log_failed(f"{type(err).__name__}: {err}")
                 failed_reads += 1
-                left = until - time.monotonic()
+                left = until_s - time.monotonic()
                 if not drain or failed_reads >= DRAIN_RETRIES or left <= 0:
                     return
                 # The finished job's last lines matter most: try again after a pause.
@@ -227,8 +246,15 @@ class TrainingJobTrigger(BaseTrigger):
             self._log_recovered()
             self._show(chunk.lines)
             self.log_offset = chunk.next_offset
-            if not drain or not chunk.lines or time.monotonic() >= until:
+            if not drain or not chunk.lines or time.monotonic() >= until_s:
                 return
+
+    def _abandon_log_read(self) -> None:
+        """Give up the read in flight: its late answer (or error) is dropped without a word."""
+        read, self._log_read = self._log_read, None
+        if read is not None:
+            read.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._abandoned.add(read)
 
     def _show(self, lines: list[str]) -> None:
         """Log ``lines`` into the task log, up to ``max_log_bytes_per_poll`` of them."""
@@ -426,18 +452,20 @@ class TrainingJobTrigger(BaseTrigger):
             async for event in self._polls(backend, key):
                 yield event
         finally:
-            if self._log_read is not None:
-                # Abandoned: its late answer (or error) is dropped without a complaint.
-                self._log_read.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._abandon_log_read()
 
     async def _polls(self, backend, key) -> AsyncIterator[TriggerEvent]:
         while True:
+            next_poll_s = time.monotonic() + self.poll_interval_s
             try:
                 status = await asyncio.to_thread(backend.status, self.handle)
             except Exception as err:  # noqa: BLE001 - any engine error ends the wait as an event
                 yield self._event("error", f"could not observe job {key}: {err}")
                 return
-            await self._pump_logs(backend, drain=status.state.terminal)
+            if status.state.terminal:
+                await self._pump_logs(backend, time.monotonic() + self.log_timeout_s, drain=True)
+            else:
+                await self._pump_logs(backend, next_poll_s)
             if status.state.terminal:
                 if status.state == JobState.SUCCEEDED:
                     yield self._event("success", f"job {key} finished: {status.message}", status)
@@ -458,7 +486,7 @@ class TrainingJobTrigger(BaseTrigger):
                     status,
                 )
                 return
-            pause = self.poll_interval_s
+            pause = max(0.0, next_poll_s - time.monotonic())
             if self.deadline_epoch_s is not None:
                 pause = min(pause, max(0.0, self.deadline_epoch_s - time.time()))
             await asyncio.sleep(pause)

@@ -144,6 +144,32 @@ def test_the_deadline_holds_while_the_log_read_hangs(fake):
     assert took < 4.0
 
 
+def test_the_status_polls_keep_their_pace_while_a_log_read_hangs(fake):
+    backend = fake([JobState.RUNNING] * 6 + [JobState.SUCCEEDED], hangs)
+    calls = []
+    status = backend.status
+    backend.status = lambda handle: calls.append(time.monotonic()) or status(handle)
+    trigger = _trigger()
+    trigger.log_timeout_s = 3.0  # longer than the whole run of polls
+    event, took = _first_event(trigger)
+    assert event["status"] == "success"
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert len(calls) == 7 and max(gaps) < 1.0, gaps
+    assert took < 7.0
+
+
+def test_hanging_log_reads_do_not_pile_up(fake):
+    backend = fake([JobState.RUNNING] * 10 + [JobState.SUCCEEDED], hangs)
+    before = set(threading.enumerate())
+    event, _ = _first_event(_trigger())
+    assert event["status"] == "success"
+    # Each read is given up after 0.5 s; past two hanging ones no new read starts.
+    assert backend.reads == triggers.MAX_ABANDONED_READS
+    hanging = [t for t in set(threading.enumerate()) - before
+               if t.name == "trainforge-log-read"]
+    assert len(hanging) <= triggers.MAX_ABANDONED_READS
+
+
 def test_a_trickling_log_does_not_hold_up_the_end_of_the_wait(fake):
     backend = fake([JobState.RUNNING, JobState.SUCCEEDED], trickles)
     event, took = _first_event(_trigger())
