@@ -240,10 +240,12 @@ def cancel_ray_jobs(address: str, dag_id: str, since_epoch_s: float | None = Non
 
 @contextlib.contextmanager
 def termination_as_interrupt() -> Iterator[None]:
-    """While open, SIGTERM and SIGHUP (a closed terminal, ``timeout``, a CI job cancelled) raise
-    :class:`KeyboardInterrupt` like Ctrl-C, so they take the same way out: Airflow stopped, this
-    run's jobs cancelled and named, the MLflow server and Ray head this run started stopped.
-    Outside the main thread (where Python delivers signals) it does nothing."""
+    """While open, SIGTERM and SIGHUP (a closed terminal, ``timeout``, a CI job cancelled, a
+    service manager) raise :class:`KeyboardInterrupt` like Ctrl-C, so they take the same way out:
+    for ``trainforge run``, Airflow stopped, this run's jobs cancelled and named, the MLflow
+    server and Ray head this run started stopped; for ``make airflow``
+    (:mod:`trainforge.standalone`), airflow standalone's process tree and the MLflow server
+    stopped. Outside the main thread (where Python delivers signals) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
