@@ -21,15 +21,9 @@ only means the event loop is being torn down by an exception of the task process
 execution timeout, a SIGTERM): the trigger then leaves the job alone and asks nothing, because
 the task's ``on_kill`` decides about the job, once.
 
-The job's status alone decides the event; its log is best effort. Each poll asks for the status
-first, then for the log lines since the last offset (at most ``max_log_bytes_per_poll``), waiting
-for them until the next poll is due, never past the deadline. A log read runs in a daemon thread
-of its own, one at a time; one still running at the next poll is waited on again, and given up
-(a warning) once it has run ``log_timeout_s``. A log read that fails is a warning naming the job
-(and the pod, where the engine's error does), never an event. So a log that fails, hangs or
-trickles delays neither the status polls, nor the deadline, nor the end of the wait. A finished
-job's last lines are read within ``log_timeout_s`` in all (a failed read is tried again, a few
-times, after a pause).
+The job's status alone decides the event; its log is best effort
+(:class:`~trainforge.trigger_logs.JobLogFollower`): a log that fails, hangs or trickles delays
+neither the status polls, nor the deadline, nor the end of the wait.
 
 Events form one closed set (:data:`EVENT_STATUSES`); each carries a human ``message`` and the
 job's identity::
@@ -43,7 +37,6 @@ job's identity::
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -53,6 +46,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from trainforge.engines.registry import get_backend
 from trainforge.engines.base import JobState
 from trainforge.errors import TriggerEventError
+from trainforge.trigger_logs import JobLogFollower
 
 EVENT_STATUSES = ("success", "error", "timeout", "cancelled")
 
@@ -60,50 +54,6 @@ EVENT_STATUSES = ("success", "error", "timeout", "cancelled")
 # The triggerer answers it through its in-process API server, which can take seconds to warm up
 # on a busy machine; the trigger warms it up when it starts (see `_wait`).
 STATE_LOOKUP_TIMEOUT_S = 25.0
-
-# A log read that has kept failing is warned about again after this many seconds, not per poll.
-LOG_WARNING_EVERY_S = 60.0
-# At most this many reads when the last lines of a finished job are read (within log_timeout_s).
-MAX_DRAIN_READS = 64
-# Given-up log reads whose threads still run, at most; past it no new read starts.
-MAX_ABANDONED_READS = 2
-# ...of which this many may fail, each after a pause, before the last lines are given up.
-DRAIN_RETRIES = 3
-DRAIN_RETRY_PAUSE_S = 0.5
-
-
-def _in_daemon_thread(fn: Any, *args: Any) -> asyncio.Future:
-    """``fn(*args)`` in a daemon thread of its own; a future of the running loop for its result.
-
-    Unlike ``asyncio.to_thread`` the thread belongs to no executor: a call that never returns
-    holds up neither the executor's other work nor ``asyncio.run``'s shutdown, which joins the
-    default executor's threads (:meth:`TrainingJobTrigger.wait_here`).
-    """
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(value: Any, err: BaseException | None) -> None:
-        if future.done():
-            return
-        if err is None:
-            future.set_result(value)
-        else:
-            future.set_exception(err)
-
-    def work() -> None:
-        value, err = None, None
-        try:
-            value = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the future
-            err = exc
-        try:
-            loop.call_soon_threadsafe(settle, value, err)
-        except RuntimeError:
-            pass  # the loop is closed: the wait ended without this call's answer
-
-    threading.Thread(target=work, name="trainforge-log-read", daemon=True).start()
-    return future
-
 
 class TrainingJobTrigger(BaseTrigger):
     """Poll a training job until it ends, passing rank 0's new log lines to the task log.
@@ -145,21 +95,20 @@ class TrainingJobTrigger(BaseTrigger):
         self.handle = dict(handle)
         self.poll_interval_s = float(min(max(poll_interval_s, 0.5), 300.0))
         self.deadline_epoch_s = deadline_epoch_s
-        self.log_offset = int(log_offset)
         self.max_log_bytes_per_poll = int(max_log_bytes_per_poll)
         self.cancel_on_kill = bool(cancel_on_kill)
         self.cancel_grace_s = float(cancel_grace_s)
         self.deadline_reason = deadline_reason
         self.log_timeout_s = float(log_timeout_s)
         self._kill_handled = False
-        self._log_read: asyncio.Future | None = None  # a log read still in flight
-        self._log_read_started_s = 0.0
-        self._abandoned: set[asyncio.Future] = set()  # given-up reads whose threads still run
-        self._log_trouble: str | None = None  # why the last log read failed
-        self._log_trouble_since = 0.0
-        self._log_warned_at = 0.0
-        self._log_failures = 0
+        self._logs = JobLogFollower(self.handle, self.log, int(log_offset),
+                                    int(max_log_bytes_per_poll), float(log_timeout_s))
         self._in_task_process = False
+
+    @property
+    def log_offset(self) -> int:
+        """Byte offset of the job log shown so far (carried into events and re-serialisation)."""
+        return self._logs.offset
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -196,112 +145,6 @@ class TrainingJobTrigger(BaseTrigger):
             "deadline_reason": self.deadline_reason,
         }
         return TriggerEvent(payload)
-
-    async def _pump_logs(self, backend, until_s: float, drain: bool = False) -> None:
-        """Pass the job's new log lines to the task log; best effort, never raises.
-
-        Waits until ``until_s`` (``time.monotonic()``; the next poll's time, or for ``drain``
-        the end of the last lines' reads) at the latest, and never past the deadline. A read
-        still running then stays in flight and is waited on again at the next call; once it has
-        run ``log_timeout_s`` it is given up (warned) and the next call starts a new one, unless
-        :data:`MAX_ABANDONED_READS` given-up reads still hang.
-        """
-        if self.deadline_epoch_s is not None:
-            until_s = min(until_s, time.monotonic() + self.deadline_epoch_s - time.time())
-        failed_reads = 0
-        for _ in range(MAX_DRAIN_READS if drain else 1):
-            if self._log_read is None:
-                self._abandoned = {read for read in self._abandoned if not read.done()}
-                if len(self._abandoned) >= MAX_ABANDONED_READS:
-                    self._log_failed(f"{len(self._abandoned)} earlier log reads still hang; "
-                                     f"no new read until one of them ends")
-                    return
-                self._log_read = _in_daemon_thread(
-                    backend.read_logs, self.handle, self.log_offset, self.max_log_bytes_per_poll)
-                self._log_read_started_s = time.monotonic()
-            gives_up_s = self._log_read_started_s + self.log_timeout_s
-            left_s = max(0.0, min(until_s, gives_up_s) - time.monotonic())
-            done, _ = await asyncio.wait({self._log_read}, timeout=left_s)
-            if not done:
-                if time.monotonic() < gives_up_s:
-                    return  # still within its time: waited on again at the next poll
-                self._abandon_log_read()
-                self._log_failed(f"no answer within {self.log_timeout_s:g} s")
-                failed_reads += 1
-                if not drain or failed_reads >= DRAIN_RETRIES or time.monotonic() >= until_s:
-                    return
-                continue
-            read, self._log_read = self._log_read, None
-            try:
-                chunk = read.result()
-            except Exception as err:  # noqa: BLE001 - logs are best effort
-                self._log_failed(f"{type(err).__name__}: {err}")
-                failed_reads += 1
-                left = until_s - time.monotonic()
-                if not drain or failed_reads >= DRAIN_RETRIES or left <= 0:
-                    return
-                # The finished job's last lines matter most: try again after a pause.
-                await asyncio.sleep(min(DRAIN_RETRY_PAUSE_S, left))
-                continue
-            self._log_recovered()
-            self._show(chunk.lines)
-            self.log_offset = chunk.next_offset
-            if not drain or not chunk.lines or time.monotonic() >= until_s:
-                return
-
-    def _abandon_log_read(self) -> None:
-        """Give up the read in flight: its late answer (or error) is dropped without a word."""
-        read, self._log_read = self._log_read, None
-        if read is not None:
-            read.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._abandoned.add(read)
-
-    def _show(self, lines: list[str]) -> None:
-        """Log ``lines`` into the task log, up to ``max_log_bytes_per_poll`` of them."""
-        key = self.handle.get("key")
-        used = 0
-        for n, line in enumerate(lines):
-            size = len(line.encode("utf-8", errors="replace")) + 1
-            if used + size > self.max_log_bytes_per_poll:
-                if used == 0:  # a single line over the budget: its head
-                    self.log.info("[%s] %s...", key, line[: self.max_log_bytes_per_poll])
-                    n += 1
-                skipped = lines[n:]
-                if skipped:
-                    self.log.warning(
-                        "Job %s: %d log lines (%d bytes) not shown: over the per-poll budget of "
-                        "%d bytes", key, len(skipped), sum(len(x) + 1 for x in skipped),
-                        self.max_log_bytes_per_poll)
-                return
-            used += size
-            self.log.info("[%s] %s", key, line)
-
-    def _job_name(self) -> str:
-        key, name = self.handle.get("key"), self.handle.get("name")
-        return f"{key} ({name})" if name and name != key else str(key)
-
-    def _log_failed(self, why: str) -> None:
-        """A warning for a failed or silent log read: the first of a streak, then once every
-        :data:`LOG_WARNING_EVERY_S`."""
-        now = time.monotonic()
-        self._log_failures += 1
-        if self._log_trouble is None:
-            self._log_trouble_since = now
-        first = self._log_trouble is None or why != self._log_trouble
-        self._log_trouble = why
-        if not first and now - self._log_warned_at < LOG_WARNING_EVERY_S:
-            return
-        self._log_warned_at = now
-        streak = "" if self._log_failures == 1 else (
-            f" ({self._log_failures} failed reads over {now - self._log_trouble_since:.0f} s)")
-        self.log.warning("Job %s: could not read its log: %s%s; the wait goes on by the job's "
-                         "status", self._job_name(), why, streak)
-
-    def _log_recovered(self) -> None:
-        if self._log_trouble is not None:
-            self.log.info("Job %s: its log reads again after %d failed reads",
-                          self._job_name(), self._log_failures)
-        self._log_trouble, self._log_failures = None, 0
 
     def wait_here(self) -> dict[str, Any]:
         """Run this trigger's wait in the calling process until its first event; its payload.
@@ -452,7 +295,7 @@ class TrainingJobTrigger(BaseTrigger):
             async for event in self._polls(backend, key):
                 yield event
         finally:
-            self._abandon_log_read()
+            self._logs.abandon_read()
 
     async def _polls(self, backend, key) -> AsyncIterator[TriggerEvent]:
         while True:
@@ -463,9 +306,10 @@ class TrainingJobTrigger(BaseTrigger):
                 yield self._event("error", f"could not observe job {key}: {err}")
                 return
             if status.state.terminal:
-                await self._pump_logs(backend, time.monotonic() + self.log_timeout_s, drain=True)
+                await self._logs.pump(backend, time.monotonic() + self.log_timeout_s,
+                                      self.deadline_epoch_s, drain=True)
             else:
-                await self._pump_logs(backend, next_poll_s)
+                await self._logs.pump(backend, next_poll_s, self.deadline_epoch_s)
             if status.state.terminal:
                 if status.state == JobState.SUCCEEDED:
                     yield self._event("success", f"job {key} finished: {status.message}", status)

@@ -16,7 +16,7 @@ import pytest
 
 from trainforge.engines.base import JobState, JobStatus, LogChunk
 from trainforge.errors import BackendError
-from trainforge import triggers
+from trainforge import trigger_logs, triggers
 from trainforge.triggers import TrainingJobTrigger
 
 HANDLE = {"engine": "fake", "key": "d.r.train.1", "name": "train-job-1",
@@ -164,10 +164,10 @@ def test_hanging_log_reads_do_not_pile_up(fake):
     event, _ = _first_event(_trigger())
     assert event["status"] == "success"
     # Each read is given up after 0.5 s; past two hanging ones no new read starts.
-    assert backend.reads == triggers.MAX_ABANDONED_READS
+    assert backend.reads == trigger_logs.MAX_ABANDONED_READS
     hanging = [t for t in set(threading.enumerate()) - before
                if t.name == "trainforge-log-read"]
-    assert len(hanging) <= triggers.MAX_ABANDONED_READS
+    assert len(hanging) <= trigger_logs.MAX_ABANDONED_READS
 
 
 def test_a_trickling_log_does_not_hold_up_the_end_of_the_wait(fake):
