@@ -19,6 +19,7 @@ from trainforge.pipeline.errors import SpecError, SpecIssue
 from trainforge.pipeline.messages import _describe
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.yaml_positions import SpecLoader, parse_with_positions
+from trainforge.pipeline.yaml_syntax import path_at
 
 
 class _DuplicateKey(Exception):
@@ -62,7 +63,7 @@ def parse_spec_text(text: str, file: str = "<string>") -> PipelineSpec:
     if alias is not None:
         mark = alias.start_mark
         raise SpecError([SpecIssue(
-            file, mark.line + 1, mark.column + 1, "",
+            file, mark.line + 1, mark.column + 1, path_at(text[:mark.index]),
             f"YAML aliases are not supported in a pipeline spec (got the alias *{alias.anchor}; "
             f"expected the value written out): an alias can make a small file expand without "
             f"bound")])

@@ -5,8 +5,9 @@ YAML pitfalls handled here:
 
 * ``1e-4`` (scientific notation without a dot) is a float, not the string YAML 1.1 makes of it;
 * duplicate keys are an error, not last-one-wins;
-* a tab in the indentation is named as such, at the tab; other syntax errors are reported with
-  YAML's own position;
+* a syntax error is reported at YAML's own position with the field it is in, a tab in the
+  indentation as such, an unquoted value that starts with ``*`` as an alias to quote (see
+  :mod:`trainforge.pipeline.yaml_syntax`);
 * an unquoted key YAML reads as a boolean or number (``on:``, ``1:``) is an error naming the
   key as written, with the quoted form to use;
 * a quoted number given for a number field is an error (the published JSON Schema says
@@ -26,7 +27,15 @@ import yaml
 from pydantic import ValidationError
 
 from trainforge.pipeline.errors import SpecError, SpecIssue
-from trainforge.pipeline.messages import _data_loc, _describe, _one_error_per_union, _position
+from trainforge.pipeline.messages import (
+    KEY_MARK,
+    _data_loc,
+    _describe,
+    _one_error_per_union,
+    _position,
+)
+from trainforge.pipeline.misplaced import explain as explain_misplaced
+from trainforge.pipeline.yaml_syntax import syntax_issue, unreadable_character
 from trainforge.pipeline.model import PipelineSpec
 
 _FLOAT = re.compile(
@@ -115,6 +124,7 @@ def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues:
                     )
                 )
                 continue
+            marks[KEY_MARK + path + (key,)] = key_node.start_mark
             out[key] = _walk(value_node, loader, path + (key,), marks, issues, file)
             if isinstance(value_node, (yaml.MappingNode, yaml.SequenceNode)):
                 # Errors about a whole section point at its key, not its first child.
@@ -132,32 +142,6 @@ def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues:
         return None
 
 
-def _indenting_tab(text: str, line: int) -> tuple[int, int] | None:
-    """Line and column (1-based) of a tab in the indentation of line ``line``, where YAML
-    reported a syntax error (YAML forbids tabs there; libyaml calls one "a character that
-    cannot start any token"), or None when the line has none."""
-    lines = text.splitlines()
-    if 1 <= line <= len(lines):
-        current = lines[line - 1]
-        indent = current[: len(current) - len(current.lstrip(" \t"))]
-        if "\t" in indent:
-            return line, indent.index("\t") + 1
-    return None
-
-
-def _unreadable_character(text: str, file: str, err: yaml.reader.ReaderError) -> SpecIssue:
-    """The issue of a character YAML refuses (NUL, ESC, other control characters): at its line
-    and column, computed from the offset the reader reports."""
-    position = max(0, min(int(err.position), len(text)))
-    line = text.count("\n", 0, position) + 1
-    column = position - (text.rfind("\n", 0, position) + 1) + 1
-    char = err.character if isinstance(err.character, str) else chr(err.character)
-    return SpecIssue(file, line, column, "",
-                     f"YAML does not allow the control character {char!r} (got it at offset "
-                     f"{position}; expected printable text): remove it, or save the file as "
-                     f"UTF-8 if it is UTF-16")
-
-
 def parse_with_positions(text: str, file: str) -> PipelineSpec:
     """Parse and validate ``text`` keeping every node's position.
 
@@ -169,18 +153,9 @@ def parse_with_positions(text: str, file: str) -> PipelineSpec:
         try:
             root = loader.get_single_node()
         except yaml.reader.ReaderError as err:  # a control character: it carries an offset only
-            raise SpecError([_unreadable_character(text, file, err)]) from None
+            raise SpecError([unreadable_character(text, file, err)]) from None
         except yaml.MarkedYAMLError as err:
-            mark = err.problem_mark or err.context_mark
-            line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-            tab = _indenting_tab(text, line)
-            if tab is not None:
-                line, col = tab
-                message = (f"a tab is used for indentation; YAML indents with spaces, not tabs "
-                           f"(got a tab at column {col}; expected spaces)")
-            else:
-                message = f"YAML syntax error: {err.problem}"
-            raise SpecError([SpecIssue(file, line, col, "", message)]) from None
+            raise SpecError([syntax_issue(text, file, err)]) from None
         if root is None:
             raise SpecError([SpecIssue(file, 1, 1, "", "the file is empty (expected a mapping)")])
         marks: dict[tuple, yaml.Mark] = {}
@@ -206,8 +181,10 @@ def parse_with_positions(text: str, file: str) -> PipelineSpec:
         spec = PipelineSpec.model_validate(data)
     except ValidationError as err:
         seen = set(issues)  # a set: a file with thousands of mistakes stays linear
-        for e in _one_error_per_union(err.errors(), data, marks):
+        errors = _one_error_per_union(err.errors(), data, marks)
+        for e in errors:
             e["loc"] = _data_loc(tuple(e["loc"]), marks)
+        for e in explain_misplaced(errors, PipelineSpec):
             if any(("node_error",) + tuple(e["loc"][:cut]) in marks
                    for cut in range(len(e["loc"]) + 1)):
                 continue  # already reported: YAML could not read the value
