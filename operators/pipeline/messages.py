@@ -235,4 +235,10 @@ def _describe(error: dict, marks: dict | None = None) -> str:
         return message + _yaml_hint(raw, given, kind)
     if isinstance(given, dict):
         return message
-    return f"{message} (got {given!r}{_yaml_hint(raw, given, kind)})"
+    return f"{message} (got {_short(given)}{_yaml_hint(raw, given, kind)})"
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters and its length when longer (a 400-digit number)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"

@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from trainforge.pipeline.errors import dotted
+
 #: pydantic error type of a key that belongs elsewhere (worded in full by :func:`explain`).
 MISPLACED = "misplaced"
 
@@ -62,10 +64,6 @@ def _model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
             return None
         model = found[0]
     return model
-
-
-def _dotted(loc: tuple) -> str:
-    return ".".join(str(p) for p in loc)
 
 
 def _required(root: type[BaseModel], loc: tuple) -> set[str]:
@@ -116,9 +114,9 @@ def explain(errors: list[dict], root: type[BaseModel]) -> list[dict]:
             continue
         for target in targets:
             moved.setdefault(target[:-1], []).append(target[-1])
-        where = "at the top level" if len(loc) == 1 else f"in {_dotted(loc[:-1])}"
-        names = " or ".join(_dotted(t) for t in targets[:3])
-        under = _dotted(targets[0][:-1])
+        where = "at the top level" if len(loc) == 1 else f"in {dotted(loc[:-1])}"
+        names = " or ".join(dotted(t) for t in targets[:3])
+        under = dotted(targets[0][:-1])
         advice = f"move it under {under}:" if under else "move it to the top level"
         out.append({**error, "type": MISPLACED,
                     "msg": f"unknown field {where} (got {loc[-1]!r}; did you mean {names}? "

@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from trainforge.pipeline.errors import SpecError, SpecIssue
+from trainforge.pipeline.errors import SpecError, SpecIssue, dotted
 from trainforge.pipeline.messages import (
     KEY_MARK,
     _data_loc,
@@ -68,7 +68,7 @@ class _NodeError(Exception):
     def __init__(self, mark: yaml.Mark, path: tuple, message: str):
         super().__init__(message)
         self.line, self.column = mark.line + 1, mark.column + 1
-        self.path = ".".join(str(p) for p in path)
+        self.path = dotted(path)
         self.message = message
 
 
@@ -81,7 +81,30 @@ def _construct(loader: SpecLoader, node: yaml.Node, path: tuple):
                              f"not a valid date (got {node.value!r}: {err}; expected YYYY-MM-DD)")
         raise _NodeError(node.start_mark, path,
                          f"YAML could not read {node.value!r}: {err} (quote it if it is text)")
+    except yaml.MarkedYAMLError as err:  # a merge key (<<) or a tag YAML cannot construct
+        problem = err.problem or str(err)
+        if "merge" in problem or node.tag == "tag:yaml.org,2002:merge":
+            problem += " (merge keys '<<' and anchors are not supported: write the values out)"
+        elif node.tag and not node.tag.startswith("tag:yaml.org,2002:"):
+            problem = _tag_message(node.tag)
+        raise _NodeError(node.start_mark, path, f"YAML error: {problem}") from None
+    except Exception as err:  # noqa: BLE001 - PyYAML's constructors on tagged values
+        # `!!bool maybe` raises KeyError, `!!timestamp hello` AttributeError: say which
+        # value could not be read as which tag, never a traceback
+        shown = str(node.tag).replace("tag:yaml.org,2002:", "!!")
+        raise _NodeError(node.start_mark, path,
+                         f"YAML could not read {node.value!r} as {shown} ({type(err).__name__}: "
+                         f"{err}; expected a value without a tag)") from None
     return value
+
+
+_PLAIN_TAGS = {"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"}
+
+
+def _tag_message(tag: str) -> str:
+    shown = tag.replace("tag:yaml.org,2002:", "!!")
+    return (f"YAML tags are not supported in a pipeline spec (got {shown}; expected the value "
+            f"without a tag)")
 
 
 def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues: list, file: str):
@@ -91,6 +114,11 @@ def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues:
     errors can explain what YAML made of it.
     """
     marks[path] = node.start_mark
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and node.tag not in _PLAIN_TAGS:
+        # `!!set {a: null}`, `!custom [1]`: report the tag, and read on as a plain collection
+        issues.append(SpecIssue(file, node.start_mark.line + 1, node.start_mark.column + 1,
+                                dotted(path), _tag_message(node.tag)))
+        marks[("node_error",) + path] = True
     if isinstance(node, yaml.ScalarNode) and not node.style:  # plain: None (Python) or "" (libyaml)
         marks[("raw",) + path] = node.value
     if isinstance(node, yaml.MappingNode):
@@ -107,7 +135,7 @@ def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues:
                 what = "boolean" if isinstance(key, bool) else type(key).__name__
                 issues.append(SpecIssue(
                     file, key_node.start_mark.line + 1, key_node.start_mark.column + 1,
-                    ".".join(str(p) for p in path + (key_node.value,)),
+                    dotted(path + (key_node.value,)),
                     f"key {key_node.value!r} is read by YAML as the {what} {key!r} (got {key!r}; "
                     f"expected a text key: quote it, \"{key_node.value}\")"))
                 key = key_node.value
@@ -118,7 +146,7 @@ def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues:
                         file,
                         key_node.start_mark.line + 1,
                         key_node.start_mark.column + 1,
-                        ".".join(str(p) for p in path + (key,)),
+                        dotted(path + (key,)),
                         f"duplicate key (first given on line {first.line + 1}; each key may "
                         f"appear once)",
                     )
@@ -162,13 +190,6 @@ def parse_with_positions(text: str, file: str) -> PipelineSpec:
         issues: list[SpecIssue] = []
         try:
             data = _walk(root, loader, (), marks, issues, file)
-        except yaml.MarkedYAMLError as err:  # e.g. merge keys (<<) and unknown tags
-            mark = err.problem_mark or err.context_mark
-            line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-            problem = err.problem or str(err)
-            if "merge" in problem:
-                problem += " (merge keys '<<' and anchors are not supported: write the values out)"
-            raise SpecError([SpecIssue(file, line, col, "", f"YAML error: {problem}")]) from None
         except _NodeError as err:
             raise SpecError([SpecIssue(file, err.line, err.column, err.path, err.message)]) from None
     finally:
@@ -189,7 +210,7 @@ def parse_with_positions(text: str, file: str) -> PipelineSpec:
                    for cut in range(len(e["loc"]) + 1)):
                 continue  # already reported: YAML could not read the value
             line, col = _position(marks, e["loc"], e)
-            path = ".".join(str(p) for p in e["loc"])
+            path = dotted(e["loc"])
             issue = SpecIssue(file, line, col, path, _describe(e, marks))
             if issue not in seen:
                 seen.add(issue)

@@ -10,9 +10,16 @@
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
-from trainforge.pipeline.errors import SpecIssue
+from trainforge.pipeline.errors import SpecIssue, dotted
+
+
+#: What YAML's reader refuses: anything outside its printable set (YAML 1.1, 5.1), and lone
+#: surrogates (text decoded with errors="surrogateescape").
+_UNREADABLE = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
 def path_at(text: str) -> str:
@@ -22,45 +29,53 @@ def path_at(text: str) -> str:
 
     # one frame per open collection: a mapping's [True, key, whether its value was read],
     # a sequence's [False, index of its current item]
+    # a character YAML refuses would stop the reader before the first event: blank it out
+    # (same length, so every position stays where it was)
+    text = _UNREADABLE.sub(" ", text)
     stack: list[list] = []
-    last_value: list | None = None  # the mapping whose value was the last scalar read
+    last: tuple | None = None  # (mapping, scalar) when the last event was a scalar value
     try:
         for event in yaml.parse(text, Loader=SpecLoader):
             if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 if event.start_mark.index >= len(text):
-                    if last_value is not None:
-                        last_value[2] = False  # the text ends inside that value
-                    break  # keep the sections open at the end of the text
+                    # the text ends here: keep the sections open at its end, and the key whose
+                    # value it ends in (an empty value, or one that runs up to the end)
+                    if last is not None and (last[1].value == "" and not last[1].style
+                                             or last[1].end_mark.index >= len(text.rstrip(" "))):
+                        last[0][2] = False
+                    break
                 stack.pop()
-                last_value = None
+                last = None
                 continue
             if not isinstance(event, yaml.NodeEvent):
                 continue
-            last_value = None
+            last = None
             if stack and stack[-1][0]:
                 top = stack[-1]
                 if top[2] is not False:  # a key (the first, or the one after a value)
                     top[1], top[2] = getattr(event, "value", None), False
                 else:
                     top[2] = True
-                    ends_text = event.end_mark.index >= len(text.rstrip(" "))
-                    last_value = top if isinstance(event, yaml.ScalarEvent) and ends_text else None
+                    if isinstance(event, yaml.ScalarEvent):
+                        last = (top, event)
             elif stack:
                 stack[-1][1] += 1
             if isinstance(event, yaml.MappingStartEvent):
                 stack.append([True, None, None])
             elif isinstance(event, yaml.SequenceStartEvent):
                 stack.append([False, -1])
-    except yaml.YAMLError:
-        pass
-    parts = []
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        if last is not None and mark is not None and mark.index <= last[1].end_mark.index + 1:
+            last[0][2] = False  # the error is at the end of that value: it is the value's
+    parts: list = []
     for depth, frame in enumerate(stack):
         inner = depth < len(stack) - 1
         if frame[0] and frame[1] is not None and (inner or frame[2] is False):
             parts.append(str(frame[1]))
         elif not frame[0] and frame[1] >= 0 and inner:
-            parts.append(str(frame[1]))
-    return ".".join(parts)
+            parts.append(frame[1])
+    return dotted(parts)
 
 
 def _indenting_tab(text: str, line: int) -> tuple[int, int] | None:
@@ -121,6 +136,8 @@ def syntax_issue(text: str, file: str, err: yaml.MarkedYAMLError) -> SpecIssue:
         message = hint
     else:
         message = f"YAML syntax error: {err.problem}"
+        if "expected key" in (err.problem or "") or "<block end>" in (err.problem or ""):
+            message += " (check the indentation of this line against the lines above)"
     return SpecIssue(file, line, col, path, message)
 
 

@@ -172,9 +172,10 @@ CASES = [
     (_under("pipeline:\n", "  start_date: 2026/01/01\n"), "pipeline.start_date", 2,
      "not a valid date (got '2026/01/01'; expected YYYY-MM-DD)"),
     # a tab in the indentation is named as such, at the tab
-    (_replace("    max_steps: 10\n", "\tmax_steps: 10\n"), "training", 7,
+    (_replace("    max_steps: 10\n", "\tmax_steps: 10\n"), "training.optimization", 7,
      "a tab is used for indentation; YAML indents with spaces, not tabs (got a tab at column 1"),
-    (_replace("    max_steps: 10\n", "  \tmax_steps: 10\n"), "training", 7, "got a tab at column 3"),
+    (_replace("    max_steps: 10\n", "  \tmax_steps: 10\n"), "training.optimization", 7,
+     "got a tab at column 3"),
     (_replace("    max_steps: 10\n", "    max_steps: 10\n\t\n"), "training.optimization", 8,
      "got a tab at column 1"),
     # keys YAML reads as something else than text: the field is named as written
@@ -256,6 +257,21 @@ CASES = [
      "a duration must be longer than zero"),
     (_under("training:\n", "  fault:\n    collective_timeout: 0m\n"),
      "training.fault.collective_timeout", 7, "a duration must be longer than zero"),
+    # found by fuzzing the loader (test_loader_fuzz.py): each was a traceback, a silently
+    # ignored value, or a line without its field
+    (_under("pipeline:\n", "  start_date: !!timestamp hello\n"), "pipeline.start_date", 2,
+     "YAML could not read 'hello' as !!timestamp (AttributeError"),
+    (_under("pipeline:\n", "  catchup: !!bool maybe\n"), "pipeline.catchup", 2,
+     "YAML could not read 'maybe' as !!bool (KeyError"),
+    (MINIMAL + "model: !custom {hidden_size: 256}\n", "model", 15,
+     "YAML tags are not supported in a pipeline spec (got !custom; expected the value without "
+     "a tag)"),
+    (_replace("  checkpoint:\n", "  checkpoint: !!set\n"), "training.checkpoint", 11,
+     "YAML tags are not supported in a pipeline spec (got !!set"),
+    (_under("data:\n", "  'validation_fraction ': 0.1\n"), 'data."validation_fraction "', 4,
+     "unknown field (got 'validation_fraction '; did you mean 'validation_fraction'?)"),
+    (_under("pipeline:\n", "  owner: " + "9" * 400 + "\n"), "pipeline.owner", 2,
+     "(got 9999999999999999999999999999999999999999... (400 characters); YAML read the unquoted"),
     # credentials never come from the spec
     (_under("training:\n", "  engine: ray\n  ray:\n    env_vars: {AWS_SECRET_ACCESS_KEY: x}\n"),
      "training.ray.env_vars", 8, "env_vars may not carry credentials"),
@@ -374,11 +390,31 @@ def test_yaml_that_cannot_become_data_is_an_error_not_a_crash(text, line, fragme
     assert info.value.issues[0].line == line and fragment in str(info.value)
 
 
+@pytest.mark.parametrize("text,where", [
+    # every line names its field, also when YAML cannot read the file
+    (MINIMAL.replace("name: tiny", "name: ti\x01ny"), "2:11: pipeline.name:"),
+    (MINIMAL.replace("  checkpoint:\n", "  checkpoint:\n\x1b"), "12:1: training.checkpoint:"),
+    (MINIMAL.replace("tiny-llm", "tiny\udce9"), "14:19: registry.model_name: not UTF-8 text"),
+    (MINIMAL.replace("model_name: tiny-llm", "<<: {model_name: tiny-llm}"), "14:3: registry:"),
+    (MINIMAL.replace("model_name: tiny-llm", "model_name: &n tiny-llm\n  tags: {x: *n}"),
+     "15:13: registry.tags.x: YAML aliases are not supported"),
+    (MINIMAL.replace("    interval_steps: 5\n", "    interval_steps: 5\n   keep_last: 3\n"),
+     "13:4: training: YAML syntax error"),
+    (MINIMAL.replace("  checkpoint:\n", " checkpoint:\n"),
+     "11:2: (top level): YAML syntax error: did not find expected key (check the indentation"),
+    ("", "1:1: (top level): the file is empty"),
+])
+def test_a_problem_yaml_finds_names_the_field_it_is_in(text, where):
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text, "bad.yaml")
+    assert str(info.value).startswith(f"bad.yaml:{where}"), str(info.value)
+
+
 def test_a_file_that_is_not_utf8_is_reported_with_its_line(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes(MINIMAL.encode() + "owner: Jos\xe9\n".encode("latin-1"))
     # line 15, column 11: the byte after "owner: Jos"
-    with pytest.raises(SpecError, match=r"latin1.yaml:15:11: not UTF-8 text \(got byte 0xe9"):
+    with pytest.raises(SpecError, match=r"latin1.yaml:15:11: owner: not UTF-8 text \(got byte 0xe9"):
         load_spec(path)
 
 
