@@ -73,10 +73,20 @@ def _required(root: type[BaseModel], loc: tuple) -> set[str]:
     return {n for n, f in model.model_fields.items() if f.is_required()}
 
 
-def _targets(root: type[BaseModel], loc: tuple, wanted: set[tuple]) -> list[tuple]:
-    """Where the unknown key at ``loc`` is a field: searched from its own section outwards, the
-    nearest section with a match wins; among its matches, those a missing-field error asks
-    for come first, then the shallowest."""
+def _written(data: Any, path: tuple) -> bool:
+    """Whether the spec data has a value at ``path``."""
+    for part in path:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return False
+    return True
+
+
+def _targets(root: type[BaseModel], loc: tuple, wanted: set[tuple], data: Any) -> list[tuple]:
+    """Where the unknown key at ``loc`` is a field not written yet: searched from its own
+    section outwards, the nearest section with a match wins; among its matches, those a
+    missing-field error asks for come first, then the shallowest."""
     key = loc[-1]
     for cut in range(len(loc) - 1, -1, -1):
         base = loc[:cut]
@@ -84,7 +94,7 @@ def _targets(root: type[BaseModel], loc: tuple, wanted: set[tuple]) -> list[tupl
         if model is None:
             continue
         found = [base + path for path in _field_paths(model)
-                 if path[-1] == key and base + path != loc]
+                 if path[-1] == key and base + path != loc and not _written(data, base + path)]
         if found:
             def rank(path: tuple) -> tuple:
                 asked = any(path[:n] in wanted for n in range(len(path), 0, -1))
@@ -95,9 +105,9 @@ def _targets(root: type[BaseModel], loc: tuple, wanted: set[tuple]) -> list[tupl
     return []
 
 
-def explain(errors: list[dict], root: type[BaseModel]) -> list[dict]:
-    """``errors`` (pydantic's, with data locations) with each unknown key that is a field of
-    another section reworded as one "did you mean" error, and the "required field is missing"
+def explain(errors: list[dict], root: type[BaseModel], data: Any) -> list[dict]:
+    """``errors`` (pydantic's, with data locations, for the spec ``data``) with each unknown
+    key that is a field of another section, not written there, reworded as one "did you mean" error, and the "required field is missing"
     and "the section is empty" errors those keys explain removed."""
     wanted = {tuple(e["loc"]) for e in errors if e["type"] == "missing"
               or (e["type"] in ("model_type", "model_attributes_type") and e.get("input") is None)}
@@ -108,7 +118,7 @@ def explain(errors: list[dict], root: type[BaseModel]) -> list[dict]:
         if error["type"] != "extra_forbidden" or not loc or not isinstance(loc[-1], str):
             out.append(error)
             continue
-        targets = _targets(root, loc, wanted)
+        targets = _targets(root, loc, wanted, data)
         if not targets:
             out.append(error)
             continue

@@ -205,7 +205,7 @@ def parse_with_positions(text: str, file: str) -> PipelineSpec:
         errors = _one_error_per_union(err.errors(), data, marks)
         for e in errors:
             e["loc"] = _data_loc(tuple(e["loc"]), marks)
-        for e in explain_misplaced(errors, PipelineSpec):
+        for e in explain_misplaced(errors, PipelineSpec, data):
             if any(("node_error",) + tuple(e["loc"][:cut]) in marks
                    for cut in range(len(e["loc"]) + 1)):
                 continue  # already reported: YAML could not read the value

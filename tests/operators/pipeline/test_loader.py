@@ -228,13 +228,17 @@ CASES = [
     ("name: tiny\n" + MINIMAL.replace("  name: tiny\n", ""), "name", 1,
      "unknown field at the top level (got 'name'; did you mean pipeline.name? move it under "
      "pipeline:)"),
-    (_under("training:\n", "  max_steps: 10\n"), "training.max_steps", 6,
+    (_under("training:\n", "  max_steps: 10\n").replace("    max_steps: 10\n", ""),
+     "training.max_steps", 6,
      "unknown field in training (got 'max_steps'; did you mean training.optimization.max_steps? "
      "move it under training.optimization:)"),
     (MINIMAL + "stages:\n  - name: a\n    training:\n      max_steps: 8\n",
      "stages.0.training.max_steps", 18, "did you mean stages.0.training.optimization.max_steps?"),
     (_under("  optimization:\n", "    engine: ray\n"), "training.optimization.engine", 7,
      "did you mean training.engine? move it under training:"),
+    # a key already written where it belongs is no misplaced copy of it: the plain error
+    (_replace("  model_name: tiny-llm\n", "  model_name: tiny-llm\n  name: x\n"),
+     "registry.name", 15, "unknown field (got 'name'; expected one of: aliases, model_name, tags)"),
     # a name too long for its system: the length and the limit, not a complaint about characters
     (_replace("name: tiny", "name: " + "a" * 203), "pipeline.name", 2,
      "a dag_id is too long (got 203 characters, 'aaaaaaaaaaaaaaaaaaaaaaaa...'; expected at most "
