@@ -17,6 +17,8 @@ import yaml
 from trainforge.pipeline.errors import SpecIssue, dotted
 
 
+#: Events do not depend on the resolvers: libyaml's parser when available, as the loader uses.
+_EventLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 #: What YAML's reader refuses: anything outside its printable set (YAML 1.1, 5.1), and lone
 #: surrogates (text decoded with errors="surrogateescape").
 _UNREADABLE = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -25,8 +27,6 @@ _UNREADABLE = re.compile("[^\t\n\r\x20-\x7e\x85\xa0-\ud7ff\ue000-\ufffd\U0001000
 def path_at(text: str) -> str:
     """The dotted field path open where parsing ``text`` stops: at its first error, or at its
     end (for the text before a character YAML refuses). Empty at the top level."""
-    from trainforge.pipeline.yaml_positions import SpecLoader
-
     # one frame per open collection: a mapping's [True, key, whether its value was read],
     # a sequence's [False, index of its current item]
     # a character YAML refuses would stop the reader before the first event: blank it out
@@ -35,7 +35,7 @@ def path_at(text: str) -> str:
     stack: list[list] = []
     last: tuple | None = None  # (mapping, scalar) when the last event was a scalar value
     try:
-        for event in yaml.parse(text, Loader=SpecLoader):
+        for event in yaml.parse(text, Loader=_EventLoader):
             if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
                 if event.start_mark.index >= len(text):
                     # the text ends here: keep the sections open at its end, and the key whose
