@@ -156,3 +156,17 @@ def field_errors(model: type[BaseModel], *errors: tuple[tuple, str, Any, tuple])
             for loc, message, value, fallback in errors
         ],
     )
+
+
+def check_length(value: str, limit: int, what: str) -> None:
+    """Raise ValueError saying the length of a name that is empty or over ``limit`` characters.
+
+    Called before a name's character check, so that a name too long for its system (a dag_id,
+    a DNS label) is refused for its length, with the limit, not for its characters.
+    """
+    if not value:
+        raise ValueError(f"{what} may not be empty (got ''; expected 1 to {limit} characters)")
+    if len(value) > limit:
+        shown = repr(value[:24] + "...")
+        raise ValueError(f"{what} is too long (got {len(value)} characters, {shown}; expected "
+                         f"at most {limit})")

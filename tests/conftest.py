@@ -8,6 +8,54 @@ import pytest
 
 from tests.ray_head import ray_head  # noqa: F401 - the real Ray head on loopback (session)
 
+#: What some tests need beyond the venv, and how to get it on Debian/Ubuntu (`.ci/run` installs
+#: the packages). A test that cannot have one skips through :func:`skip_without`, so that its
+#: reason, in the summary `-ra` prints and in the section below it, says what to install.
+PREREQUISITES = {
+    "slurm": ("Slurm and munge (a one-node test cluster: slurmctld, slurmd, munged, sbatch)",
+              "sudo apt-get install -y --no-install-recommends slurm-wlm munge"),
+    "root": ("root (slurmd starts each job as its user)",
+             "run the Slurm tests as root, e.g. sudo -E .venv/bin/pytest tests/operators/engines/slurm"),
+    "postgres": ("PostgreSQL server binaries (initdb, pg_ctl)",
+                 "sudo apt-get install -y --no-install-recommends postgresql"),
+    "postgres-user": ("a 'postgres' or 'nobody' user to own the test cluster (initdb refuses root)",
+                      "sudo useradd --system --no-create-home postgres"),
+}
+_SKIP_PREFIX = "needs "
+
+
+def skip_without(prerequisite: str, detail: str = "") -> None:
+    """Skip the calling test for a missing entry of :data:`PREREQUISITES`, saying what is
+    missing (``detail``: e.g. which binaries) and how to install it."""
+    what, install = PREREQUISITES[prerequisite]
+    found = f" ({detail})" if detail else ""
+    pytest.skip(f"{_SKIP_PREFIX}{what}{found}; to run these tests: {install}")
+
+
+def prerequisite_summary(reasons: list[str]) -> list[str]:
+    """One line per missing prerequisite, with how many tests it skipped and how to install it
+    (``reasons``: the skip reasons of the session)."""
+    lines = []
+    for key, (what, install) in PREREQUISITES.items():
+        count = sum(1 for reason in reasons if reason.startswith(f"{_SKIP_PREFIX}{what}"))
+        if count:
+            lines.append(f"{count} skipped: {what}: {install}")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """After pytest's own summary: what the skipped tests need, one line per prerequisite."""
+    reasons = []
+    for report in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(report, "longrepr", None)
+        if isinstance(longrepr, tuple) and len(longrepr) == 3:
+            reasons.append(str(longrepr[2]).removeprefix("Skipped: "))
+    lines = prerequisite_summary(reasons)
+    if lines:
+        terminalreporter.section("tests skipped for missing prerequisites", sep="-")
+        for line in lines:
+            terminalreporter.write_line(line)
+
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -241,7 +289,8 @@ def postgres_server() -> Iterator[dict]:
     127.0.0.1 and a free port, its unix socket in the temporary folder; password (SCRAM)
     authentication over TCP. Yields ``{"uri", "password", "host", "port", "user", "database"}``
     with ``uri`` = ``postgresql://mlflow:<password>@127.0.0.1:<port>/mlflow``. Stopped and
-    removed at the end. Skips only when no PostgreSQL binaries exist (.ci/run installs them).
+    removed at the end. Skips only when no PostgreSQL binaries exist (.ci/run installs them),
+    or as root when neither user exists.
     """
     import os
     import pwd
@@ -252,8 +301,7 @@ def postgres_server() -> Iterator[dict]:
 
     bin_dir = _postgres_bin_dir()
     if bin_dir is None:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) not found on PATH or in "
-                    "/usr/lib/postgresql/*/bin; .ci/run installs Debian's postgresql package")
+        skip_without("postgres", "not on PATH nor in /usr/lib/postgresql/*/bin")
     prefix: list[str] = []
     root = tempfile.mkdtemp(prefix="trainforge-pg-")
     owner = None
@@ -265,7 +313,7 @@ def postgres_server() -> Iterator[dict]:
             except KeyError:
                 continue
         if owner is None:
-            pytest.skip("running as root and neither a 'postgres' nor a 'nobody' user exists to own the cluster")
+            skip_without("postgres-user", "running as root, and neither user exists")
         prefix = ["runuser", "-u", owner.pw_name, "--"]
         os.chown(root, owner.pw_uid, owner.pw_gid)
     password = "pg-" + os.urandom(8).hex()

@@ -196,12 +196,13 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
     Test modules import this fixture; pytest then holds one instance per importing module, so
     they share one cluster, started by the first and stopped when the last is torn down.
     """
+    from tests.conftest import skip_without
+
     missing = missing_binaries()
     if missing:
-        pytest.skip(f"Slurm test cluster needs {', '.join(missing)}: apt-get install -y "
-                    f"--no-install-recommends slurm-wlm munge")
+        skip_without("slurm", f"missing: {', '.join(missing)}")
     if os.geteuid() != 0:
-        pytest.skip("Slurm test cluster needs root: slurmd starts jobs as their user")
+        skip_without("root")
     if _shared["cluster"] is None:
         root = Path(tempfile.mkdtemp(prefix="tf-slurm-"))
         cluster = SlurmCluster(root)

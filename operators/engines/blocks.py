@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import re
 
+from trainforge.sections import check_length
+
 # RFC 1123 label (namespaces, queue names, secret names, priority classes).
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # RFC 1123 subdomain (ConfigMap and Secret names may contain dots).
@@ -55,10 +57,13 @@ def check_env_vars(value: dict[str, str], engine: str, remedy: str,
 
 def dns_name(value: str, what: str, pattern: re.Pattern = DNS_LABEL) -> str:
     """``value`` when it matches ``pattern`` (an RFC 1123 name); ValueError naming ``what``
-    otherwise."""
+    otherwise. A label has at most 63 characters, a subdomain 253 (and may contain '.')."""
+    limit = 253 if pattern is DNS_SUBDOMAIN else 63
+    check_length(value, limit, what)
     if not pattern.match(value):
+        dots = ", '-' and '.'" if pattern is DNS_SUBDOMAIN else " and '-'"
         raise ValueError(
-            f"{what} must be a lowercase DNS name: letters a-z, digits and '-', starting and "
-            f"ending with a letter or digit, at most 63 characters (got {value!r})"
+            f"{what} must be a lowercase DNS name: letters a-z, digits{dots}, starting and "
+            f"ending with a letter or digit, at most {limit} characters (got {value!r})"
         )
     return value

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from trainforge.sections import SpecModel, field_errors
+from trainforge.sections import SpecModel, check_length, field_errors
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
 _S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
@@ -200,6 +200,8 @@ class StorageSection(SpecModel):
     @field_validator("aws_conn_id")
     @classmethod
     def _conn_id(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_length(value, 250, "an Airflow connection id")
         if value is not None and not _CONN_ID.match(value):
             raise ValueError(f"not an Airflow connection id (got {value!r}; expected letters, "
                              f"digits, '_', '-' and '.', e.g. 'aws_default'; credentials never "

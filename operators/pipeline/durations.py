@@ -4,6 +4,10 @@ One form everywhere: a string of one or more ``<integer><unit>`` parts, largest 
 units ``d`` (days), ``h`` (hours), ``m`` (minutes), ``s`` (seconds). Examples: ``"30s"``,
 ``"15m"``, ``"2h"``, ``"1h30m"``, ``"1d12h"``. Bare numbers are rejected on purpose: ``30``
 could mean seconds or minutes, so the unit is always written.
+
+A duration is longer than zero (:data:`DurationS`): a zero timeout or poll interval has no
+meaning (Airflow even reads a zero ``execution_timeout`` as "no timeout"). A delay may be zero
+(:data:`DelayS`): ``retry_delay: 0s`` retries at once, as Airflow allows.
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ MAX_DURATION_S = 366 * 86_400
 ``timedelta`` and Airflow's timeouts overflow far beyond it."""
 
 
-def parse_duration(text: object) -> int:
+def parse_duration(text: object, *, allow_zero: bool = False) -> int:
     """Parse a duration string into whole seconds.
 
     Raises:
         ValueError: the value is not a string of ``<int><unit>`` parts in the order d, h, m, s,
-            or it is zero.
+            or it is zero (unless ``allow_zero``).
     """
     if isinstance(text, bool) or not isinstance(text, str):
         raise ValueError(
@@ -47,7 +51,7 @@ def parse_duration(text: object) -> int:
             f"expected e.g. '1h30m')"
         )
     seconds = sum(int(n) * _UNITS_S[unit] for n, unit in parts)
-    if seconds <= 0:
+    if seconds <= 0 and not allow_zero:
         raise ValueError(f"a duration must be longer than zero (got {text!r})")
     if seconds > MAX_DURATION_S:
         raise ValueError(f"a duration may be at most {format_duration(MAX_DURATION_S)} "
@@ -55,8 +59,13 @@ def parse_duration(text: object) -> int:
     return seconds
 
 
+def parse_duration_or_zero(text: object) -> int:
+    """:func:`parse_duration` that also accepts zero (``"0s"``): a delay, not a timeout."""
+    return parse_duration(text, allow_zero=True)
+
+
 def format_duration(seconds: int) -> str:
-    """Inverse of :func:`parse_duration` for a positive number of seconds."""
+    """Inverse of :func:`parse_duration` for a number of seconds (``"0s"`` for zero)."""
     out = []
     rest = int(seconds)
     for unit, size in _UNITS_S.items():
@@ -75,3 +84,13 @@ DurationS = Annotated[
     ),
 ]
 """A duration in whole seconds, written in specs as ``"1h30m"`` (see module docstring)."""
+
+DelayS = Annotated[
+    int,
+    BeforeValidator(parse_duration_or_zero),
+    PlainSerializer(format_duration, return_type=str, when_used="json"),
+    WithJsonSchema(
+        {"type": "string", "pattern": _WHOLE.pattern, "examples": ["0s", "30s", "5m"]}
+    ),
+]
+"""A delay in whole seconds, written like a duration, that may be zero (``"0s"``)."""

@@ -9,16 +9,18 @@ pitfalls it reports. Valid specs can be cached as validated JSON (:func:`enable_
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-from trainforge.pipeline.errors import SpecError, SpecIssue
+from trainforge.pipeline.errors import SpecError, SpecIssue, dotted
 from trainforge.pipeline.messages import _describe
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.yaml_positions import SpecLoader, parse_with_positions
+from trainforge.pipeline.yaml_syntax import path_at
 
 
 class _DuplicateKey(Exception):
@@ -58,11 +60,26 @@ def parse_spec_text(text: str, file: str = "<string>") -> PipelineSpec:
     expand to hundreds of millions of values (the "billion laughs" pattern), and specs are read
     by Airflow's DAG processor.
     """
+    try:
+        return _parse(text, file)
+    except UnicodeEncodeError:  # a lone surrogate: text decoded with errors="surrogateescape"
+        found = re.search("[\ud800-\udfff]", text)
+        if found is None:
+            raise
+        at = found.start()
+        line = text.count("\n", 0, at) + 1
+        column = at - (text.rfind("\n", 0, at) + 1) + 1
+        raise SpecError([SpecIssue(file, line, column, path_at(text[:at]),
+                                   f"not UTF-8 text (got {text[at]!r}, which no UTF-8 file "
+                                   f"holds; expected UTF-8): save the file as UTF-8")]) from None
+
+
+def _parse(text: str, file: str) -> PipelineSpec:
     alias = _first_alias(text)
     if alias is not None:
         mark = alias.start_mark
         raise SpecError([SpecIssue(
-            file, mark.line + 1, mark.column + 1, "",
+            file, mark.line + 1, mark.column + 1, path_at(text[:mark.index]),
             f"YAML aliases are not supported in a pipeline spec (got the alias *{alias.anchor}; "
             f"expected the value written out): an alias can make a small file expand without "
             f"bound")])
@@ -70,7 +87,9 @@ def parse_spec_text(text: str, file: str = "<string>") -> PipelineSpec:
         data = yaml.load(text, Loader=_FastLoader)  # noqa: S506 - a SafeLoader subclass
         if isinstance(data, dict):
             return PipelineSpec.model_validate(data)
-    except (yaml.YAMLError, ValidationError, _DuplicateKey, TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - whatever it is, the careful path reports it in place
+        # (PyYAML's constructors raise AttributeError or TypeError on some tagged values, e.g.
+        # `!!timestamp hello`; a real bug in the model is raised again by the careful path)
         pass
     return parse_with_positions(text, file)
 
@@ -179,7 +198,8 @@ def _load_bytes(raw: bytes, path: Path) -> PipelineSpec:
         line = raw[: err.start].count(b"\n") + 1
         # the column counts characters, like YAML's own marks: decode the valid part of the line
         column = len(raw[line_start: err.start].decode("utf-8", errors="replace")) + 1
-        raise SpecError([SpecIssue(str(path), line, column, "",
+        field = path_at(raw[: err.start].decode("utf-8", errors="replace"))
+        raise SpecError([SpecIssue(str(path), line, column, field,
                                    f"not UTF-8 text (got byte {raw[err.start]:#04x} at offset "
                                    f"{err.start}; expected UTF-8): save the file as UTF-8")]) from None
     return parse_spec_text(text, file=str(path))
@@ -192,22 +212,22 @@ def validate_overrides(spec: PipelineSpec, overrides: dict[str, Any]) -> Pipelin
         SpecError: an override names an unknown field or gives a value the model rejects.
     """
     data = spec.model_dump(mode="json")
-    for dotted, value in overrides.items():
+    for key_path, value in overrides.items():
         node = data
-        parts = dotted.split(".")
+        parts = key_path.split(".")
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
-                raise SpecError([SpecIssue("<params>", 1, 1, dotted, "unknown field")])
+                raise SpecError([SpecIssue("<params>", 1, 1, key_path, "unknown field")])
             node = node[part]
         if parts[-1] not in node:
-            raise SpecError([SpecIssue("<params>", 1, 1, dotted, "unknown field")])
+            raise SpecError([SpecIssue("<params>", 1, 1, key_path, "unknown field")])
         node[parts[-1]] = value
     try:
         return PipelineSpec.model_validate(data)
     except ValidationError as err:
         raise SpecError(
             [
-                SpecIssue("<params>", 1, 1, ".".join(str(p) for p in e["loc"]), _describe(e))
+                SpecIssue("<params>", 1, 1, dotted(e["loc"]), _describe(e))
                 for e in err.errors()
             ]
         ) from err

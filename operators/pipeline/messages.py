@@ -9,8 +9,12 @@ import re
 from typing import Any
 
 from trainforge.sections import BOOL_FOR_NUMBER, CROSS_FIELD, WrongScalar
+from trainforge.pipeline.misplaced import MISPLACED
 from trainforge.pipeline.model import PipelineSpec
 
+#: Prefix of the positions of keys in the loader's marks (``marks[KEY_MARK + path]``); a NUL
+#: never appears in a YAML key, so no data path can collide with it.
+KEY_MARK = ("\x00key",)
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "literal"}
 
 
@@ -127,6 +131,10 @@ def _position(marks: dict, loc: tuple, error: dict | None = None) -> tuple[int, 
             mark = marks.get(tuple(loc[:len(loc) - len(relative)]) + tuple(fallback))
             if mark is not None:
                 return mark.line + 1, mark.column + 1
+    if error is not None and error.get("type") in ("extra_forbidden", MISPLACED):
+        mark = marks.get(KEY_MARK + tuple(loc))  # an unknown key: at the key, not its value
+        if mark is not None:
+            return mark.line + 1, mark.column + 1
     for cut in range(len(loc), -1, -1):
         mark = marks.get(tuple(loc[:cut]))
         if mark is not None:
@@ -197,7 +205,7 @@ def _describe(error: dict, marks: dict | None = None) -> str:
     message = re.sub(r"^(Value error|Assertion failed), ", "", message)
     kind = error["type"]
     given = error.get("input")
-    if kind in (CROSS_FIELD, "union_shape"):  # worded in full where it was raised
+    if kind in (CROSS_FIELD, "union_shape", MISPLACED):  # worded in full where it was raised
         return message
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         name = next((p for p in reversed(loc) if isinstance(p, str)), "")
@@ -227,4 +235,10 @@ def _describe(error: dict, marks: dict | None = None) -> str:
         return message + _yaml_hint(raw, given, kind)
     if isinstance(given, dict):
         return message
-    return f"{message} (got {given!r}{_yaml_hint(raw, given, kind)})"
+    return f"{message} (got {_short(given)}{_yaml_hint(raw, given, kind)})"
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters and its length when longer (a 400-digit number)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text)} characters)"

@@ -13,10 +13,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from trainforge.sections import SpecModel
-from trainforge.pipeline.durations import DurationS
+from trainforge.sections import SpecModel, check_length
+from trainforge.pipeline.durations import DelayS, DurationS
 
-_DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
+#: The longest pipeline name: Airflow's dag_id may have 250 characters; run ids and the
+#: identities derived from the name need the rest.
+MAX_NAME_LENGTH = 200
 _PRESETS = ("@once", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
 _ASSET_URI = re.compile(r"^[a-z][a-z0-9+.\-]*://\S+$")
 TASK_IDS = ("prepare_data", "train", "validate_checkpoint", "register_model")
@@ -48,7 +51,8 @@ class TaskSettings(SpecModel):
     """Airflow settings of one task; unset fields take the pipeline defaults."""
 
     retries: int | None = Field(None, ge=0, le=20, description="Retries after a failure.")
-    retry_delay: DurationS | None = Field(None, description="Delay between retries.")
+    retry_delay: DelayS | None = Field(None, description="Delay between retries; 0s retries "
+                                       "at once.")
     execution_timeout: DurationS | None = Field(
         None, description="Longest one try may run, counted from its first start."
     )
@@ -58,7 +62,7 @@ class TaskDefaults(SpecModel):
     """Airflow settings of every task unless a task overrides them."""
 
     retries: int = Field(0, ge=0, le=20, description="Retries after a failure.")
-    retry_delay: DurationS = Field("5m", description="Delay between retries.")
+    retry_delay: DelayS = Field("5m", description="Delay between retries; 0s retries at once.")
     execution_timeout: DurationS | None = Field(
         None, description="Longest one try may run (train: run_timeout plus 10 minutes)."
     )
@@ -119,6 +123,7 @@ class PipelineSection(SpecModel):
     @field_validator("name")
     @classmethod
     def _name_is_dag_id(cls, value: str) -> str:
+        check_length(value, MAX_NAME_LENGTH, "a dag_id")
         if not _DAG_ID.match(value):
             raise ValueError(
                 f"not a valid dag_id (got {value!r}; expected letters, digits, '_', '.', '-')"

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from trainforge.sections import SpecModel
+from trainforge.sections import SpecModel, check_length
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,255}$")
 _ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,254}$")
@@ -68,6 +68,7 @@ class RegistrySection(SpecModel):
     @field_validator("model_name")
     @classmethod
     def _model_name(cls, value: str) -> str:
+        check_length(value, 256, "a registered model name")
         if not _MODEL_NAME.match(value):
             raise ValueError(
                 f"not a valid registered model name (got {value!r}; expected letters, digits, "
@@ -84,6 +85,7 @@ class RegistrySection(SpecModel):
                     "'champion' is moved only by the eval gate (validation.gate), never set on "
                     "registration (got aliases " + repr(value) + "; remove 'champion')"
                 )
+            check_length(alias, 255, "an MLflow alias")
             if not _ALIAS.match(alias) or re.fullmatch(r"[vV]\d+|latest", alias):
                 raise ValueError(
                     f"not a valid MLflow alias (got {alias!r}; expected a name that starts with a "

@@ -132,6 +132,8 @@ def reference_markdown() -> str:
         "never stand in for each other: a number field refuses `yes`/`no`/`on`/`off`/`true`, a",
         "boolean field accepts only `true` or `false`; a quoted number (`\"300\"`) is text, not a",
         "number. Keys are text: quote a key YAML reads otherwise (`\"on\":`). Dates are `YYYY-MM-DD`.",
+        "A duration is longer than zero, except `retry_delay`, which may be `0s` (retry at once).",
+        "Quote a value that starts with `*` (`'*/5 * * * *'`): unquoted, YAML reads it as an alias.",
         "",
         "| field | type | default | description |",
         "|---|---|---|---|",

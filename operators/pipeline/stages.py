@@ -45,7 +45,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from trainforge.pipeline.engines import needs_s3
-from trainforge.sections import SpecModel
+from trainforge.sections import SpecModel, check_length
 
 # A stage name becomes part of a task id (`train_<name>`) and of a checkpoint folder.
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
@@ -153,6 +153,7 @@ def stage_model(training_section: type[SpecModel]) -> type[SpecModel]:
         @field_validator("name")
         @classmethod
         def _name(cls, value: str) -> str:
+            check_length(value, 63, "a stage name")
             if not STAGE_NAME.match(value):
                 raise ValueError(f"not a valid stage name (got {value!r}; expected lowercase "
                                  f"letters, digits and '_', starting with a letter, at most 63 "

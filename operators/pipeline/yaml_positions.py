@@ -5,8 +5,9 @@ YAML pitfalls handled here:
 
 * ``1e-4`` (scientific notation without a dot) is a float, not the string YAML 1.1 makes of it;
 * duplicate keys are an error, not last-one-wins;
-* a tab in the indentation is named as such, at the tab; other syntax errors are reported with
-  YAML's own position;
+* a syntax error is reported at YAML's own position with the field it is in, a tab in the
+  indentation as such, an unquoted value that starts with ``*`` as an alias to quote (see
+  :mod:`trainforge.pipeline.yaml_syntax`);
 * an unquoted key YAML reads as a boolean or number (``on:``, ``1:``) is an error naming the
   key as written, with the quoted form to use;
 * a quoted number given for a number field is an error (the published JSON Schema says
@@ -25,8 +26,16 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from trainforge.pipeline.errors import SpecError, SpecIssue
-from trainforge.pipeline.messages import _data_loc, _describe, _one_error_per_union, _position
+from trainforge.pipeline.errors import SpecError, SpecIssue, dotted
+from trainforge.pipeline.messages import (
+    KEY_MARK,
+    _data_loc,
+    _describe,
+    _one_error_per_union,
+    _position,
+)
+from trainforge.pipeline.misplaced import explain as explain_misplaced
+from trainforge.pipeline.yaml_syntax import syntax_issue, unreadable_character
 from trainforge.pipeline.model import PipelineSpec
 
 _FLOAT = re.compile(
@@ -59,7 +68,7 @@ class _NodeError(Exception):
     def __init__(self, mark: yaml.Mark, path: tuple, message: str):
         super().__init__(message)
         self.line, self.column = mark.line + 1, mark.column + 1
-        self.path = ".".join(str(p) for p in path)
+        self.path = dotted(path)
         self.message = message
 
 
@@ -72,7 +81,30 @@ def _construct(loader: SpecLoader, node: yaml.Node, path: tuple):
                              f"not a valid date (got {node.value!r}: {err}; expected YYYY-MM-DD)")
         raise _NodeError(node.start_mark, path,
                          f"YAML could not read {node.value!r}: {err} (quote it if it is text)")
+    except yaml.MarkedYAMLError as err:  # a merge key (<<) or a tag YAML cannot construct
+        problem = err.problem or str(err)
+        if "merge" in problem or node.tag == "tag:yaml.org,2002:merge":
+            problem += " (merge keys '<<' and anchors are not supported: write the values out)"
+        elif node.tag and not node.tag.startswith("tag:yaml.org,2002:"):
+            problem = _tag_message(node.tag)
+        raise _NodeError(node.start_mark, path, f"YAML error: {problem}") from None
+    except Exception as err:  # noqa: BLE001 - PyYAML's constructors on tagged values
+        # `!!bool maybe` raises KeyError, `!!timestamp hello` AttributeError: say which
+        # value could not be read as which tag, never a traceback
+        shown = str(node.tag).replace("tag:yaml.org,2002:", "!!")
+        raise _NodeError(node.start_mark, path,
+                         f"YAML could not read {node.value!r} as {shown} ({type(err).__name__}: "
+                         f"{err}; expected a value without a tag)") from None
     return value
+
+
+_PLAIN_TAGS = {"tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"}
+
+
+def _tag_message(tag: str) -> str:
+    shown = tag.replace("tag:yaml.org,2002:", "!!")
+    return (f"YAML tags are not supported in a pipeline spec (got {shown}; expected the value "
+            f"without a tag)")
 
 
 def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues: list, file: str):
@@ -82,6 +114,11 @@ def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues:
     errors can explain what YAML made of it.
     """
     marks[path] = node.start_mark
+    if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)) and node.tag not in _PLAIN_TAGS:
+        # `!!set {a: null}`, `!custom [1]`: report the tag, and read on as a plain collection
+        issues.append(SpecIssue(file, node.start_mark.line + 1, node.start_mark.column + 1,
+                                dotted(path), _tag_message(node.tag)))
+        marks[("node_error",) + path] = True
     if isinstance(node, yaml.ScalarNode) and not node.style:  # plain: None (Python) or "" (libyaml)
         marks[("raw",) + path] = node.value
     if isinstance(node, yaml.MappingNode):
@@ -98,7 +135,7 @@ def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues:
                 what = "boolean" if isinstance(key, bool) else type(key).__name__
                 issues.append(SpecIssue(
                     file, key_node.start_mark.line + 1, key_node.start_mark.column + 1,
-                    ".".join(str(p) for p in path + (key_node.value,)),
+                    dotted(path + (key_node.value,)),
                     f"key {key_node.value!r} is read by YAML as the {what} {key!r} (got {key!r}; "
                     f"expected a text key: quote it, \"{key_node.value}\")"))
                 key = key_node.value
@@ -109,12 +146,13 @@ def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues:
                         file,
                         key_node.start_mark.line + 1,
                         key_node.start_mark.column + 1,
-                        ".".join(str(p) for p in path + (key,)),
+                        dotted(path + (key,)),
                         f"duplicate key (first given on line {first.line + 1}; each key may "
                         f"appear once)",
                     )
                 )
                 continue
+            marks[KEY_MARK + path + (key,)] = key_node.start_mark
             out[key] = _walk(value_node, loader, path + (key,), marks, issues, file)
             if isinstance(value_node, (yaml.MappingNode, yaml.SequenceNode)):
                 # Errors about a whole section point at its key, not its first child.
@@ -132,32 +170,6 @@ def _walk(node: yaml.Node, loader: SpecLoader, path: tuple, marks: dict, issues:
         return None
 
 
-def _indenting_tab(text: str, line: int) -> tuple[int, int] | None:
-    """Line and column (1-based) of a tab in the indentation of line ``line``, where YAML
-    reported a syntax error (YAML forbids tabs there; libyaml calls one "a character that
-    cannot start any token"), or None when the line has none."""
-    lines = text.splitlines()
-    if 1 <= line <= len(lines):
-        current = lines[line - 1]
-        indent = current[: len(current) - len(current.lstrip(" \t"))]
-        if "\t" in indent:
-            return line, indent.index("\t") + 1
-    return None
-
-
-def _unreadable_character(text: str, file: str, err: yaml.reader.ReaderError) -> SpecIssue:
-    """The issue of a character YAML refuses (NUL, ESC, other control characters): at its line
-    and column, computed from the offset the reader reports."""
-    position = max(0, min(int(err.position), len(text)))
-    line = text.count("\n", 0, position) + 1
-    column = position - (text.rfind("\n", 0, position) + 1) + 1
-    char = err.character if isinstance(err.character, str) else chr(err.character)
-    return SpecIssue(file, line, column, "",
-                     f"YAML does not allow the control character {char!r} (got it at offset "
-                     f"{position}; expected printable text): remove it, or save the file as "
-                     f"UTF-8 if it is UTF-16")
-
-
 def parse_with_positions(text: str, file: str) -> PipelineSpec:
     """Parse and validate ``text`` keeping every node's position.
 
@@ -169,31 +181,15 @@ def parse_with_positions(text: str, file: str) -> PipelineSpec:
         try:
             root = loader.get_single_node()
         except yaml.reader.ReaderError as err:  # a control character: it carries an offset only
-            raise SpecError([_unreadable_character(text, file, err)]) from None
+            raise SpecError([unreadable_character(text, file, err)]) from None
         except yaml.MarkedYAMLError as err:
-            mark = err.problem_mark or err.context_mark
-            line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-            tab = _indenting_tab(text, line)
-            if tab is not None:
-                line, col = tab
-                message = (f"a tab is used for indentation; YAML indents with spaces, not tabs "
-                           f"(got a tab at column {col}; expected spaces)")
-            else:
-                message = f"YAML syntax error: {err.problem}"
-            raise SpecError([SpecIssue(file, line, col, "", message)]) from None
+            raise SpecError([syntax_issue(text, file, err)]) from None
         if root is None:
             raise SpecError([SpecIssue(file, 1, 1, "", "the file is empty (expected a mapping)")])
         marks: dict[tuple, yaml.Mark] = {}
         issues: list[SpecIssue] = []
         try:
             data = _walk(root, loader, (), marks, issues, file)
-        except yaml.MarkedYAMLError as err:  # e.g. merge keys (<<) and unknown tags
-            mark = err.problem_mark or err.context_mark
-            line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-            problem = err.problem or str(err)
-            if "merge" in problem:
-                problem += " (merge keys '<<' and anchors are not supported: write the values out)"
-            raise SpecError([SpecIssue(file, line, col, "", f"YAML error: {problem}")]) from None
         except _NodeError as err:
             raise SpecError([SpecIssue(file, err.line, err.column, err.path, err.message)]) from None
     finally:
@@ -206,13 +202,15 @@ def parse_with_positions(text: str, file: str) -> PipelineSpec:
         spec = PipelineSpec.model_validate(data)
     except ValidationError as err:
         seen = set(issues)  # a set: a file with thousands of mistakes stays linear
-        for e in _one_error_per_union(err.errors(), data, marks):
+        errors = _one_error_per_union(err.errors(), data, marks)
+        for e in errors:
             e["loc"] = _data_loc(tuple(e["loc"]), marks)
+        for e in explain_misplaced(errors, PipelineSpec, data):
             if any(("node_error",) + tuple(e["loc"][:cut]) in marks
                    for cut in range(len(e["loc"]) + 1)):
                 continue  # already reported: YAML could not read the value
             line, col = _position(marks, e["loc"], e)
-            path = ".".join(str(p) for p in e["loc"])
+            path = dotted(e["loc"])
             issue = SpecIssue(file, line, col, path, _describe(e, marks))
             if issue not in seen:
                 seen.add(issue)

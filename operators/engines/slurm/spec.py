@@ -8,7 +8,7 @@ import re
 from pydantic import Field, field_validator
 
 from trainforge.engines.blocks import ENGINE_ENV, check_env_vars
-from trainforge.sections import SpecModel
+from trainforge.sections import SpecModel, check_length
 
 
 # Slurm names (partitions, accounts, QOS, reservations, GPU types): no spaces, quotes or shell
@@ -73,6 +73,8 @@ class SlurmEngine(SpecModel):
     @field_validator("partition", "account", "qos", "reservation", "gpu_type")
     @classmethod
     def _names(cls, value: str | None, info) -> str | None:
+        if value is not None:
+            check_length(value, 64, info.field_name)
         if value is not None and not _SLURM_NAME.match(value):
             raise ValueError(f"{info.field_name} must be a Slurm name: letters, digits, '_', "
                              f"'.' or '-', at most 64 characters (got {value!r})")
@@ -81,6 +83,8 @@ class SlurmEngine(SpecModel):
     @field_validator("constraint")
     @classmethod
     def _constraint(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_length(value, 256, "constraint")
         if value is not None and not _SLURM_CONSTRAINT.match(value):
             raise ValueError(f"constraint must be a Slurm feature expression: feature names "
                              f"joined by '&', '|' or ',', with '[ ]', '( )' and '*<count>', no "

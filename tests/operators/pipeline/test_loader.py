@@ -153,7 +153,7 @@ CASES = [
     # YAML pitfalls
     (_replace("  name: tiny\n", "  name: tiny\n  name: other\n"), "pipeline.name", 3,
      "duplicate key"),
-    (_replace("  name: tiny\n", "  name: tiny\n\tdescription: x\n"), "", 3, "tabs"),
+    (_replace("  name: tiny\n", "  name: tiny\n\tdescription: x\n"), "pipeline", 3, "tabs"),
     (_replace("model_name: tiny-llm", "model_name: no"), "registry.model_name", 14,
      "YAML reads unquoted 'no' as the boolean False"),
     (_under("pipeline:\n", "  owner: 1.10\n"), "pipeline.owner", 2,
@@ -172,10 +172,12 @@ CASES = [
     (_under("pipeline:\n", "  start_date: 2026/01/01\n"), "pipeline.start_date", 2,
      "not a valid date (got '2026/01/01'; expected YYYY-MM-DD)"),
     # a tab in the indentation is named as such, at the tab
-    (_replace("    max_steps: 10\n", "\tmax_steps: 10\n"), "", 7,
+    (_replace("    max_steps: 10\n", "\tmax_steps: 10\n"), "training.optimization", 7,
      "a tab is used for indentation; YAML indents with spaces, not tabs (got a tab at column 1"),
-    (_replace("    max_steps: 10\n", "  \tmax_steps: 10\n"), "", 7, "got a tab at column 3"),
-    (_replace("    max_steps: 10\n", "    max_steps: 10\n\t\n"), "", 8, "got a tab at column 1"),
+    (_replace("    max_steps: 10\n", "  \tmax_steps: 10\n"), "training.optimization", 7,
+     "got a tab at column 3"),
+    (_replace("    max_steps: 10\n", "    max_steps: 10\n\t\n"), "training.optimization", 8,
+     "got a tab at column 1"),
     # keys YAML reads as something else than text: the field is named as written
     (_under("pipeline:\n", "  notifications:\n    email:\n      to: [ops@example.org]\n"
             "      on: [failure]\n"), "pipeline.notifications.email.on", 5,
@@ -212,6 +214,68 @@ CASES = [
     (MINIMAL + "stages:\n  - name: a\n    training:\n      optimization:\n"
      "        max_steps: '8'\n", "stages.0.training.optimization.max_steps", 19,
      "a quoted number is text; write 8 without quotes"),
+    # an unquoted value that starts with '*' is an alias to YAML: say so, with the quoted form
+    (_under("pipeline:\n", "  schedule: */5 * * * *\n"), "pipeline.schedule", 2,
+     "YAML reads a value that starts with '*' as an alias (*name) (got */5 * * * *; expected "
+     "text in quotes: schedule: '*/5 * * * *')"),
+    (_under("pipeline:\n", "  schedule: * * * * 1  # weekly\n"), "pipeline.schedule", 2,
+     "expected text in quotes: schedule: '* * * * 1'"),
+    (_replace("sources: [corpus/*.txt]", "sources: [*.txt]"), "data.sources", 4,
+     "(got *.txt; expected text in quotes: '*.txt')"),
+    (_under("pipeline:\n", "  schedule: *weekly\n"), "pipeline.schedule", 2,
+     "expected text in quotes: schedule: '*weekly'"),
+    # keys written in the wrong section: one line each, naming where they belong
+    ("name: tiny\n" + MINIMAL.replace("  name: tiny\n", ""), "name", 1,
+     "unknown field at the top level (got 'name'; did you mean pipeline.name? move it under "
+     "pipeline:)"),
+    (_under("training:\n", "  max_steps: 10\n").replace("    max_steps: 10\n", ""),
+     "training.max_steps", 6,
+     "unknown field in training (got 'max_steps'; did you mean training.optimization.max_steps? "
+     "move it under training.optimization:)"),
+    (MINIMAL + "stages:\n  - name: a\n    training:\n      max_steps: 8\n",
+     "stages.0.training.max_steps", 18, "did you mean stages.0.training.optimization.max_steps?"),
+    (_under("  optimization:\n", "    engine: ray\n"), "training.optimization.engine", 7,
+     "did you mean training.engine? move it under training:"),
+    # a key already written where it belongs is no misplaced copy of it: the plain error
+    (_replace("  model_name: tiny-llm\n", "  model_name: tiny-llm\n  name: x\n"),
+     "registry.name", 15, "unknown field (got 'name'; expected one of: aliases, model_name, tags)"),
+    # a name too long for its system: the length and the limit, not a complaint about characters
+    (_replace("name: tiny", "name: " + "a" * 203), "pipeline.name", 2,
+     "a dag_id is too long (got 203 characters, 'aaaaaaaaaaaaaaaaaaaaaaaa...'; expected at most "
+     "200)"),
+    (_replace("  name: tiny\n", "  name: ''\n"), "pipeline.name", 2, "a dag_id may not be empty"),
+    (_replace("model_name: tiny-llm", "model_name: " + "m" * 300), "registry.model_name", 14,
+     "a registered model name is too long (got 300 characters"),
+    (MINIMAL + "stages:\n  - name: " + "s" * 64 + "\n", "stages.0.name", 16,
+     "a stage name is too long (got 64 characters"),
+    (_under("training:\n", "  engine: slurm\n  slurm:\n    partition: " + "p" * 65 + "\n"),
+     "training.slurm.partition", 8, "partition is too long (got 65 characters"),
+    (_under("training:\n", "  engine: kubernetes\n  kubernetes:\n    image_pull_secrets: ["
+            + "k" * 254 + "]\n"), "training.kubernetes.image_pull_secrets", 8,
+     "image_pull_secrets is too long (got 254 characters, 'kkkkkkkkkkkkkkkkkkkkkkkk...'; "
+     "expected at most 253)"),
+    # durations: a delay may be zero, a timeout or an interval may not
+    (_under("pipeline:\n", "  defaults:\n    execution_timeout: 0s\n"),
+     "pipeline.defaults.execution_timeout", 3, "a duration must be longer than zero (got '0s')"),
+    (_under("training:\n", "  fault:\n    poll_interval: 0s\n"), "training.fault.poll_interval", 7,
+     "a duration must be longer than zero"),
+    (_under("training:\n", "  fault:\n    collective_timeout: 0m\n"),
+     "training.fault.collective_timeout", 7, "a duration must be longer than zero"),
+    # found by fuzzing the loader (test_loader_fuzz.py): each was a traceback, a silently
+    # ignored value, or a line without its field
+    (_under("pipeline:\n", "  start_date: !!timestamp hello\n"), "pipeline.start_date", 2,
+     "YAML could not read 'hello' as !!timestamp (AttributeError"),
+    (_under("pipeline:\n", "  catchup: !!bool maybe\n"), "pipeline.catchup", 2,
+     "YAML could not read 'maybe' as !!bool (KeyError"),
+    (MINIMAL + "model: !custom {hidden_size: 256}\n", "model", 15,
+     "YAML tags are not supported in a pipeline spec (got !custom; expected the value without "
+     "a tag)"),
+    (_replace("  checkpoint:\n", "  checkpoint: !!set\n"), "training.checkpoint", 11,
+     "YAML tags are not supported in a pipeline spec (got !!set"),
+    (_under("data:\n", "  'validation_fraction ': 0.1\n"), 'data."validation_fraction "', 4,
+     "unknown field (got 'validation_fraction '; did you mean 'validation_fraction'?)"),
+    (_under("pipeline:\n", "  owner: " + "9" * 400 + "\n"), "pipeline.owner", 2,
+     "(got 9999999999999999999999999999999999999999... (400 characters); YAML read the unquoted"),
     # credentials never come from the spec
     (_under("training:\n", "  engine: ray\n  ray:\n    env_vars: {AWS_SECRET_ACCESS_KEY: x}\n"),
      "training.ray.env_vars", 8, "env_vars may not carry credentials"),
@@ -245,6 +309,48 @@ def test_each_mistake_is_one_issue(text, paths):
     with pytest.raises(SpecError) as info:
         parse_spec_text(text, "bad.yaml")
     assert [i.path for i in info.value.issues] == paths, str(info.value)
+
+
+@pytest.mark.parametrize("text,lines", [
+    # `name:` and `schedule:` beside `pipeline:`, with pipeline missing, empty, or holding
+    # the rest: one line per misplaced key, no "required" or "section is empty" besides
+    ("name: tiny\nschedule: '@daily'\n" + MINIMAL.replace("pipeline:\n  name: tiny\n", ""),
+     ["bad.yaml:1:1: name: unknown field at the top level (got 'name'; did you mean "
+      "pipeline.name? move it under pipeline:)",
+      "bad.yaml:2:1: schedule: unknown field at the top level (got 'schedule'; did you mean "
+      "pipeline.schedule? move it under pipeline:)"]),
+    (MINIMAL.replace("  name: tiny\n", "name: tiny\nschedule: '@daily'\n"),
+     ["bad.yaml:2:1: name: unknown field at the top level (got 'name'; did you mean "
+      "pipeline.name? move it under pipeline:)",
+      "bad.yaml:3:1: schedule: unknown field at the top level (got 'schedule'; did you mean "
+      "pipeline.schedule? move it under pipeline:)"]),
+    (MINIMAL.replace("  name: tiny\n", "  name: tiny\nschedule: '@daily'\n"),
+     ["bad.yaml:3:1: schedule: unknown field at the top level (got 'schedule'; did you mean "
+      "pipeline.schedule? move it under pipeline:)"]),
+    # a section still missing what no misplaced key gives keeps its own error
+    ("schedule: '@daily'\n" + MINIMAL.replace("pipeline:\n  name: tiny\n", ""),
+     ["bad.yaml:1:1: pipeline: required field is missing",
+      "bad.yaml:1:1: schedule: unknown field at the top level (got 'schedule'; did you mean "
+      "pipeline.schedule? move it under pipeline:)"]),
+])
+def test_a_misplaced_key_is_one_line_naming_where_it_belongs(text, lines):
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text, "bad.yaml")
+    assert str(info.value).splitlines() == lines
+
+
+def test_a_zero_retry_delay_is_accepted_as_airflow_does():
+    import datetime as dt
+
+    from trainforge.dag_builder import build_dag
+
+    text = _under("pipeline:\n", "  defaults:\n    retry_delay: 0s\n  tasks:\n    train:\n"
+                  "      retry_delay: 0s\n")
+    spec = parse_spec_text(text, "ok.yaml")
+    assert spec.pipeline.defaults.retry_delay == 0 == spec.pipeline.tasks.train.retry_delay
+    assert spec.model_dump(mode="json")["pipeline"]["defaults"]["retry_delay"] == "0s"
+    dag = build_dag(spec)
+    assert {t.retry_delay for t in dag.tasks} == {dt.timedelta(0)}
 
 
 def test_all_errors_of_a_file_are_reported_at_once():
@@ -288,11 +394,31 @@ def test_yaml_that_cannot_become_data_is_an_error_not_a_crash(text, line, fragme
     assert info.value.issues[0].line == line and fragment in str(info.value)
 
 
+@pytest.mark.parametrize("text,where", [
+    # every line names its field, also when YAML cannot read the file
+    (MINIMAL.replace("name: tiny", "name: ti\x01ny"), "2:11: pipeline.name:"),
+    (MINIMAL.replace("  checkpoint:\n", "  checkpoint:\n\x1b"), "12:1: training.checkpoint:"),
+    (MINIMAL.replace("tiny-llm", "tiny\udce9"), "14:19: registry.model_name: not UTF-8 text"),
+    (MINIMAL.replace("model_name: tiny-llm", "<<: {model_name: tiny-llm}"), "14:3: registry:"),
+    (MINIMAL.replace("model_name: tiny-llm", "model_name: &n tiny-llm\n  tags: {x: *n}"),
+     "15:13: registry.tags.x: YAML aliases are not supported"),
+    (MINIMAL.replace("    interval_steps: 5\n", "    interval_steps: 5\n   keep_last: 3\n"),
+     "13:4: training: YAML syntax error"),
+    (MINIMAL.replace("  checkpoint:\n", " checkpoint:\n"),
+     "11:2: (top level): YAML syntax error: did not find expected key (check the indentation"),
+    ("", "1:1: (top level): the file is empty"),
+])
+def test_a_problem_yaml_finds_names_the_field_it_is_in(text, where):
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(text, "bad.yaml")
+    assert str(info.value).startswith(f"bad.yaml:{where}"), str(info.value)
+
+
 def test_a_file_that_is_not_utf8_is_reported_with_its_line(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes(MINIMAL.encode() + "owner: Jos\xe9\n".encode("latin-1"))
     # line 15, column 11: the byte after "owner: Jos"
-    with pytest.raises(SpecError, match=r"latin1.yaml:15:11: not UTF-8 text \(got byte 0xe9"):
+    with pytest.raises(SpecError, match=r"latin1.yaml:15:11: owner: not UTF-8 text \(got byte 0xe9"):
         load_spec(path)
 
 
