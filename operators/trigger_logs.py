@@ -15,6 +15,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 # A log read that has kept failing is warned about again after this many seconds, not per poll.
@@ -66,14 +67,15 @@ class JobLogFollower:
 
     Args:
         handle: the job handle (``key``, ``name`` name the job in warnings).
-        log: where the lines and warnings go.
+        log: where the lines and warnings go, asked at each use (the triggerer binds a trigger's
+            logger to its task's log once the trigger runs).
         offset: byte offset of the log already shown.
         max_bytes_per_poll: cap on log bytes read and shown per call.
         timeout_s: seconds one read may run before it is given up.
     """
 
-    def __init__(self, handle: dict[str, Any], log: logging.Logger | Any, offset: int,
-                 max_bytes_per_poll: int, timeout_s: float) -> None:
+    def __init__(self, handle: dict[str, Any], log: Callable[[], logging.Logger | Any],
+                 offset: int, max_bytes_per_poll: int, timeout_s: float) -> None:
         self.handle = handle
         self._log = log
         self.offset = offset
@@ -155,17 +157,17 @@ class JobLogFollower:
             size = len(line.encode("utf-8", errors="replace")) + 1
             if used + size > self.max_bytes_per_poll:
                 if used == 0:  # a single line over the budget: its head
-                    self._log.info("[%s] %s...", key, line[: self.max_bytes_per_poll])
+                    self._log().info("[%s] %s...", key, line[: self.max_bytes_per_poll])
                     n += 1
                 skipped = lines[n:]
                 if skipped:
-                    self._log.warning(
+                    self._log().warning(
                         "Job %s: %d log lines (%d bytes) not shown: over the per-poll budget of "
                         "%d bytes", key, len(skipped), sum(len(x) + 1 for x in skipped),
                         self.max_bytes_per_poll)
                 return
             used += size
-            self._log.info("[%s] %s", key, line)
+            self._log().info("[%s] %s", key, line)
 
     def _job_name(self) -> str:
         key, name = self.handle.get("key"), self.handle.get("name")
@@ -185,11 +187,11 @@ class JobLogFollower:
         self._warned_at = now
         streak = "" if self._failures == 1 else (
             f" ({self._failures} failed reads over {now - self._trouble_since:.0f} s)")
-        self._log.warning("Job %s: could not read its log: %s%s; the wait goes on by the job's "
+        self._log().warning("Job %s: could not read its log: %s%s; the wait goes on by the job's "
                          "status", self._job_name(), why, streak)
 
     def _recovered(self) -> None:
         if self._trouble is not None:
-            self._log.info("Job %s: its log reads again after %d failed reads",
+            self._log().info("Job %s: its log reads again after %d failed reads",
                           self._job_name(), self._failures)
         self._trouble, self._failures = None, 0

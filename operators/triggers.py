@@ -101,7 +101,7 @@ class TrainingJobTrigger(BaseTrigger):
         self.deadline_reason = deadline_reason
         self.log_timeout_s = float(log_timeout_s)
         self._kill_handled = False
-        self._logs = JobLogFollower(self.handle, self.log, int(log_offset),
+        self._logs = JobLogFollower(self.handle, lambda: self.log, int(log_offset),
                                     int(max_log_bytes_per_poll), float(log_timeout_s))
         self._in_task_process = False
 

@@ -29,7 +29,8 @@ from trainforge.pipeline.engines import (
 )
 from trainforge.pipeline.pipeline import PipelineSection
 from trainforge.pipeline.registry import RegistrySection, ValidationSection
-from trainforge.pipeline.stages import _rewrap, check_stages, stage_model
+from trainforge.pipeline.stage_checks import check_stages, rewrap
+from trainforge.pipeline.stages import stage_model
 from trainforge.sections import SpecModel, field_errors
 
 
@@ -236,7 +237,7 @@ class TrainingSection(_EngineFields):  # type: ignore[valid-type, misc]
             if not extra:
                 raise
             raise ValidationError.from_exception_data(
-                cls.__name__, _rewrap([*errors, *field_errors(cls, *extra).errors()], ())
+                cls.__name__, rewrap([*errors, *field_errors(cls, *extra).errors()], ())
             ) from None
 
     def _rules(self, usable=lambda *names: True) -> list[tuple]:
@@ -361,7 +362,7 @@ class PipelineSpec(SpecModel):
             if not extra:
                 raise
             raise ValidationError.from_exception_data(
-                cls.__name__, _rewrap([*errors, *field_errors(cls, *extra).errors()], ())
+                cls.__name__, rewrap([*errors, *field_errors(cls, *extra).errors()], ())
             ) from None
 
     def _s3_access(self) -> list[tuple]:

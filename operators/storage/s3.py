@@ -21,9 +21,9 @@ jitter), so 8 attempts wait at most about 1 + 2 + 4 + 8 + 16 + 20 + 20 s. ``adap
 would add a client-side token bucket that slows every later request of the process once it was
 throttled; it suits clients that flood a bucket with small requests, not a checkpoint's few
 large ones, so ``standard`` is used. An error after the last attempt whose last answer was
-throttling says "throttled N times over T s" (N: the client's throttling answers during the call,
-counted by `ThrottleCounter`; T: the call's duration) and what to do (`THROTTLE_REMEDY`), in
-`StorageError.throttled` and `StorageError.remedy` too. Each attempt has `CONNECT_TIMEOUT_S` / `READ_TIMEOUT_S`. Files above
+throttling says "throttled N times over T s" and what to do (:mod:`trainforge.storage.s3_errors`),
+in `StorageError.throttled` and `StorageError.remedy` too. Each attempt has `CONNECT_TIMEOUT_S` /
+`READ_TIMEOUT_S`. Files above
 `MULTIPART_BYTES` go up and down in multipart transfers of `MULTIPART_BYTES` parts, each part a
 request retried on its own.
 
@@ -38,8 +38,6 @@ import os
 import re
 import tempfile
 import threading
-import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import cached_property
@@ -47,6 +45,12 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.storage.base import Location, StorageError
+from trainforge.storage.s3_errors import (
+    THROTTLE_COUNTERS,
+    ThrottleCounter,
+    is_missing,
+    s3_errors,
+)
 
 CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_S = 60
@@ -101,7 +105,7 @@ def make_client(endpoint: str | None = None, session: Any = None) -> Any:
     made = session.client("s3", endpoint_url=endpoint, config=config)
     counter = ThrottleCounter()
     made.meta.events.register("needs-retry.s3", counter)
-    _THROTTLES[made] = counter
+    THROTTLE_COUNTERS[made] = counter
     return made
 
 
@@ -121,113 +125,11 @@ def _transfer_config() -> Any:
                           max_concurrency=4)
 
 
-# Error codes of a throttling answer (botocore.retries.standard's list) and the HTTP statuses
-# S3 throttles with (503 SlowDown, also on HEAD where there is no body to carry the code; 429
-# from S3-compatible stores).
-THROTTLE_CODES = frozenset({
-    "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottledException",
-    "TooManyRequestsException", "ProvisionedThroughputExceededException",
-    "TransactionInProgressException", "RequestLimitExceeded", "BandwidthLimitExceeded",
-    "LimitExceededException", "RequestThrottled", "SlowDown", "PriorRequestNotComplete",
-    "EC2ThrottledException",
-})
-THROTTLE_STATUSES = frozenset({429, 503})
-THROTTLE_REMEDY = ("the store limits the request rate under this prefix; the task's retry tries "
-                   "again later, or lower the rate (fewer ranks or jobs writing to the bucket at "
-                   "once, a checkpoint less often)")
-
-
-def is_throttling(code: Any, status: Any) -> bool:
-    """Whether an S3 answer (error code, HTTP status) says "slow down"."""
-    return str(code) in THROTTLE_CODES or status in THROTTLE_STATUSES
-
-
-class ThrottleCounter:
-    """Counts a client's throttling answers, every attempt included (botocore's ``needs-retry``
-    event, emitted after each attempt before the retry decision)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._lock = threading.Lock()
-
-    def __call__(self, response: Any = None, **_: Any) -> None:
-        if response is None:  # no answer (connection error)
-            return None
-        http, parsed = response
-        code = ((parsed or {}).get("Error") or {}).get("Code")
-        if is_throttling(code, getattr(http, "status_code", None)):
-            with self._lock:
-                self.count += 1
-        return None  # no opinion: botocore's retry handler decides
-
-
-_THROTTLES: weakref.WeakKeyDictionary[Any, ThrottleCounter] = weakref.WeakKeyDictionary()
-
-
-def _response(err: BaseException) -> dict[str, Any]:
-    """The S3 answer behind ``err``, also when a transfer wrapped it (S3UploadFailedError)."""
-    seen: BaseException | None = err
-    for _ in range(5):
-        if seen is None:
-            break
-        response = getattr(seen, "response", None)
-        if response:
-            return response
-        seen = seen.__cause__ or seen.__context__
-    return {}
-
-
-def _cause(err: Exception) -> str:
-    response = _response(err)
-    error = response.get("Error") or {}
-    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-    if error:
-        return f"{error.get('Code')} (HTTP {status}): {error.get('Message', '')}".strip()
-    return f"{type(err).__name__}: {err}"
-
-
-def _missing(err: Exception) -> bool:
-    error = (getattr(err, "response", None) or {}).get("Error") or {}
-    return str(error.get("Code")) in ("NoSuchKey", "404", "NotFound")
-
-
-def _error(uri: str, operation: str, err: Exception, elapsed_s: float,
-           throttled: int | None) -> StorageError:
-    """A StorageError for ``err``; when the store's last answer was throttling, one that says
-    so: "throttled N times over T s" (N counted on the client, else the attempts the last
-    request made) and what to do, not a hint at URIs or credentials."""
-    response = _response(err)
-    code = (response.get("Error") or {}).get("Code")
-    meta = response.get("ResponseMetadata") or {}
-    if response and is_throttling(code, meta.get("HTTPStatusCode")):
-        times = throttled or int(meta.get("RetryAttempts") or 0) + 1
-        return StorageError(uri, operation,
-                            f"throttled {times} times over {elapsed_s:.1f} s (last answer "
-                            f"{_cause(err)})", throttled=times, remedy=THROTTLE_REMEDY)
-    return StorageError(uri, operation, _cause(err))
-
-
-@contextmanager
-def _errors(uri: str, operation: str, using: Any) -> Iterator[None]:
-    """Turn what the S3 call in the block raises into a :class:`StorageError` (:func:`_error`),
-    timing the call and counting its throttling answers."""
-    counter = _THROTTLES.get(using)
-    before = counter.count if counter else 0
-    started = time.monotonic()
-    try:
-        yield
-    except StorageError:
-        raise
-    except Exception as err:  # boto3 and s3transfer raise many types
-        throttled = counter.count - before if counter else None
-        raise _error(uri, operation, err, time.monotonic() - started, throttled) from err
-
-
 def upload_file(path: str | os.PathLike, uri: str, using: Any = None) -> None:
     """Upload a local file, multipart above `MULTIPART_BYTES` (module doc: retries)."""
     bucket, key = split(uri)
     c = using or client()
-    with _errors(uri, "upload to", c):  # boto3 wraps part failures in S3UploadFailedError
+    with s3_errors(uri, "upload to", c):  # boto3 wraps part failures in S3UploadFailedError
         c.upload_file(str(path), bucket, key, Config=_transfer_config())
 
 
@@ -235,7 +137,7 @@ def download_file(uri: str, path: str | os.PathLike, using: Any = None) -> None:
     """Download an object to a local file, multipart above `MULTIPART_BYTES`."""
     bucket, key = split(uri)
     c = using or client()
-    with _errors(uri, "download", c):
+    with s3_errors(uri, "download", c):
         c.download_file(bucket, key, str(path), Config=_transfer_config())
 
 
@@ -243,7 +145,7 @@ def put_bytes(uri: str, data: bytes, using: Any = None) -> None:
     """One PutObject: readers see the old object or the whole new one."""
     bucket, key = split(uri)
     c = using or client()
-    with _errors(uri, "put", c):
+    with s3_errors(uri, "put", c):
         c.put_object(Bucket=bucket, Key=key, Body=data)
 
 
@@ -251,11 +153,11 @@ def get_bytes(uri: str, using: Any = None) -> bytes | None:
     """The object's bytes, or None when it does not exist."""
     bucket, key = split(uri)
     c = using or client()
-    with _errors(uri, "get", c):
+    with s3_errors(uri, "get", c):
         try:
             return c.get_object(Bucket=bucket, Key=key)["Body"].read()
         except Exception as err:
-            if _missing(err):
+            if is_missing(err):
                 return None
             raise
 
@@ -264,11 +166,11 @@ def size_of(uri: str, using: Any = None) -> int | None:
     """The object's size in bytes, or None when it does not exist."""
     bucket, key = split(uri)
     c = using or client()
-    with _errors(uri, "head", c):
+    with s3_errors(uri, "head", c):
         try:
             return int(c.head_object(Bucket=bucket, Key=key)["ContentLength"])
         except Exception as err:
-            if _missing(err):
+            if is_missing(err):
                 return None
             raise
 
@@ -278,7 +180,7 @@ def sha256(uri: str, using: Any = None) -> str:
     bucket, key = split(uri)
     digest = hashlib.sha256()
     c = using or client()
-    with _errors(uri, "read", c):
+    with s3_errors(uri, "read", c):
         body = c.get_object(Bucket=bucket, Key=key)["Body"]
         for chunk in body.iter_chunks(HASH_CHUNK_BYTES):
             digest.update(chunk)
@@ -289,7 +191,7 @@ def list_keys(prefix_uri: str, using: Any = None) -> Iterator[str]:
     """Every key under ``prefix_uri`` (all pages: S3 returns at most 1000 per page)."""
     bucket, prefix = split(prefix_uri)
     c = using or client()
-    with _errors(prefix_uri, "list", c):
+    with s3_errors(prefix_uri, "list", c):
         for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for item in page.get("Contents", ()):
                 yield item["Key"]
@@ -310,7 +212,7 @@ def _list_level(prefix_uri: str, using: Any) -> tuple[list[str], list[str]]:
     bucket, prefix = split(prefix_uri.rstrip("/") + "/")
     dirs, files = [], []
     c = using or client()
-    with _errors(prefix_uri, "list", c):
+    with s3_errors(prefix_uri, "list", c):
         pages = c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix, Delimiter="/")
         for page in pages:
             dirs += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", ())]
@@ -323,7 +225,7 @@ def copy(src_uri: str, dst_uri: str, using: Any = None) -> None:
     src_bucket, src_key = split(src_uri)
     bucket, key = split(dst_uri)
     c = using or client()
-    with _errors(src_uri, f"copy to {dst_uri}", c):
+    with s3_errors(src_uri, f"copy to {dst_uri}", c):
         c.copy({"Bucket": src_bucket, "Key": src_key}, bucket, key, Config=_transfer_config())
 
 
@@ -333,7 +235,7 @@ def delete_keys(bucket_uri: str, keys: list[str], using: Any = None) -> None:
     for lo in range(0, len(keys), 1000):
         batch = [{"Key": k} for k in keys[lo:lo + 1000]]
         c = using or client()
-        with _errors(bucket_uri, "delete", c):
+        with s3_errors(bucket_uri, "delete", c):
             out = c.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
         if out.get("Errors"):
             first = out["Errors"][0]
@@ -391,7 +293,7 @@ class S3Storage:
 
     def is_dir(self, location: Location) -> bool:
         bucket, prefix = split(str(location).rstrip("/") + "/")
-        with _errors(str(location), "list", self._client):
+        with s3_errors(str(location), "list", self._client):
             listed = self._client.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
         return bool(listed.get("KeyCount") or listed.get("Contents"))
 

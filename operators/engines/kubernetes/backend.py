@@ -26,10 +26,12 @@ from functools import cached_property
 from typing import Any
 
 from trainforge.contract import FailureKind, failure_kind
+from trainforge.engines.kubernetes import names as n
 from trainforge.engines.kubernetes import render as r
 from trainforge.engines.kubernetes import status as s
 from trainforge.engines.kubernetes.client import api_error, network_errors
 from trainforge.engines.kubernetes.logs import read_log
+from trainforge.engines.kubernetes.pending import pending_reason
 from trainforge.engines.base import (
     Backend,
     JobHandle,
@@ -43,9 +45,8 @@ from trainforge.errors import BackendError, JobNotFoundError
 
 log = logging.getLogger(__name__)
 
-# Kueue's Workload API versions, newest first (v1beta2 from Kueue 0.15, v1beta1 before).
-KUEUE_WORKLOAD_VERSIONS = ("v1beta2", "v1beta1")
-KUEUE_JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+
+
 class KubernetesBackend(Backend):
     """Kubeflow training jobs on a Kubernetes cluster.
 
@@ -173,7 +174,7 @@ class KubernetesBackend(Backend):
         except network_errors() as err:
             # The request may have reached the server: a job may exist now. Look before failing.
             current = self._get(api, name)
-            if current is not None and r.identity_from_annotations(
+            if current is not None and n.identity_from_annotations(
                     (current.get("metadata") or {}).get("annotations")) == identity:
                 return current
             raise BackendError(f"could not reach the Kubernetes API to create {kind} "
@@ -198,7 +199,7 @@ class KubernetesBackend(Backend):
 
     def _check_identity(self, obj: dict[str, Any], identity: JobIdentity, kind: str) -> None:
         meta = obj.get("metadata") or {}
-        found = r.identity_from_annotations(meta.get("annotations"))
+        found = n.identity_from_annotations(meta.get("annotations"))
         if found != identity:
             raise BackendError(
                 f"{kind} {self.namespace}/{meta.get('name')} exists but belongs to "
@@ -214,7 +215,7 @@ class KubernetesBackend(Backend):
 
     def find(self, identity: JobIdentity) -> JobHandle | None:
         for api in r.APIS:
-            obj = self._get(api, r.resource_name(identity, api))  # None also when the cluster lacks that CRD
+            obj = self._get(api, n.resource_name(identity, api))  # None also when the cluster lacks that CRD
             if obj is not None:
                 self._check_identity(obj, identity, r.APIS[api][3])
                 return self._handle(api, obj)
@@ -223,7 +224,7 @@ class KubernetesBackend(Backend):
     def _handle(self, api: str, obj: dict[str, Any]) -> JobHandle:
         meta = obj.get("metadata") or {}
         annotations = meta.get("annotations") or {}
-        identity = r.identity_from_annotations(annotations)
+        identity = n.identity_from_annotations(annotations)
         submitted = s.epoch_s(meta.get("creationTimestamp")) or time.time()
         timeout = annotations.get(r.ANN_STARTUP_TIMEOUT)
         return {
@@ -243,7 +244,7 @@ class KubernetesBackend(Backend):
         # TrainJob: JobSet labels every pod with its name (the TrainJob's); PyTorchJob: our pod
         # template carries the job label.
         selector = ({"jobset.sigs.k8s.io/jobset-name": handle["name"]} if handle["api"] == "trainjob"
-                    else {r.LABEL_JOB: handle["name"]})
+                    else {n.LABEL_JOB: handle["name"]})
         listing = self._call(f"list the pods of {handle['name']}", self._core.list_namespaced_pod,
                              handle["namespace"], raw=True,
                              label_selector=",".join(f"{k}={v}" for k, v in selector.items()))
@@ -286,7 +287,8 @@ class KubernetesBackend(Backend):
         if state == JobState.RUNNING or (state is None and rank0 is not None and s.pod_started(rank0)):
             text = s.condition_text(cond) if cond and cond.get("type") == "Restarting" else "running"
             return JobStatus(JobState.RUNNING, text, None, None, result)
-        reason, permanent = self._pending_reason(api, obj, cond, pods)
+        reason, permanent = pending_reason(api, obj, cond, pods, self.namespace,
+                                           self._list_events, self._list_workloads)
         if permanent and not pods:
             # The controller made no pods because the API refuses what it derives from the job
             # (a name too long, an invalid field): waiting for startup_timeout changes nothing.
@@ -308,73 +310,15 @@ class KubernetesBackend(Backend):
             )
         return JobStatus(JobState.PENDING, reason)
 
-    def _pending_reason(self, api: str, obj: dict[str, Any], cond: dict[str, Any] | None,
-                        pods: list[dict[str, Any]]) -> tuple[str, bool]:
-        """Kubernetes' own words for why the job has not started, and whether that is permanent."""
-        suspended = bool((cond or {}).get("type") == "Suspended"
-                         or (obj.get("spec") or {}).get("suspend")
-                         or ((obj.get("spec") or {}).get("runPolicy") or {}).get("suspend"))
-        if suspended:
-            return self._kueue_reason(obj), False
-        container = r.TRAINER_CONTAINER[api]
-        for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
-            found = s.pending_reason(pod, container)
-            if found:
-                return found
-        if not pods:
-            meta = obj.get("metadata") or {}
-            failure = self._creation_failure(api, meta.get("name"),
-                                             meta.get("namespace") or self.namespace)
-            if failure:
-                return failure
-            return f"no pods created yet ({s.condition_text(cond) or 'no condition yet'})", False
-        return "pods are starting", False
+    def _list_events(self, namespace: str, involved: str) -> list[dict[str, Any]]:
+        listing = self._call(f"list the events of {involved}", self._core.list_namespaced_event,
+                             namespace, raw=True, field_selector=f"involvedObject.name={involved}")
+        return (listing or {}).get("items", [])
 
-    def _creation_failure(self, api: str, name: str, namespace: str) -> tuple[str, bool] | None:
-        """A controller's Warning event saying why it could not create the job's pods (or the
-        JobSet and Job that make them), as ``(text, permanent)``; None when there is none or
-        events cannot be read."""
-        names = {name}
-        if api == "trainjob":
-            names.add(f"{name}-{r.TRAINJOB_REPLICATED_JOB}-0")  # JobSet's Job (its pods' maker)
-        events: list[dict[str, Any]] = []
-        for involved in sorted(names):
-            try:
-                listing = self._call(f"list the events of {involved}",
-                                     self._core.list_namespaced_event, namespace, raw=True,
-                                     field_selector=f"involvedObject.name={involved}")
-            except BackendError as err:  # a diagnostic only (e.g. no RBAC for events)
-                log.warning("Cannot read the events of %s: %s", involved, err)
-                return None
-            events += (listing or {}).get("items", [])
-        return s.creation_failure(events, names)
-
-    def _kueue_reason(self, obj: dict[str, Any]) -> str:
-        meta = obj.get("metadata") or {}
-        queue = (meta.get("labels") or {}).get(r.KUEUE_QUEUE_LABEL)
-        uid = meta.get("uid")
-        for version in KUEUE_WORKLOAD_VERSIONS:
-            try:
-                listing = self._call(
-                    "list Kueue workloads", self._custom.list_namespaced_custom_object,
-                    "kueue.x-k8s.io", version, meta.get("namespace") or self.namespace,
-                    "workloads", missing_ok=True, label_selector=f"{KUEUE_JOB_UID_LABEL}={uid}")
-            except BackendError as err:  # a diagnostic only (e.g. no RBAC for workloads)
-                log.warning("Cannot read Kueue's reason for %s: %s", meta.get("name"), err)
-                break
-            if listing is None:
-                continue  # this Kueue version is not served
-            for workload in listing.get("items", []):
-                wmeta = workload.get("metadata") or {}
-                owners = {o.get("uid") for o in wmeta.get("ownerReferences") or []}
-                if uid in owners or (wmeta.get("labels") or {}).get(KUEUE_JOB_UID_LABEL) == uid:
-                    reason = s.workload_reason(workload)
-                    if reason:
-                        return reason
-            break
-        if queue:
-            return f"suspended: waiting for Kueue to admit it from LocalQueue {queue!r}"
-        return "suspended (spec.suspend is true and no Kueue queue is named)"
+    def _list_workloads(self, version: str, namespace: str, selector: str) -> dict[str, Any] | None:
+        return self._call("list Kueue workloads", self._custom.list_namespaced_custom_object,
+                          "kueue.x-k8s.io", version, namespace, "workloads", missing_ok=True,
+                          label_selector=selector)
 
     def read_logs(self, handle: JobHandle, offset: int, max_bytes: int = 65_536) -> LogChunk:
         """Rank 0's log lines after ``offset``, the kubelet timestamp (ns since the epoch) of
@@ -392,7 +336,7 @@ class KubernetesBackend(Backend):
         try:
             current = self.status(handle)
         except JobNotFoundError:
-            self._delete_configmap(r.configmap_name(handle["name"]), handle["namespace"])
+            self._delete_configmap(n.configmap_name(handle["name"]), handle["namespace"])
             return JobStatus(JobState.CANCELLED, f"{handle['name']} was already deleted")
         if current.state.terminal:
             return current
@@ -423,7 +367,7 @@ class KubernetesBackend(Backend):
                    self._custom.delete_namespaced_custom_object, group, version,
                    handle["namespace"], plural, handle["name"], missing_ok=True,
                    body=client.V1DeleteOptions(propagation_policy="Foreground"))
-        self._delete_configmap(r.configmap_name(handle["name"]), handle["namespace"])
+        self._delete_configmap(n.configmap_name(handle["name"]), handle["namespace"])
 
     def _delete_configmap(self, name: str, namespace: str | None = None) -> None:
         try:

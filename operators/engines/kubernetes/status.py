@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from trainforge.engines.base import JobState
-from trainforge.engines.kubernetes.render import TRAINJOB_REPLICATED_JOB
+from trainforge.engines.kubernetes.names import TRAINJOB_REPLICATED_JOB
 
 # Condition type (status "True") → state, checked in this order; the first that holds wins.
 #

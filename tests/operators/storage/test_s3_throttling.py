@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainforge.storage import StorageError, s3
+from trainforge.storage.s3_errors import THROTTLE_REMEDY
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]
@@ -75,7 +76,7 @@ def test_a_throttled_request_says_it_was_throttled_how_often_and_how_long(
     assert "limits the request rate" in message
     assert "credentials" not in message and "check the URI" not in message
     assert caught.value.throttled == s3.MAX_ATTEMPTS
-    assert caught.value.remedy == s3.THROTTLE_REMEDY
+    assert caught.value.remedy == THROTTLE_REMEDY
 
 
 def test_other_failures_keep_the_store_s_answer_and_no_throttling_remedy(proxied):

@@ -23,7 +23,7 @@ import pytest_asyncio
 
 from trainforge.contract import FailureKind
 from trainforge.engines.base import JobState
-from trainforge.engines.kubernetes.render import configmap_name, resource_name
+from trainforge.engines.kubernetes.names import configmap_name, resource_name
 from trainforge.engines.kubernetes.backend import KubernetesBackend
 from trainforge.errors import BackendError
 from tests.operators.engines.kubernetes.test_kubernetes_common import IDENTITY, demo_job, full_job

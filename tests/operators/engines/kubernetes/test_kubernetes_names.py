@@ -8,15 +8,15 @@ import re
 import pytest
 
 from trainforge.engines.base import JobIdentity
-from trainforge.engines.kubernetes.render import (
+from trainforge.engines.kubernetes.names import (
     configmap_name,
     identity_annotations,
     identity_from_annotations,
     identity_labels,
     label_value,
-    render_objects,
     resource_name,
 )
+from trainforge.engines.kubernetes.render import render_objects
 from tests.operators.engines.kubernetes.test_kubernetes_common import demo_job
 
 RFC1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

@@ -81,7 +81,7 @@ def test_render_is_pure_and_matches_golden_byte_for_byte():
         assert line in script.splitlines() or f"    {line}" in script.splitlines(), line
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash: sudo apt-get install -y bash")
 def test_rendered_script_is_valid_bash():
     proc = subprocess.run(["bash", "-n"], input=SlurmBackend("/r").render(_job())["script"],
                           text=True, capture_output=True)
