@@ -159,6 +159,13 @@ def folder_dags(dag_file: str | Path) -> dict[str, Any]:
                 taken.setdefault(load_spec(path).dag_id, str(path))
             except (SpecError, OSError):
                 continue  # its own DAG file reports it
+    if not taken and not any(path.is_file() for path in files):
+        setting = (f"{PIPELINES_ENV} or [trainforge] pipelines" if named
+                   else "the pipelines/ folder beside this DAG file")
+        missing = [s for s in sources if not Path(s).exists()]
+        log.warning("trainforge: no pipeline specs (*.yaml, *.yml) in %s, named by %s%s",
+                    os.pathsep.join(sources), setting,
+                    f" ({', '.join(missing)}: no such file or folder)" if missing else "")
     dags, errors = build_dags(files)
     # A spec whose dag_id is already defined by another spec's DAG file is skipped, never two
     # DAGs with one dag_id (Airflow would keep whichever file it parsed last).

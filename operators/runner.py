@@ -361,8 +361,10 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
             Path(summary_json).write_text(json.dumps(summary, indent=2, default=str))
     ok = airflow_run.get("state") == "success"
     if not os.environ.get("MLFLOW_TRACKING_URI"):
-        console.print("The MLflow server of this run has stopped; `make mlflow` serves the same "
-                      "store again on http://127.0.0.1:5000 (or `make airflow` for both UIs).")
+        console.print("The MLflow server of this run has stopped; `python -m "
+                      f"trainforge.mlflow_setup serve --home {home / 'mlflow'} --port 5000` "
+                      "serves the same store again on http://127.0.0.1:5000 (in the checkout: "
+                      "`make mlflow`, or `make airflow` for both UIs).", soft_wrap=True)
     console.print(("[green]Pipeline succeeded[/]" if ok else "[red]Pipeline failed[/]")
                   + f" in {time.monotonic() - started:.0f} s")
     return ok

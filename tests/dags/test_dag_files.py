@@ -104,3 +104,22 @@ def test_a_broken_spec_is_that_files_import_error_in_airflow(tmp_path):
     listed = {d["dag_id"] for d in table("dags", "list")}
     assert listed == {"good_pipeline", "main_file_pipeline"}
     assert MARKER in (dags / "pipelines" / "good.py").read_text()
+
+
+def test_a_specs_setting_that_names_nothing_is_a_warning_naming_it(tmp_path, monkeypatch, caplog):
+    """A deployment whose TRAINFORGE_PIPELINES names an empty or missing folder gets a warning
+    that says where it looked and which setting named it, not silence."""
+    import logging
+
+    from trainforge.dag_files import folder_dags
+
+    empty = tmp_path / "specs"
+    empty.mkdir()
+    monkeypatch.setenv("TRAINFORGE_PIPELINES", f"{empty}{os.pathsep}{tmp_path / 'gone'}")
+    monkeypatch.setenv("TRAINFORGE_SPEC_CACHE", "off")
+    with caplog.at_level(logging.WARNING, logger="trainforge.dags"):
+        assert folder_dags(tmp_path / "dags" / "trainforge_pipelines.py") == {}
+    (record,) = [r for r in caplog.records if "no pipeline specs" in r.getMessage()]
+    text = record.getMessage()
+    assert str(empty) in text and "TRAINFORGE_PIPELINES" in text
+    assert f"{tmp_path / 'gone'}: no such file or folder" in text
