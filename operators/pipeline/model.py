@@ -164,6 +164,12 @@ class FaultSection(SpecModel):
         "Airflow's execution_timeout reaches the wait directly), like the deferrable option of "
         "Airflow's provider operators."
     )
+    world_size_change: Literal["continue", "refuse"] = Field(
+        "continue", description="A retry or restart that resumes a checkpoint on another world "
+        "size (nodes x processes_per_node): 'continue' reshards (model and data order survive) "
+        "and records it in the checkpoint's world_size_history and the MLflow run; 'refuse' "
+        "fails the job permanently (exit 78)."
+    )
 
     @model_validator(mode="after")
     def _poll_fits(self) -> FaultSection:
