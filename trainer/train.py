@@ -61,7 +61,7 @@ from trainforge.trainer.tracking import MlflowTracker
 
 log = logging.getLogger("trainforge.trainer.train")
 
-__all__ = ["lr_at", "main", "make_optimizer", "should_step", "train"]
+__all__ = ["after_training_failure", "lr_at", "main", "make_optimizer", "should_step", "train"]
 
 
 @dataclass
@@ -349,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(result_file).unlink(missing_ok=True)  # a stale result must not speak for this attempt
 
     out = Outcome()
+    cfg = None
     try:
         cfg = load_job_config(args.config)
         d = setup_distributed(cfg)
@@ -365,13 +366,36 @@ def main(argv: list[str] | None = None) -> int:
         status, message, consistent = STATUS_ERROR, f"{type(err).__name__}: {err}", False
         log.exception("training failed")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish reporting; torchrun SIGKILLs after its grace period
+    result = {"status": status, "exit_code": code, "message": message, "final_step": out.final_step,
+              "tokens_seen": out.tokens_seen, "final_train_loss": out.final_train_loss,
+              "last_checkpoint": out.last_checkpoint}
     if rank == 0 and result_file:
-        atomic_write_json(result_file, {"status": status, "exit_code": code, "message": message,
-                                        "final_step": out.final_step, "tokens_seen": out.tokens_seen,
-                                        "final_train_loss": out.final_train_loss,
-                                        "last_checkpoint": out.last_checkpoint})
-    shut_down(consistent, code)
+        atomic_write_json(result_file, result)
+    failure = shut_down(consistent, code, cfg.distributed.collective_timeout_s if cfg else 60.0)
+    if failure is not None and code == EXIT_OK:
+        result = after_training_failure(result, failure)
+        code = result["exit_code"]
+        log.error("%s", result["message"])
+        if rank == 0 and result_file:
+            atomic_write_json(result_file, result)
     return code  # SIGTERM stays ignored: exiting now is what torchrun asks for anyway
+
+
+def after_training_failure(result: dict, failure: str) -> dict:
+    """The result of a training that finished (``result`` says success) but whose ranks did not
+    all leave: status ``error``, exit 1 (the job fails: transient), ``phase: after_training``,
+    and a message that says so and that the final checkpoint is complete (it was written and
+    verified before the failure), e.g. "post-training collective timeout on rank 1; the final
+    checkpoint at step 40 is complete". The orchestrator's ``training.fault.post_training_failure``
+    decides what the retry does (docs/faults.md).
+
+    Args:
+        failure: what the final barrier reported (`trainforge.trainer.distributed.barrier_failure`).
+    """
+    checkpoint = (f"the final checkpoint at step {result['final_step']} is complete ({result['last_checkpoint']})"
+                  if result.get("last_checkpoint") else f"training finished at step {result['final_step']}")
+    return {**result, "status": STATUS_ERROR, "exit_code": EXIT_ERROR, "phase": "after_training",
+            "message": f"post-training {failure}; {checkpoint}"}
 
 
 if __name__ == "__main__":
