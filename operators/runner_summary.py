@@ -107,7 +107,8 @@ def _stage_summary(spec: PipelineSpec, summary: dict[str, Any], metrics: dict[st
                   "steps_trained": _count(metrics.get(f"train/{name}/final_step")),
                   "tokens_trained": _count(metrics.get(f"train/{name}/tokens_seen")),
                   "final_train_loss": metrics.get(f"train/{name}/final_loss"),
-                  "val_loss": metrics.get(f"val/{name}/val_loss")} for name, task_id in nodes.items()}
+                  "val_loss": metrics.get(f"val/{name}/val_loss")}
+           for name, task_id in nodes.items()}
     chosen = tags.get("trainforge.validation.stage")
     usage: dict[str, float] = {}
     for key, value in metrics.items():  # accounting/<stage>/<what>: summed over the stages

@@ -54,9 +54,10 @@ def post_training_reason(event: dict[str, Any]) -> str | None:
         return str(result["message"])
     if result.get("status") == "success":
         checkpoint = result.get("last_checkpoint")
-        return (f"a rank failed after training finished (job exit code {event.get('exit_code')}; rank 0 "
-                f"reported {result.get('message')!r}); the final checkpoint at step "
-                f"{result.get('final_step')} is complete" + (f" ({checkpoint})" if checkpoint else ""))
+        return (f"a rank failed after training finished (job exit code {event.get('exit_code')}; "
+                f"rank 0 reported {result.get('message')!r}); the final checkpoint at step "
+                f"{result.get('final_step')} is complete"
+                + (f" ({checkpoint})" if checkpoint else ""))
     return None
 
 
@@ -68,7 +69,8 @@ def apply_post_training_policy(event: dict[str, Any], reason: str, policy: str) 
     said = f"training.fault.post_training_failure is {policy!r}"
     if policy == "accept":
         return {**event, "status": "success",
-                "message": f"job {key} failed after training: {reason}; {said}: the task succeeds with it"}
+                "message": f"job {key} failed after training: {reason}; {said}: the task "
+                           f"succeeds with it"}
     if policy == "fail":
         return {**event, "failure": "permanent",
                 "message": f"job {key} failed after training: {reason}; {said}"}
@@ -203,12 +205,14 @@ class TrainOperator(ClusterJobOperator):
     def job_attached(self, context: Any, spec: PipelineSpec, handle: JobHandle) -> None:
         self.log.info("Job %s writes its checkpoints to %s", handle["key"],
                       self._checkpoint_dir(spec, context["ti"]))
-        tags = {"trainforge.train.job": handle["key"], "trainforge.train.engine": spec.training.engine}
+        tags = {"trainforge.train.job": handle["key"],
+                "trainforge.train.engine": spec.training.engine}
         parent = self.mlflow_run_id(context, spec)
         own = self._mlflow_run_id or self._stage_run_id(spec, parent)
         self.mlflow_hook.set_tags(own, tags)
         if own != parent:  # the shared run: one key per stage task, never overwritten by another
-            self.mlflow_hook.set_tags(parent, {f"trainforge.train.{self.task_id}.job": handle["key"]})
+            self.mlflow_hook.set_tags(parent,
+                                      {f"trainforge.train.{self.task_id}.job": handle["key"]})
 
     def _reopen_mlflow_run(self, run_id: str, try_number: int) -> None:
         """An earlier try that was killed (KILLED) or failed (FAILED) ended this task's MLflow
