@@ -113,8 +113,11 @@ def shut_down(consistent: bool, code: int, timeout_s: float = 60.0) -> str | Non
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
         gc.collect()  # known trap: a DDP model alive after destroy_process_group() can hang gloo at exit
         _final_barrier(timeout_s)
-        dist.destroy_process_group()
     except Exception as err:  # noqa: BLE001 - shutting down: reported by the caller
         log.warning("process group shutdown failed: %s", err)
         return barrier_failure(err)
+    try:
+        dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - every rank got past the barrier: nothing is lost
+        log.warning("process group shutdown failed: %s", err)
     return None
