@@ -33,12 +33,16 @@ def render_job_config(
     """The JSON job config the trainer reads. Batch sizes count sequences.
 
     ``init`` (see :func:`init_block`) starts training from existing weights when the run has no
-    checkpoint of its own; ``model.config_overrides`` appears only when the spec sets some, so
-    configs of specs without them are unchanged.
+    checkpoint of its own; ``model.config_overrides`` appears only when the spec sets some, and
+    ``distributed.world_size_change`` only when it is not the default ``continue``, so configs
+    of specs without them are unchanged.
     """
     config = _render(spec, dataset_dir, checkpoint_dir, identity)
     if spec.model.config_overrides:
         config["model"]["config_overrides"] = dict(sorted(spec.model.config_overrides.items()))
+    if spec.training.fault.world_size_change != "continue":
+        # Like config_overrides: configs of specs that keep the default are unchanged.
+        config["distributed"]["world_size_change"] = spec.training.fault.world_size_change
     if init is not None:
         config["init"] = init_block(init["checkpoint"], init["source"])
     return config

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from trainforge.graph import REGISTER_MODEL_TASK_ID, TaskGraph, task_graph
-from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.mlflow import TAG_FAILED_TRY, MlflowHook
 from trainforge.pipeline.model import PipelineSpec
 
 
@@ -27,6 +27,20 @@ def split_teardown(graph: TaskGraph, task_times: dict[str, Any]) -> dict[str, di
     teardown = graph.teardown_ids
     return {"stages": {t: v for t, v in task_times.items() if t not in teardown},
             "teardown": {t: v for t, v in task_times.items() if t in teardown}}
+
+
+def failed_tries(tags: dict[str, str]) -> list[dict[str, Any]]:
+    """Every failed try the run recorded (``trainforge.failed_try.<task_id>.<try>`` tags, set by
+    the ``train`` task), ``[{"task", "try", "reason"}]`` by task and try: a task that succeeded
+    on a retry shows its earlier failures too."""
+    found = []
+    for key, reason in tags.items():
+        if not key.startswith(TAG_FAILED_TRY + "."):
+            continue
+        task, _, number = key[len(TAG_FAILED_TRY) + 1:].rpartition(".")
+        if task and number.isdigit():
+            found.append({"task": task, "try": int(number), "reason": reason})
+    return sorted(found, key=lambda t: (t["task"], t["try"]))
 
 
 def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str, Any],
@@ -74,6 +88,7 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
         "gate_reason": tags.get("trainforge.gate.reason"),
         "champion_after": tags.get("trainforge.gate.champion_after"),
         "params_logged": len(params),
+        "failed_tries": failed_tries(tags),
     })
     _stage_summary(spec, summary, metrics, tags)
     return summary
@@ -81,15 +96,19 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
 
 def _stage_summary(spec: PipelineSpec, summary: dict[str, Any], metrics: dict[str, float],
                    tags: dict[str, str]) -> None:
-    """With ``stages`` (docs/stages.md): one entry per training stage, totals over the stages,
-    and the leaf stage whose checkpoint was chosen."""
-    names = [node.stage for node in task_graph(spec).train_nodes if node.stage]
-    if not names:
+    """With ``stages`` (docs/stages.md): one entry per training stage (its task's state; a
+    failed stage counts the steps it reached), totals over every stage, and the leaf stage
+    whose checkpoint was chosen."""
+    nodes = {node.stage: node.task_id for node in task_graph(spec).train_nodes if node.stage}
+    if not nodes:
         return
-    per = {name: {"steps_trained": _count(metrics.get(f"train/{name}/final_step")),
+    states = {**summary.get("stages", {}), **summary.get("teardown", {})}
+    per = {name: {"state": (states.get(task_id) or {}).get("state"),
+                  "steps_trained": _count(metrics.get(f"train/{name}/final_step")),
                   "tokens_trained": _count(metrics.get(f"train/{name}/tokens_seen")),
                   "final_train_loss": metrics.get(f"train/{name}/final_loss"),
-                  "val_loss": metrics.get(f"val/{name}/val_loss")} for name in names}
+                  "val_loss": metrics.get(f"val/{name}/val_loss")}
+           for name, task_id in nodes.items()}
     chosen = tags.get("trainforge.validation.stage")
     usage: dict[str, float] = {}
     for key, value in metrics.items():  # accounting/<stage>/<what>: summed over the stages
@@ -167,12 +186,16 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
                      f"{usage.get('cost', 0):.4f} {summary.get('currency', '')}"))
     for name, info in (summary.get("training_stages") or {}).items():
         chosen = " (chosen)" if name == summary.get("chosen_stage") else ""
+        if info.get("state") and info["state"] != "success":
+            chosen += f" ({info['state']})"
         rows.append((f"training stage {name}",
                      f"{fmt(info.get('steps_trained'))} steps, final train loss "
                      f"{fmt(info.get('final_train_loss'), '.4f')}, validation loss "
                      f"{fmt(info.get('val_loss'), '.4f')}{chosen}"))
     for task, info in (summary.get("stages") or {}).items():
         rows.append((f"stage {task}", f"{info.get('state')} in {fmt(info.get('seconds'), '.1f')} s"))
+    for failed in summary.get("failed_tries") or []:
+        rows.append((f"failed try {failed['task']} #{failed['try']}", failed["reason"]))
     for task, info in (summary.get("teardown") or {}).items():
         rows.append((f"teardown {task}", f"{info.get('state')} in "
                      f"{fmt(info.get('seconds'), '.1f')} s (does not decide the run's state)"))

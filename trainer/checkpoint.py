@@ -5,7 +5,8 @@
       optimizer.pt        AdamW state_dict (torch.save; read back with weights_only=True)
       trainer_state.pt    {"step", "tokens_seen", "world_size", "scheduler": {"step"},
                            "rng": [per rank {"torch", "cuda", "numpy", "python"}]}
-      meta.json           step, tokens_seen, world_size, digests, job config, versions, metrics
+      meta.json           step, tokens_seen, world_size, world_size_history, digests, job config,
+                          versions, metrics
       manifest.json       written LAST, atomically: {"format", "step", "files": {name: {bytes, sha256}}}
 
 A folder counts as a checkpoint only when `verify` finds no problem. ``step`` is the number of
@@ -206,6 +207,26 @@ def newest_valid(root: str | Path) -> Location | None:
             return path
         log.warning("skipping %s: %s", path, "; ".join(problems))
     return None
+
+
+def world_size_history(resumed_meta: dict[str, Any] | None, world_size: int) -> list[dict[str, int]]:
+    """meta.json's ``world_size_history``: ``[{"from_step": N, "world_size": W}, ...]``, oldest
+    first, one entry per world size the run has trained on since step ``from_step``.
+
+    Args:
+        resumed_meta: meta.json of the checkpoint this attempt resumed from (None: a fresh start).
+            A checkpoint written before the history existed counts as its ``world_size`` from 0.
+        world_size: this attempt's world size; a new entry starts at the resumed step when it
+            differs from the last one.
+    """
+    if not resumed_meta:
+        return [{"from_step": 0, "world_size": world_size}]
+    history = [dict(h) for h in resumed_meta.get("world_size_history") or []]
+    if not history and resumed_meta.get("world_size") is not None:
+        history = [{"from_step": 0, "world_size": int(resumed_meta["world_size"])}]
+    if not history or history[-1]["world_size"] != world_size:
+        history.append({"from_step": int(resumed_meta.get("step", 0)), "world_size": world_size})
+    return history
 
 
 def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict,

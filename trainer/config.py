@@ -34,6 +34,9 @@ LR_SCHEDULES = ("cosine", "linear", "constant")
 PARALLELISMS = ("ddp", "fsdp")
 GRADIENT_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 BACKENDS = ("auto", "gloo", "nccl")
+# distributed.world_size_change: a resume on another world size goes on (and is recorded in the
+# checkpoint's world_size_history) or is refused with ConfigError (exit 78).
+WORLD_SIZE_CHANGES = ("continue", "refuse")
 FAMILIES = ("llama",)
 # S3 bucket naming rules (3-63 characters: lower-case letters, digits, '.', '-'), as the spec checks.
 S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
@@ -119,6 +122,7 @@ class LoggingConfig:
 class DistributedConfig:
     backend: str  # "auto" | "gloo" | "nccl"
     collective_timeout_s: float
+    world_size_change: str = "continue"  # WORLD_SIZE_CHANGES; absent from the JSON: "continue"
 
 
 @dataclass(frozen=True)
@@ -366,7 +370,8 @@ def parse_job_config(obj: Any) -> JobConfig:
 
     s = top.section("distributed")
     distributed = DistributedConfig(
-        s.str("backend", BACKENDS), s.float("collective_timeout_s", lo=0.0, lo_open=True)
+        s.str("backend", BACKENDS), s.float("collective_timeout_s", lo=0.0, lo_open=True),
+        s.str("world_size_change", WORLD_SIZE_CHANGES, default=DistributedConfig.world_size_change),
     )
     s.done()
     init = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,7 +58,30 @@ def setup_distributed(cfg: JobConfig) -> Dist:
     return Dist(True, rank, local_rank, world, device)
 
 
-def shut_down(consistent: bool, code: int) -> None:
+def barrier_failure(err: BaseException) -> str:
+    """What a failed final barrier says about who did not arrive, for the result file.
+
+    Gloo's ``monitored_barrier`` names them ("[Rank 0]: Ranks 1, 3 failed to pass
+    monitoredBarrier in 8000 ms"): then ``"collective timeout on rank 1, 3"``; any other error
+    is ``"collective failure: <error>"``.
+    """
+    text = str(err)
+    found = re.search(r"Ranks? (\d+(?:, \d+)*) failed to pass monitoredBarrier", text)
+    if found:
+        return f"collective timeout on rank {found.group(1)}"
+    return f"collective failure: {type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def _final_barrier(timeout_s: float) -> None:
+    """Every rank meets here before leaving; gloo's monitored barrier names a rank that does not."""
+    if dist.get_backend() == "gloo":
+        # Its timeout must be given: without one it waits torch's default (30 min), not the group's.
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier()
+
+
+def shut_down(consistent: bool, code: int, timeout_s: float = 60.0) -> str | None:
     """Leave the process group without hanging and without outrunning rank 0's result file.
 
     torchrun stops every worker as soon as one exits non-zero, so after an error every rank
@@ -70,9 +94,15 @@ def shut_down(consistent: bool, code: int) -> None:
         consistent: every rank ended the same way (success, a config error, divergence), so all
             of them reach the barrier. The caller must hold no DDP model or optimizer anymore.
         code: the exit code, used by the os._exit path.
+        timeout_s: how long the final barrier waits for every rank (the collective timeout).
+
+    Returns:
+        None when the group was left cleanly (or there was none); else what went wrong at the
+        final barrier (:func:`barrier_failure`): after a finished training the caller reports
+        it instead of a success that the job's exit status would contradict.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return  # not launched by torchrun: no peers
+        return None  # not launched by torchrun: no peers
     if not consistent:
         logging.shutdown()
         sys.stdout.flush()
@@ -80,9 +110,14 @@ def shut_down(consistent: bool, code: int) -> None:
         os._exit(code)
     try:
         if not dist.is_initialized():
-            dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
         gc.collect()  # known trap: a DDP model alive after destroy_process_group() can hang gloo at exit
-        dist.barrier()
-        dist.destroy_process_group()
-    except Exception as err:  # noqa: BLE001 - shutting down; the exit code already says what happened
+        _final_barrier(timeout_s)
+    except Exception as err:  # noqa: BLE001 - shutting down: reported by the caller
         log.warning("process group shutdown failed: %s", err)
+        return barrier_failure(err)
+    try:
+        dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - every rank got past the barrier: nothing is lost
+        log.warning("process group shutdown failed: %s", err)
+    return None

@@ -98,6 +98,11 @@ class MlflowTracker:
         for lo in range(0, len(new), 100):  # log_batch takes at most 100 params per call
             self._call("log_batch(params)", self.client.log_batch, self.run_id, params=new[lo:lo + 100])
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Set run tags (mutable, unlike params: the world-size history grows on a resume)."""
+        batch = [self._mlflow.entities.RunTag(k, str(v)) for k, v in tags.items()]
+        self._call("log_batch(tags)", self.client.log_batch, self.run_id, tags=batch)
+
     def skip_logged_steps(self, resumed_step: int) -> int:
         """Read which steps the run already holds; later :meth:`log_metrics` calls skip them.
 

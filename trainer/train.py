@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -60,7 +61,7 @@ from trainforge.trainer.tracking import MlflowTracker
 
 log = logging.getLogger("trainforge.trainer.train")
 
-__all__ = ["lr_at", "main", "make_optimizer", "should_step", "train"]
+__all__ = ["after_training_failure", "lr_at", "main", "make_optimizer", "should_step", "train"]
 
 
 @dataclass
@@ -110,15 +111,17 @@ def _has_own_checkpoint(cfg: JobConfig, d: Dist) -> bool:
 
 
 def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, amp: Precision
-           ) -> tuple[int, int, dict]:
+           ) -> tuple[int, int, dict, list[dict[str, int]]]:
     """Load the newest valid checkpoint, if any, into the model, ``optimizer`` and the fp16 scaler.
 
     Rank 0 picks the folder (`checkpoint.newest_valid`) and broadcasts it, so every rank loads
-    the same step. Returns ``(step, tokens_seen, metrics at that step)``; ``(0, 0, {})`` on a
-    fresh start.
+    the same step. Returns ``(step, tokens_seen, metrics at that step, world_size_history)``
+    (`checkpoint.world_size_history`: this attempt's world size appended when it changed);
+    ``(0, 0, {}, [{"from_step": 0, "world_size": W}])`` on a fresh start.
 
     Raises:
-        ConfigError: the checkpoint was trained on another dataset or model shape.
+        ConfigError: the checkpoint was trained on another dataset or model shape, or on
+            another world size with ``distributed.world_size_change`` "refuse".
         CheckpointError: the chosen checkpoint cannot be loaded.
     """
     chosen = [None]
@@ -129,8 +132,19 @@ def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, 
         dist.broadcast_object_list(chosen, src=0)
     if chosen[0] is None:
         log.info("no valid checkpoint under %s: starting from step 0", cfg.checkpoint.dir)
-        return 0, 0, {}
+        return 0, 0, {}, ckpt.world_size_history(None, d.world_size)
     c = ckpt.load_checkpoint(chosen[0])
+    saved_world = c.meta.get("world_size", c.trainer_state.get("world_size"))
+    if saved_world is not None and int(saved_world) != d.world_size:
+        if cfg.distributed.world_size_change == "refuse":
+            raise ConfigError(f"checkpoint {c.path} was trained on world size {saved_world}, this attempt runs "
+                              f"{d.world_size} ranks and distributed.world_size_change is 'refuse' "
+                              f"(spec: training.fault.world_size_change); run on {saved_world} ranks, or set it "
+                              f"to 'continue' to reshard")
+        log.warning("checkpoint %s was trained on world size %s, this attempt runs %d ranks: resharding "
+                    "(distributed.world_size_change=continue; recorded in world_size_history)",
+                    c.path, saved_world, d.world_size)
+    history = ckpt.world_size_history(c.meta, d.world_size)
     saved = c.meta.get("job_config", {})
     if c.meta.get("dataset_digest") != dataset.digest:
         raise ConfigError(f"checkpoint {c.path} was trained on dataset {c.meta.get('dataset_digest')}, "
@@ -156,11 +170,12 @@ def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, 
         log.warning("checkpoint world size %s != %d: RNG states not restored (data order is unaffected)",
                     c.trainer_state.get("world_size"), d.world_size)
     log.info("resuming from %s (step %d)", c.path, c.step)
-    return c.step, int(c.trainer_state["tokens_seen"]), c.meta.get("metrics", {})
+    return c.step, int(c.trainer_state["tokens_seen"]), c.meta.get("metrics", {}), history
 
 
 def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, amp: Precision, step: int,
-         tokens_seen: int, accum: int, metrics: dict) -> Path | None:
+         tokens_seen: int, accum: int, metrics: dict, world_sizes: list[dict[str, int]] | None = None
+         ) -> Path | None:
     """Write step ``step`` (rank 0) after every rank handed over its RNG state; returns the folder.
 
     Every rank must call it (finiteness check, RNG gather, FSDP's full-state gather).
@@ -186,7 +201,9 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
                  "rng": rngs}
         if amp.scaler is not None:
             state["grad_scaler"] = amp.state_dict()
-        meta = {"step": step, "tokens_seen": tokens_seen, "world_size": d.world_size, "grad_accum_steps": accum,
+        meta = {"step": step, "tokens_seen": tokens_seen, "world_size": d.world_size,
+                "world_size_history": world_sizes or ckpt.world_size_history(None, d.world_size),
+                "grad_accum_steps": accum,
                 "config_digest": cfg.digest(), "dataset_digest": dataset.digest,
                 "dataset": {"vocab_size": dataset.vocab_size, "eos_id": dataset.eos_id, "eos_token": dataset.eos_token,
                             "tokenizer_sha256": dataset.tokenizer_sha256},
@@ -223,7 +240,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     par = parallelize(model, cfg, d)  # DDP or FSDP2 (+ compression hook, activation checkpointing)
     optimizer = make_optimizer(par.model, o)  # after sharding: FSDP2 replaces the parameters
     amp = Precision(cfg.precision, d.device, sharded=par.kind == "fsdp")
-    step, tokens_seen, metrics = resume(cfg, d, dataset, par, optimizer, amp)
+    step, tokens_seen, metrics, world_sizes = resume(cfg, d, dataset, par, optimizer, amp)
     out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, metrics.get("train_loss")
     if step and d.rank == 0:
         out.last_checkpoint = ckpt.join(cfg.checkpoint.dir, ckpt.step_dir_name(step))  # local path or s3:// URI
@@ -240,6 +257,8 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                                    "world_size": d.world_size, "grad_accum_steps": accum,
                                    "num_parameters": n_params, "dataset_digest": dataset.digest,
                                    "config_digest": cfg.digest()})
+        # Params keep the first attempt's world_size; the tag holds every change.
+        tracker.set_tags({"trainforge.world_size_history": json.dumps(world_sizes, separators=(",", ":"))})
     log.info("model: %d parameters; %d steps of %d sequences x %d tokens (micro %d x world %d x accum %d); "
              "%s, %s, %s schedule", n_params, o.max_steps, o.global_batch_size, T, o.micro_batch_size,
              d.world_size, accum, par.kind, cfg.precision, o.lr_schedule)
@@ -288,7 +307,8 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             t_window, steps_in_window = time.perf_counter(), 0
         if step % cfg.checkpoint.interval_steps == 0 or step == o.max_steps:
             with sigterm_deferred():  # a checkpoint and its mention in the result file go together
-                path = save(cfg, d, dataset, par, optimizer, amp, step, tokens_seen, accum, metrics)
+                path = save(cfg, d, dataset, par, optimizer, amp, step, tokens_seen, accum, metrics,
+                            world_sizes)
                 if path is not None:
                     out.last_checkpoint = str(path)
             t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
@@ -329,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(result_file).unlink(missing_ok=True)  # a stale result must not speak for this attempt
 
     out = Outcome()
+    cfg = None
     try:
         cfg = load_job_config(args.config)
         d = setup_distributed(cfg)
@@ -345,13 +366,36 @@ def main(argv: list[str] | None = None) -> int:
         status, message, consistent = STATUS_ERROR, f"{type(err).__name__}: {err}", False
         log.exception("training failed")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish reporting; torchrun SIGKILLs after its grace period
+    result = {"status": status, "exit_code": code, "message": message, "final_step": out.final_step,
+              "tokens_seen": out.tokens_seen, "final_train_loss": out.final_train_loss,
+              "last_checkpoint": out.last_checkpoint}
     if rank == 0 and result_file:
-        atomic_write_json(result_file, {"status": status, "exit_code": code, "message": message,
-                                        "final_step": out.final_step, "tokens_seen": out.tokens_seen,
-                                        "final_train_loss": out.final_train_loss,
-                                        "last_checkpoint": out.last_checkpoint})
-    shut_down(consistent, code)
+        atomic_write_json(result_file, result)
+    failure = shut_down(consistent, code, cfg.distributed.collective_timeout_s if cfg else 60.0)
+    if failure is not None and code == EXIT_OK:
+        result = after_training_failure(result, failure)
+        code = result["exit_code"]
+        log.error("%s", result["message"])
+        if rank == 0 and result_file:
+            atomic_write_json(result_file, result)
     return code  # SIGTERM stays ignored: exiting now is what torchrun asks for anyway
+
+
+def after_training_failure(result: dict, failure: str) -> dict:
+    """The result of a training that finished (``result`` says success) but whose ranks did not
+    all leave: status ``error``, exit 1 (the job fails: transient), ``phase: after_training``,
+    and a message that says so and that the final checkpoint is complete (it was written and
+    verified before the failure), e.g. "post-training collective timeout on rank 1; the final
+    checkpoint at step 40 is complete". The orchestrator's ``training.fault.post_training_failure``
+    decides what the retry does (docs/faults.md).
+
+    Args:
+        failure: what the final barrier reported (`trainforge.trainer.distributed.barrier_failure`).
+    """
+    checkpoint = (f"the final checkpoint at step {result['final_step']} is complete ({result['last_checkpoint']})"
+                  if result.get("last_checkpoint") else f"training finished at step {result['final_step']}")
+    return {**result, "status": STATUS_ERROR, "exit_code": EXIT_ERROR, "phase": "after_training",
+            "message": f"post-training {failure}; {checkpoint}"}
 
 
 if __name__ == "__main__":

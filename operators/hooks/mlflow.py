@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 TAG_DAG_ID = "trainforge.dag_id"
 TAG_AIRFLOW_RUN_ID = "trainforge.airflow_run_id"
 TAG_STAGE = "trainforge.stage"
+TAG_FAILED_TRY = "trainforge.failed_try"
+"""Prefix of ``trainforge.failed_try.<task_id>.<try>`` on the DAG run's run: why that try failed."""
 TAG_DATASET_DIGEST = "trainforge.dataset_digest"
 # MLflow's own input-tag key for a dataset's role (mlflow.utils.mlflow_tags.MLFLOW_DATASET_CONTEXT).
 DATASET_CONTEXT_TAG = "mlflow.data.context"

@@ -165,6 +165,18 @@ class FaultSection(SpecModel):
         "Airflow's execution_timeout reaches the wait directly), like the deferrable option of "
         "Airflow's provider operators."
     )
+    post_training_failure: Literal["resume", "accept", "fail"] = Field(
+        "resume", description="A job that fails after its training finished and its final "
+        "checkpoint is complete (a rank stuck in a collective at exit): 'resume' fails the try "
+        "as transient, and the retry resumes at the final step and finishes; 'accept' succeeds "
+        "with the final checkpoint; 'fail' fails the task without retries."
+    )
+    world_size_change: Literal["continue", "refuse"] = Field(
+        "continue", description="A retry or restart that resumes a checkpoint on another world "
+        "size (nodes x processes_per_node): 'continue' reshards (model and data order survive) "
+        "and records it in the checkpoint's world_size_history and the MLflow run; 'refuse' "
+        "fails the job permanently (exit 78)."
+    )
 
     @model_validator(mode="after")
     def _poll_fits(self) -> FaultSection:

@@ -10,7 +10,17 @@ adds what training means:
   ranks' S3 access, and the ``init`` block of ``init_from`` (a stage's upstream checkpoint, or
   a registered model version through trainforge.tasks.model_init);
 * the MLflow run: reopened when an earlier try ended it, tagged with the job, ended ``KILLED``
-  when the task is killed; a stage logs into a child run of the DAG run's run;
+  when the task is killed; a stage logs into a child run of the DAG run's run, and everything a
+  stage does to a run — reopen, tag, end — is done to that child run: the DAG run's run is
+  shared by side-by-side stages and its status is decided once, by ``close_run``; on it a stage
+  writes only tags scoped by its task (``trainforge.train.<task_id>.job``);
+* every failed try: why, as the tag ``trainforge.failed_try.<task_id>.<try>`` on the DAG run's
+  run (the run summary lists them), and the step and tokens it reached as the stage's
+  ``train/<stage>/final_step`` and ``train/<stage>/tokens_seen``;
+* a job that failed after its training finished (the final checkpoint is complete; e.g. a rank
+  stuck in a collective at exit): its own reason instead of the trainer's "finished at step N",
+  and ``training.fault.post_training_failure`` decides: ``resume`` (retry, which resumes at the
+  final step and finishes), ``accept`` (succeed with that checkpoint) or ``fail`` (no retry);
 * on success: the final step, tokens and loss, and the job's accounting, as metrics and XCom.
 """
 
@@ -22,11 +32,51 @@ from trainforge.accounting import account
 from trainforge.engines.base import JobHandle, JobIdentity, TrainingJob
 from trainforge.base import fail_permanently
 from trainforge.cluster_job import ClusterJobOperator
+from trainforge.hooks.mlflow import TAG_FAILED_TRY
 from trainforge.jobconfig import build_training_job, init_block
 from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec, stage_task_id
 from trainforge.tasks.model_init import InitSourceError, registered_init
+
+MAX_TAG_CHARS = 5000  # MLflow's tag value limit is 8000 characters
+
+
+def post_training_reason(event: dict[str, Any]) -> str | None:
+    """Why a failed job failed after its training had finished, or None when it failed earlier.
+
+    The trainer's result says so (``phase: after_training``, when rank 0 saw a rank miss the
+    final barrier), or contradicts the job's failure (``status: success``: rank 0 finished and
+    left, another rank failed later). Either way the final checkpoint was complete before.
+    """
+    result = event.get("result") or {}
+    if result.get("phase") == "after_training" and result.get("message"):
+        return str(result["message"])
+    if result.get("status") == "success":
+        checkpoint = result.get("last_checkpoint")
+        return (f"a rank failed after training finished (job exit code {event.get('exit_code')}; "
+                f"rank 0 reported {result.get('message')!r}); the final checkpoint at step "
+                f"{result.get('final_step')} is complete"
+                + (f" ({checkpoint})" if checkpoint else ""))
+    return None
+
+
+def apply_post_training_policy(event: dict[str, Any], reason: str, policy: str) -> dict[str, Any]:
+    """The event as ``training.fault.post_training_failure`` (``policy``) has the task see it:
+    ``accept`` a success, ``fail`` a permanent failure, ``resume`` a transient one."""
+    key = (event.get("handle") or {}).get("key")
+    step = (event.get("result") or {}).get("final_step")
+    said = f"training.fault.post_training_failure is {policy!r}"
+    if policy == "accept":
+        return {**event, "status": "success",
+                "message": f"job {key} failed after training: {reason}; {said}: the task "
+                           f"succeeds with it"}
+    if policy == "fail":
+        return {**event, "failure": "permanent",
+                "message": f"job {key} failed after training: {reason}; {said}"}
+    return {**event, "failure": "transient",
+            "message": f"job {key} failed after training: {reason}; {said}: the retry resumes at "
+                       f"step {step} and finishes"}
 
 
 class TrainOperator(ClusterJobOperator):
@@ -133,12 +183,12 @@ class TrainOperator(ClusterJobOperator):
                 f"no dataset from task {self.prepare_task_id!r} (XCom was {prepared!r})"
             )
         mlflow_run_id = self.mlflow_run_id(context, spec)
-        self._mlflow_run_id = mlflow_run_id
-        self._reopen_mlflow_run(mlflow_run_id, identity.try_number)
+        self._mlflow_run_id = self._stage_run_id(spec, mlflow_run_id)  # this task's own run
+        self._reopen_mlflow_run(self._mlflow_run_id, identity.try_number)
         init = self._stage_init(spec, ti)
         if init is None and spec.model.init_from:
             init = self._registered_init(spec, prepared)
-        env = {"MLFLOW_RUN_ID": self._stage_run_id(spec, mlflow_run_id)}
+        env = {"MLFLOW_RUN_ID": self._mlflow_run_id}
         tracking_uri = self.mlflow_hook.tracking_uri
         if tracking_uri:
             env["MLFLOW_TRACKING_URI"] = tracking_uri
@@ -155,14 +205,19 @@ class TrainOperator(ClusterJobOperator):
     def job_attached(self, context: Any, spec: PipelineSpec, handle: JobHandle) -> None:
         self.log.info("Job %s writes its checkpoints to %s", handle["key"],
                       self._checkpoint_dir(spec, context["ti"]))
-        self.mlflow_hook.set_tags(
-            self._mlflow_run_id or self.mlflow_run_id(context, spec),
-            {"trainforge.train.job": handle["key"], "trainforge.train.engine": spec.training.engine},
-        )
+        tags = {"trainforge.train.job": handle["key"],
+                "trainforge.train.engine": spec.training.engine}
+        parent = self.mlflow_run_id(context, spec)
+        own = self._mlflow_run_id or self._stage_run_id(spec, parent)
+        self.mlflow_hook.set_tags(own, tags)
+        if own != parent:  # the shared run: one key per stage task, never overwritten by another
+            self.mlflow_hook.set_tags(parent,
+                                      {f"trainforge.train.{self.task_id}.job": handle["key"]})
 
     def _reopen_mlflow_run(self, run_id: str, try_number: int) -> None:
-        """An earlier try that was killed (KILLED) or failed (FAILED) ended the DAG run's MLflow
-        run; this try trains on, so the run is RUNNING again until the pipeline ends it."""
+        """An earlier try that was killed (KILLED) or failed (FAILED) ended this task's MLflow
+        run (a stage's: its child run; never the DAG run's run, which other stages share); this
+        try trains on, so the run is RUNNING again until the pipeline ends it."""
         status = self.mlflow_hook.reopen_run(run_id)
         if status is not None:
             self.mlflow_hook.set_tags(run_id, {f"trainforge.train.reopened_by_try_{try_number}":
@@ -171,6 +226,39 @@ class TrainOperator(ClusterJobOperator):
                           run_id, status, try_number)
 
     # -- the outcome --------------------------------------------------------------------------
+    def execute_complete(self, context: Any, event: Any = None,
+                         first_start_epoch_s: float | None = None, **job_kwargs: Any) -> Any:
+        """A failed try is recorded, and a failure after training is named and follows
+        ``training.fault.post_training_failure``; then the cluster-job handling."""
+        if (isinstance(event, dict) and event.get("status") in ("error", "timeout")
+                and isinstance(event.get("handle"), dict)):
+            spec = self.resolved_spec(context)
+            reason = post_training_reason(event) if event["status"] == "error" else None
+            if reason is not None:
+                event = apply_post_training_policy(event, reason,
+                                                   spec.training.fault.post_training_failure)
+            self._record_failed_try(context, spec, event)
+        return super().execute_complete(context, event, first_start_epoch_s, **job_kwargs)
+
+    def _record_failed_try(self, context: Any, spec: PipelineSpec, event: dict[str, Any]) -> None:
+        """Why this try failed (tag on the DAG run's run) and how far it got (the stage's
+        metrics): for the run summary. Never raises: the failure itself is what matters."""
+        try:
+            ti = context["ti"]
+            parent = self.mlflow_run_id(context, spec)
+            said = ("accepted: " if event["status"] == "success" else "") + str(event["message"])
+            self.mlflow_hook.set_tags(parent, {f"{TAG_FAILED_TRY}.{ti.task_id}.{ti.try_number}":
+                                               said[:MAX_TAG_CHARS]})
+            result = event.get("result") or {}
+            if event["status"] != "success" and result.get("final_step") is not None:
+                prefix = f"{self.stage}/" if self.stage else ""
+                reached = {f"train/{prefix}final_step": result.get("final_step"),
+                           f"train/{prefix}tokens_seen": result.get("tokens_seen")}
+                self.mlflow_hook.log_metrics(parent, {k: float(v) for k, v in reached.items()
+                                                      if v is not None})
+        except Exception:  # noqa: BLE001 - never mask the try's own failure
+            self.log.warning("could not record the failed try in MLflow", exc_info=True)
+
     def job_succeeded(self, context: Any, spec: PipelineSpec, event: dict[str, Any],
                       init: dict[str, str] | None = None) -> dict[str, Any]:
         """Log the final step, tokens, loss and accounting; the task's XCom."""
@@ -209,7 +297,8 @@ class TrainOperator(ClusterJobOperator):
         }
 
     def job_killed(self) -> None:
-        """The task was killed: the MLflow run ends KILLED (a retry reopens it)."""
+        """The task was killed: its MLflow run (a stage's: its child run) ends KILLED (a retry
+        reopens it)."""
         self._end_mlflow_run_killed()
 
     def _end_mlflow_run_killed(self) -> None:

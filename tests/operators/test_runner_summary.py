@@ -40,3 +40,23 @@ def test_the_summary_lists_the_teardown_apart_from_the_stages():
     text = console.export_text()
     assert "stage train" in text and "stage close_run" not in text
     assert "teardown close_run" in text and "does not decide the run's state" in text
+
+
+def test_the_summary_lists_every_failed_try_not_only_the_last_state():
+    from rich.console import Console
+
+    from trainforge.runner_summary import failed_tries
+
+    tags = {"trainforge.failed_try.train.2": "job k failed after training: post-training "
+                                             "collective timeout on rank 1",
+            "trainforge.failed_try.train.1": "job k failed (transient): node lost",
+            "trainforge.failed_task": "x"}
+    tries = failed_tries(tags)
+    assert [(t["task"], t["try"]) for t in tries] == [("train", 1), ("train", 2)]
+    console = Console(record=True, width=200)
+    print_summary({"dag_id": "d", "airflow_run_id": "r", "state": "success",
+                   "stages": {"train": {"state": "success", "seconds": 9.0}},
+                   "failed_tries": tries}, console)
+    text = console.export_text()
+    assert "failed try train #1" in text and "node lost" in text
+    assert "failed try train #2" in text and "collective timeout on rank 1" in text

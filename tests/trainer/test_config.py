@@ -69,6 +69,11 @@ ERROR_ROWS = [
         "distributed.collective_timeout_s=0.0: expected a value > 0.0",
     ),
     (
+        "distributed.world_size_change",
+        "reshard",
+        "distributed.world_size_change='reshard': expected one of ['continue', 'refuse']",
+    ),
+    (
         "data.dataset_dir",
         "datasets/abc",
         "data.dataset_dir='datasets/abc': expected an absolute path or an s3://bucket/prefix URI",

@@ -83,6 +83,7 @@ def test_full_run(full_run, mlflow_run):
     assert run.info.status == "RUNNING"  # the trainer never ends the DAG's run
     assert run.data.params["model.hidden_size"] == "32" and run.data.params["world_size"] == "2"
     assert run.data.params["optim.seed"] == "999"  # MLflow params are immutable: kept, with a warning
+    assert run.data.tags["trainforge.world_size_history"] == '[{"from_step":0,"world_size":2}]'
     assert "MLflow param optim.seed is already '999'" in full_run["log"]
     history = client.get_metric_history(run_id, "train_loss")
     assert [m.step for m in history] == list(range(5, MAX_STEPS + 1, 5))
