@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
