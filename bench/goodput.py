@@ -60,10 +60,10 @@ sys.path.insert(0, str(ROOT))
 
 DEMO_SPEC = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
 # "[default0]:2026-11-29 22:24:19,196 rank0 INFO trainforge.trainer.train: step 70/400 | loss ..."
-STEP_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO trainer\.train: "
-                       r"step (\d+)/\d+ \|")
-ATTEMPT_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO trainer\.train: "
-                          r"model: \d+ parameters")
+STEP_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO "
+                       r"trainforge\.trainer\.train: step (\d+)/\d+ \|")
+ATTEMPT_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO "
+                          r"trainforge\.trainer\.train: model: \d+ parameters")
 
 
 @dataclass
