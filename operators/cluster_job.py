@@ -37,6 +37,7 @@ cancel-on-kill path stays quiet in the task process.
 
 from __future__ import annotations
 
+import abc
 import datetime as dt
 import signal
 import threading
@@ -130,17 +131,17 @@ class ClusterJobOperator(TrainforgeStageOperator):
         self._killed = False  # on_kill ran: it acts once per task process
         self._cancelled_keys: set[str] = set()  # jobs this process cancelled, each once
 
-    # -- what a task adds ---------------------------------------------------------------------
+    # -- what a task adds (abstract: BaseOperator's metaclass is an ABCMeta) -------------------
+    @abc.abstractmethod
     def prepare_job(self, context: Any, spec: PipelineSpec, identity: JobIdentity
                     ) -> tuple[TrainingJob, dict[str, Any]]:
         """The job this try runs, and the JSON-able keyword arguments that
         :meth:`job_succeeded` gets back with the event (they cross the deferral)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def job_succeeded(self, context: Any, spec: PipelineSpec, event: dict[str, Any],
                       **job_kwargs: Any) -> Any:
         """The task's XCom once the trigger reported ``success``."""
-        raise NotImplementedError
 
     def job_attached(self, context: Any, spec: PipelineSpec, handle: JobHandle) -> None:
         """Called once the try has its job (launched or adopted), before the wait."""

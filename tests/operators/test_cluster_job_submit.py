@@ -38,6 +38,9 @@ class _Operator(ClusterJobOperator):
     def prepare_job(self, context, spec, identity):
         return TrainingJob(identity=identity, config={}, module="trainforge.trainer.train"), {}
 
+    def job_succeeded(self, context, spec, event, **job_kwargs):
+        raise AssertionError("a refused or unreachable job never succeeds")
+
     def backend(self, spec):
         return self.backend_under_test
 
@@ -62,3 +65,12 @@ def test_an_engine_that_cannot_be_reached_stays_a_retryable_failure():
     with pytest.raises(BackendError) as err:
         _execute(BackendError("Kubernetes API unreachable: connection refused"))
     assert not isinstance(err.value, AirflowFailException)
+
+
+def test_a_task_that_does_not_say_what_job_it_runs_cannot_be_built():
+    class Incomplete(ClusterJobOperator):
+        def prepare_job(self, context, spec, identity):
+            return None, {}
+
+    with pytest.raises(TypeError, match="job_succeeded"):
+        Incomplete(task_id="train", spec=load_spec(SPEC).model_dump(mode="json"))
