@@ -61,7 +61,7 @@ def test_sigterm_stops_airflow_cancels_the_job_and_stops_the_mlflow_server(
                             env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for("rank 0's first step line", lambda: proc.poll() is not None or _steps_logged(home),
-              900, 2)
+                 900)
         assert proc.poll() is None, (tmp_path / "run.log").read_text()[-4000:]
         [job] = list((home / "runs").glob("*/job.log"))
         key = job.parent.name

@@ -39,7 +39,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_for(what: str, check, timeout_s: float, interval_s: float = 1.0):
+def wait_for(what: str, check, timeout_s: float, interval_s: float = 0.5):
     """Poll ``check()`` until it returns a truthy value; fail the test with ``what`` on timeout."""
     deadline = time.monotonic() + timeout_s
     last = None
@@ -146,7 +146,7 @@ def mlflow_run(mlflow_url: str, run_id: str):
 
 def wait_run_end(server, dag_id: str, run_id: str, timeout_s: float = 900) -> str:
     return wait_for("the run to end", lambda: server.run_state(dag_id, run_id)
-                    in ("success", "failed") and server.run_state(dag_id, run_id), timeout_s, 3)
+                    in ("success", "failed") and server.run_state(dag_id, run_id), timeout_s, 0.5)
 
 
 def wait_job_cancelled(path: Path) -> dict:
@@ -206,7 +206,7 @@ class AirflowStandalone:
             except (OSError, urllib.error.HTTPError):
                 return False
 
-        wait_for("airflow standalone to serve the fault_tiny DAG", ready, timeout_s, 2.0)
+        wait_for("airflow standalone to serve the fault_tiny DAG", ready, timeout_s)
 
     def stop(self) -> None:
         from trainforge.standalone import _stop_tree

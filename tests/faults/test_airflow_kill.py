@@ -44,7 +44,7 @@ def start_training(server, max_steps: int) -> tuple[str, Path]:
     run_id = server.trigger(DAG, {"max_steps": max_steps})
     path = job_dir(server.home, run_id)
     wait_for("the train task to defer", lambda: server.ti(DAG, run_id, "train")["state"]
-             == "deferred" or None, 300, 2)
+             == "deferred" or None, 300, 0.5)
     wait_for("rank 0's first step line", lambda: steps_logged(path), 180, 1)
     return run_id, path
 
@@ -67,7 +67,7 @@ def test_user_action_while_deferred_cancels_the_job(airflow_standalone, action):
     assert f"cancelling job {key}" in logs, logs[-3000:]
     if action == "failed":
         # Downstream never runs on a killed training.
-        wait_for("the run to end", lambda: server.run_state(DAG, run_id) == "failed", 120, 2)
+        wait_for("the run to end", lambda: server.run_state(DAG, run_id) == "failed", 120, 0.5)
         assert server.ti(DAG, run_id, "validate_checkpoint")["state"] in ("upstream_failed", None)
 
 
@@ -77,7 +77,7 @@ def _cleared_task_waits_on_exactly_one_job(server, run_id: str, first: Path) -> 
     second = job_dir(server.home, run_id, 2)
     wait_for("try 2 to defer", lambda: (lambda ti: ti["try_number"] == 2
                                         and ti["state"] == "deferred")(
-        server.ti(DAG, run_id, "train")), 300, 2)
+        server.ti(DAG, run_id, "train")), 300, 0.5)
     time.sleep(CANCEL_WITHIN_S / 3)  # let a cancellation in flight land
     live = [p for p in (first, second) if job_processes(p)]
     assert len(live) == 1, live
@@ -97,7 +97,7 @@ def test_triggerer_restart_keeps_the_job_and_the_run_finishes(airflow_standalone
     server.restart_triggerer()
     # The new triggerer picks the trigger up again; the job was never interrupted.
     wait_for("the run to end", lambda: server.run_state(DAG, run_id) in ("success", "failed")
-             and server.run_state(DAG, run_id), 900, 3)
+             and server.run_state(DAG, run_id), 900, 0.5)
     record = exit_record(path)
     assert record is not None and record["cancelled"] is False and record["exit_code"] == 0
     assert server.ti(DAG, run_id, "train")["state"] == "success", server.tail()
@@ -125,7 +125,7 @@ def test_worker_sigkill_mid_step_is_restarted_by_torchrun_and_resumes(airflow_st
     for proc in victims:
         proc.kill()
     wait_for("the run to end", lambda: server.run_state(DAG, run_id) in ("success", "failed")
-             and server.run_state(DAG, run_id), 900, 3)
+             and server.run_state(DAG, run_id), 900, 0.5)
     assert server.ti(DAG, run_id, "train")["state"] == "success", server.tail()
     assert server.ti(DAG, run_id, "train")["try_number"] == 1  # the engine restarted, not Airflow
     text = (path / "job.log").read_text(errors="replace")
@@ -144,10 +144,10 @@ def test_lost_job_is_retried_by_a_new_job_that_resumes(airflow_standalone, mlflo
     for proc in job_processes(first):  # the whole job: supervisor, torchrun and ranks
         proc.kill()
     second = job_dir(server.home, run_id, 2)
-    wait_for("try 2's job", lambda: (second / "request.json").exists(), 300, 2)
+    wait_for("try 2's job", lambda: (second / "request.json").exists(), 300, 0.5)
     assert not job_processes(first)  # never two live jobs for one task
     wait_for("the run to end", lambda: server.run_state(DAG, run_id) in ("success", "failed")
-             and server.run_state(DAG, run_id), 900, 3)
+             and server.run_state(DAG, run_id), 900, 0.5)
     ti = server.ti(DAG, run_id, "train")
     assert (ti["state"], ti["try_number"]) == ("success", 2), server.tail()
     text = (second / "job.log").read_text(errors="replace")
@@ -161,10 +161,10 @@ def test_diverged_loss_fails_at_once_without_retry(airflow_standalone, mlflow_se
     from mlflow import MlflowClient
 
     server, dag = airflow_standalone, "fault_diverge"
-    wait_for("the fault_diverge DAG", lambda: has_dag(server, dag), 120, 2)
+    wait_for("the fault_diverge DAG", lambda: has_dag(server, dag), 120, 0.5)
     run_id = server.trigger(dag)
     wait_for("the run to end", lambda: server.run_state(dag, run_id) in ("success", "failed")
-             and server.run_state(dag, run_id), 900, 3)
+             and server.run_state(dag, run_id), 900, 0.5)
     ti = server.ti(dag, run_id, "train")
     # retries: 1 in the spec, yet one try: exit 79 is permanent.
     assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
@@ -190,7 +190,7 @@ def test_bad_trigger_parameters_fail_the_run_before_any_job(airflow_standalone):
     server = airflow_standalone
     run_id = server.trigger(DAG, {"micro_batch_size": 3})  # 4 is not a multiple of 3 x 1
     wait_for("the run to end", lambda: server.run_state(DAG, run_id) in ("success", "failed")
-             and server.run_state(DAG, run_id), 300, 2)
+             and server.run_state(DAG, run_id), 300, 0.5)
     prepare = server.ti(DAG, run_id, "prepare_data")
     assert (prepare["state"], prepare["try_number"]) == ("failed", 1)
     assert server.ti(DAG, run_id, "train")["state"] in ("upstream_failed", None)

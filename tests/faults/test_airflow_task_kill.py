@@ -63,7 +63,7 @@ def set_paused(server, dag_id: str, paused: bool) -> None:
 def start_waiting(server, max_steps: int) -> tuple[str, Path, psutil.Process]:
     """Trigger ``fault_tiny_sync``; return once rank 0 logs steps while the train task's own
     process waits on the job: (run id, job folder, that task process)."""
-    wait_for(f"the {SYNC_DAG} DAG", lambda: has_dag(server, SYNC_DAG), 120, 2)
+    wait_for(f"the {SYNC_DAG} DAG", lambda: has_dag(server, SYNC_DAG), 120, 0.5)
     run_id = server.trigger(SYNC_DAG, {"max_steps": max_steps})
     path = job_dir(server.home, SYNC_DAG, run_id)
     wait_for("rank 0's first step line", lambda: steps_logged(path), 420, 1)
@@ -156,7 +156,7 @@ def test_retry_after_the_job_finished_goes_straight_to_its_outputs(airflow_stand
         proc.kill()
         ti = wait_try_ended(server, run_id)
         assert (ti["state"], ti["try_number"]) == ("up_for_retry", 1), ti
-        record = wait_for("the job to finish on its own", lambda: exit_record(path), 600, 2)
+        record = wait_for("the job to finish on its own", lambda: exit_record(path), 600, 0.5)
         assert record["exit_code"] == 0 and record["cancelled"] is False
     finally:
         set_paused(server, SYNC_DAG, False)
@@ -176,7 +176,7 @@ def test_retry_after_the_job_finished_goes_straight_to_its_outputs(airflow_stand
 
 def test_execution_timeout_counts_from_the_first_start_across_the_deferral(airflow_standalone):
     server = airflow_standalone
-    wait_for(f"the {DEADLINE_DAG} DAG", lambda: has_dag(server, DEADLINE_DAG), 120, 2)
+    wait_for(f"the {DEADLINE_DAG} DAG", lambda: has_dag(server, DEADLINE_DAG), 120, 0.5)
     run_id = server.trigger(DEADLINE_DAG, {"max_steps": 200_000})
     path = job_dir(server.home, DEADLINE_DAG, run_id)
     wait_for("the train task to defer", lambda: server.ti(DEADLINE_DAG, run_id, "train")["state"]

@@ -65,7 +65,7 @@ def test_mark_failed_while_deferred_cancels_the_job_and_the_teardown_closes_the_
 def test_sigkilled_task_process_without_retry_leaves_a_job_the_teardown_cancels(
         airflow_standalone, mlflow_server):
     server = airflow_standalone
-    wait_for(f"the {ONCE_DAG} DAG", lambda: has_dag(server, ONCE_DAG), 120, 2)
+    wait_for(f"the {ONCE_DAG} DAG", lambda: has_dag(server, ONCE_DAG), 120, 0.5)
     run_id = server.trigger(ONCE_DAG, {"max_steps": 200_000})
     path = server.home / "runs" / JobIdentity(ONCE_DAG, run_id, "train", 1).key
     wait_for("rank 0's first step line", lambda: steps_logged(path), 420, 1)
@@ -93,11 +93,11 @@ def test_a_stage_marked_failed_while_deferred_has_its_child_run_closed(airflow_s
     from mlflow import MlflowClient
 
     server = airflow_standalone
-    wait_for(f"the {STAGES_DAG} DAG", lambda: has_dag(server, STAGES_DAG), 120, 2)
+    wait_for(f"the {STAGES_DAG} DAG", lambda: has_dag(server, STAGES_DAG), 120, 0.5)
     run_id = server.trigger(STAGES_DAG, {"max_steps": 200_000})
     path = server.home / "runs" / JobIdentity(STAGES_DAG, run_id, "train_pretrain", 1).key
     wait_for("the stage's task to defer", lambda: server.ti(
-        STAGES_DAG, run_id, "train_pretrain")["state"] == "deferred" or None, 420, 2)
+        STAGES_DAG, run_id, "train_pretrain")["state"] == "deferred" or None, 420, 0.5)
     wait_for("rank 0's first step line", lambda: steps_logged(path), 180, 1)
     parent = mlflow_run(mlflow_server, run_id)
     client = MlflowClient(mlflow_server)
