@@ -1,7 +1,11 @@
 """The wheel in a fresh venv beside stock Airflow, as a platform engineer installs it.
 
-One venv per module: ``python3.11 -m venv``, then ``pip install -c requirements.lock <wheel>``
-(not editable; apache-airflow==3.3.2 comes in as a dependency). Every command runs from a
+One venv per module: ``python3.11 -m venv``; the wheel's declared dependencies (apache-airflow
+3.3.2 and the rest of its closure) placed into it from this environment's installed files, and
+nothing else (tests/packaging/dependencies.py: what ``make venv`` installed from the same
+``requirements.lock``, so not downloaded and unpacked again); then
+``pip install --no-index -c requirements.lock <wheel>`` (not editable), which must find every
+requirement satisfied and install the wheel alone, and ``pip check``. Every command runs from a
 temporary folder outside the checkout, with no PYTHONPATH, so nothing of the checkout can be
 imported: only what the wheel installed.
 """
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.packaging.dependencies import place_dependencies
 from tests.packaging.layout import REPO
 
 pytestmark = [pytest.mark.wheel, pytest.mark.airflow, pytest.mark.integration,
@@ -73,8 +78,11 @@ def venv(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path, request) -
     venv.work.mkdir()
     venv.specs.mkdir()
     shutil.copy2(SPEC, venv.spec)
-    venv.run("pip", "install", "--quiet", "-c", str(REPO / "requirements.lock"), str(built_wheel),
-             timeout_s=1800)
+    place_dependencies(built_wheel, venv.root / "venv")
+    installed = venv.run("pip", "install", "--no-index", "-c", str(REPO / "requirements.lock"),
+                         str(built_wheel), timeout_s=600)
+    assert "Installing collected packages: trainforge\n" in installed.stdout, installed.stdout
+    venv.run("pip", "check")
     # The demo corpus through the installed package; shared with the e2e tests when pytest's
     # cache is on (its SOURCE.json is verified, nothing is fetched twice).
     cache = getattr(request.config, "cache", None)
