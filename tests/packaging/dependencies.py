@@ -84,12 +84,28 @@ def _place(source: Path, target: Path, python: Path) -> None:
         shutil.copy2(source, target)
 
 
+def _remove_replaced(venv: Path, names: set[str]) -> None:
+    """Delete the files of the fresh venv's own distributions that the closure brings in another
+    version of (``python -m venv`` seeds setuptools), so that each is installed once."""
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    for dist in metadata.distributions(path=[str(site)]):
+        if canonicalize_name(dist.metadata["Name"]) in names:
+            files = dist.files or ()
+            for file in files:
+                Path(dist.locate_file(file)).unlink(missing_ok=True)
+            for folder in {file.parts[0] for file in files}:
+                if folder.endswith(".dist-info"):
+                    shutil.rmtree(site / folder, ignore_errors=True)
+
+
 def place_dependencies(wheel: Path, venv: Path) -> list[str]:
     """Put the wheel's dependency closure (:func:`dependency_closure`) into the fresh ``venv``
     (made by ``python -m venv``, same Python version); return the distributions' names."""
     python = venv / "bin" / "python"
+    closure = dependency_closure(wheel_requirements(wheel))
+    _remove_replaced(venv, {canonicalize_name(dist.metadata["Name"]) for dist in closure})
     names = []
-    for dist in dependency_closure(wheel_requirements(wheel)):
+    for dist in closure:
         names.append(dist.metadata["Name"])
         for file in dist.files or ():
             source = Path(os.path.normpath(dist.locate_file(file)))
