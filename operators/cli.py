@@ -207,7 +207,11 @@ def report(
     if plot is not None:
         from trainforge.report_plot import plot_report
 
-        found["plot"] = str(plot_report(found, plot))
+        try:
+            found["plot"] = str(plot_report(found, plot))
+        except (ImportError, OSError) as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(found, indent=2))
         return

@@ -9,8 +9,16 @@ from trainforge.ledger import names as n
 
 
 def plot_report(report: dict[str, Any], path: Path) -> Path:
-    """Draw ``report`` (trainforge.report.collect_report) into the PNG file ``path``."""
-    import matplotlib
+    """Draw ``report`` (trainforge.report.collect_report) into the PNG file ``path``.
+
+    Raises:
+        ImportError: matplotlib (installed with mlflow) is missing; the message says so.
+    """
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError(f"--plot {path}: drawing needs matplotlib (it comes with mlflow; "
+                          f"pip install matplotlib)") from err
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

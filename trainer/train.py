@@ -7,7 +7,8 @@
 
 Environment: MLFLOW_TRACKING_URI + MLFLOW_RUN_ID (rank 0 logs params and step metrics into that
 existing run; unset URI = no MLflow), TRAINFORGE_RESULT_FILE (rank 0 writes result.json there on
-every exit it survives to see), OMP_NUM_THREADS (torch threads per process; 1 when unset).
+every exit it survives to see), OMP_NUM_THREADS (torch threads per process; 1 when unset),
+TRAINFORGE_JOB_DIR (rank 0 writes its run-ledger records under ``ledger/``: trainer/goodput.py).
 
 Exit codes (docs/contracts.md): 0 finished at max_steps, 78 bad config or dataset, 79 diverged
 (non-finite loss or gradient norm, or non-finite weights at a checkpoint), anything else is a

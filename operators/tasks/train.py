@@ -32,12 +32,12 @@ from __future__ import annotations
 from typing import Any
 
 from trainforge.accounting import account
-from trainforge.ledger.catalog import CatalogError, choose_price
 from trainforge.engines.base import JobHandle, JobIdentity, TrainingJob
 from trainforge.base import fail_permanently
 from trainforge.cluster_job import ClusterJobOperator
 from trainforge.hooks.mlflow import TAG_FAILED_TRY
 from trainforge.jobconfig import build_training_job, init_block
+from trainforge.ledger.catalog import CatalogError, Price, choose_price
 from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec, stage_task_id
@@ -306,7 +306,7 @@ class TrainOperator(ClusterJobOperator):
         }
 
     @staticmethod
-    def _price(spec: PipelineSpec):
+    def _price(spec: PipelineSpec) -> Price | str:
         """The job's price (trainforge.ledger.catalog); a spec that names no catalog row fails
         the task without retries."""
         try:
