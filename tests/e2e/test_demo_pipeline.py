@@ -121,7 +121,9 @@ def test_checkpoint_chosen_has_a_verifying_manifest(demo_run):
 
 def test_the_run_has_its_ledger_and_trainforge_report_reads_it(demo_run, mlflow_server, tmp_path):
     from mlflow import MlflowClient
+    from typer.testing import CliRunner
 
+    from trainforge.cli import app
     from trainforge.ledger import names as n
 
     _, summary, output = demo_run
@@ -138,11 +140,9 @@ def test_the_run_has_its_ledger_and_trainforge_report_reads_it(demo_run, mlflow_
     assert summary["ledger"][""]["figures"][n.GOODPUT] == pytest.approx(m[n.GOODPUT])
     assert "ledger" in output and "goodput" in output
 
-    trainforge = Path(sys.executable).with_name("trainforge")
-    report = subprocess.run([str(trainforge), "report", "tiny_shakespeare", "--tracking-uri",
-                             mlflow_server, "--json", "--plot", str(tmp_path / "r.png")],
-                            capture_output=True, text=True, timeout=120)
-    assert report.returncode == 0, report.stderr[-3000:]
-    rows = {r["mlflow_run_id"]: r for r in json.loads(report.stdout)["runs"]}
+    report = CliRunner().invoke(app, ["report", "tiny_shakespeare", "--tracking-uri", mlflow_server,
+                                      "--json", "--plot", str(tmp_path / "r.png")])
+    assert report.exit_code == 0, report.output[-3000:]
+    rows = {r["mlflow_run_id"]: r for r in json.loads(report.output)["runs"]}
     assert rows[summary["mlflow_run_id"]]["figures"][n.GOODPUT] == pytest.approx(m[n.GOODPUT])
     assert (tmp_path / "r.png").stat().st_size > 0
