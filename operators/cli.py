@@ -4,6 +4,7 @@
     trainforge render FILE          the DAG's tasks and the exact request the engine would get
     trainforge schema               the JSON Schema of a pipeline spec
     trainforge run FILE             run one pipeline on this machine through `airflow dags test`
+    trainforge report PIPELINE      every run of a pipeline in the MLflow store: goodput, cost, energy
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from trainforge.pipeline import SpecError, load_spec
 from trainforge.pipeline import schema as published
 from trainforge.pipeline.loader import name_position
 from trainforge.pipeline.stages import resolve_stages, stage_folder
+from trainforge.report import UnknownPipelineError, collect_report, default_tracking_uri, print_report
 from trainforge.runner import run_pipeline
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -183,6 +185,39 @@ def run(
     ok = run_pipeline(spec, file.absolute(), console=console, summary_json=summary_json,
                       engine=engine)
     raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def report(
+    pipeline: str = typer.Argument(..., help="The pipeline's name (its DAG id)."),
+    tracking_uri: str = typer.Option(
+        None, help="MLflow store to read (default: $MLFLOW_TRACKING_URI, else the demo's "
+        "store, sqlite:///$TRAINFORGE_HOME/mlflow/mlflow.db)."),
+    plot: Path = typer.Option(None, help="Also draw goodput, GPU-hours and cost per run and the "
+                              "validation loss per version into this PNG file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON instead."),
+) -> None:
+    """Every run of one pipeline: goodput, GPU-hours, cost, energy, disruptions, status."""
+    uri = tracking_uri or default_tracking_uri()
+    try:
+        found = collect_report(pipeline, uri)
+    except UnknownPipelineError as err:
+        typer.echo(str(err), err=True)
+        raise typer.Exit(1) from None
+    if plot is not None:
+        from trainforge.report_plot import plot_report
+
+        try:
+            found["plot"] = str(plot_report(found, plot))
+        except (ImportError, OSError) as err:
+            typer.echo(str(err), err=True)
+            raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(found, indent=2))
+        return
+    print_report(found, console)
+    if plot is not None:
+        console.print(f"plot: {found['plot']}")
 
 
 if __name__ == "__main__":

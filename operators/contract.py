@@ -30,6 +30,10 @@ RESULT_FILE_ENV = "TRAINFORGE_RESULT_FILE"
 """Environment variable naming the file rank 0 writes its result to."""
 JOB_DIR_ENV = "TRAINFORGE_JOB_DIR"
 """Environment variable naming the job folder (where the engine keeps it on a shared disk)."""
+LEDGER_TAG_PREFIX = "trainforge.ledger.attempt."
+"""Rank 0's attempt records for the run ledger: MLflow tag ``<prefix><process start, epoch ms>``
+(JSON), and the same record as ``$TRAINFORGE_JOB_DIR/ledger/attempt-<ms>.json``."""
+LEDGER_DIR = "ledger"
 
 EXIT_OK = 0
 EXIT_ERROR = 1

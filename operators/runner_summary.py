@@ -13,6 +13,7 @@ from rich.table import Table
 
 from trainforge.graph import REGISTER_MODEL_TASK_ID, TaskGraph, task_graph
 from trainforge.hooks.mlflow import TAG_FAILED_TRY, MlflowHook
+from trainforge.ledger.read import ledger_figures, ledger_line, stage_names
 from trainforge.pipeline.model import PipelineSpec
 
 
@@ -89,6 +90,8 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
         "champion_after": tags.get("trainforge.gate.champion_after"),
         "params_logged": len(params),
         "failed_tries": failed_tries(tags),
+        "ledger": ({"": found} if (found := ledger_figures(metrics, tags)) else
+                   {s: ledger_figures(metrics, tags, s) for s in stage_names(metrics)}),
     })
     _stage_summary(spec, summary, metrics, tags)
     return summary
@@ -184,6 +187,8 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
                      f"{usage.get('gpu_hours', 0):.4f} GPU-h, {usage.get('cpu_core_hours', 0):.4f} "
                      f"CPU-core-h, {usage.get('energy_kwh', 0):.4f} kWh, "
                      f"{usage.get('cost', 0):.4f} {summary.get('currency', '')}"))
+    for name, ledger in (summary.get("ledger") or {}).items():
+        rows.append((f"ledger{f' {name}' if name else ''}", ledger_line(ledger)))
     for name, info in (summary.get("training_stages") or {}).items():
         chosen = " (chosen)" if name == summary.get("chosen_stage") else ""
         if info.get("state") and info["state"] != "success":

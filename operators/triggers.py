@@ -31,7 +31,9 @@ job's identity::
     {"status": "success" | "error" | "timeout" | "cancelled", "message": str,
      "job": {dag_id, run_id, task_id, try_number}, "handle": {...}, "exit_code": int | None,
      "failure": "permanent" | "transient" | None, "result": {...} | None,
-     "wall_s": float | None, "log_offset": int, "deadline_reason": str | None}
+     "wall_s": float | None, "ended_at_epoch_s": float | None,
+     "phases": {"queue_wait": float | str, "image_pull": float | str} | None,
+     "log_offset": int, "deadline_reason": str | None}
 """
 
 from __future__ import annotations
@@ -141,6 +143,8 @@ class TrainingJobTrigger(BaseTrigger):
             "failure": getattr(getattr(job_status, "failure", None), "value", None),
             "result": getattr(job_status, "result", None),
             "wall_s": getattr(job_status, "wall_s", None),
+            "ended_at_epoch_s": getattr(job_status, "ended_at_epoch_s", None),
+            "phases": getattr(job_status, "phases", None),
             "log_offset": self.log_offset,
             "deadline_reason": self.deadline_reason,
         }

@@ -127,10 +127,15 @@ class MlflowTracker:
                      self.logged_through)
         return self.logged_through
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Log ``metrics`` at optimizer step ``step`` in one log_batch call (once per step)."""
-        if step <= self.logged_through:
-            return
-        now_ms = int(time.time() * 1000)
-        batch = [self._mlflow.entities.Metric(k, float(v), now_ms, step) for k, v in metrics.items()]
-        self._call("log_batch(metrics)", self.client.log_batch, self.run_id, metrics=batch)
+    def log_metrics(self, step: int, metrics: dict[str, float], tags: dict[str, str] | None = None
+                    ) -> None:
+        """Log ``metrics`` at optimizer step ``step`` (once per step) and ``tags`` in one
+        log_batch call; a step already logged sends only the tags."""
+        batch = []
+        if step > self.logged_through:
+            now_ms = int(time.time() * 1000)
+            batch = [self._mlflow.entities.Metric(k, float(v), now_ms, step) for k, v in metrics.items()]
+        tag_batch = [self._mlflow.entities.RunTag(k, str(v)) for k, v in (tags or {}).items()]
+        if batch or tag_batch:
+            self._call("log_batch(metrics)", self.client.log_batch, self.run_id, metrics=batch,
+                       tags=tag_batch)

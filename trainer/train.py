@@ -7,7 +7,8 @@
 
 Environment: MLFLOW_TRACKING_URI + MLFLOW_RUN_ID (rank 0 logs params and step metrics into that
 existing run; unset URI = no MLflow), TRAINFORGE_RESULT_FILE (rank 0 writes result.json there on
-every exit it survives to see), OMP_NUM_THREADS (torch threads per process; 1 when unset).
+every exit it survives to see), OMP_NUM_THREADS (torch threads per process; 1 when unset),
+TRAINFORGE_JOB_DIR (rank 0 writes its run-ledger records under ``ledger/``: trainer/goodput.py).
 
 Exit codes (docs/contracts.md): 0 finished at max_steps, 78 bad config or dataset, 79 diverged
 (non-finite loss or gradient norm, or non-finite weights at a checkpoint), anything else is a
@@ -36,27 +37,27 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-import safetensors
 import torch
 import torch.distributed as dist
-import transformers
 
-from trainforge.contract import EXIT_ERROR, EXIT_OK, RESULT_FILE_ENV, STATUS_ERROR, STATUS_SUCCESS
+from trainforge.contract import (EXIT_ERROR, EXIT_OK, JOB_DIR_ENV, RESULT_FILE_ENV, STATUS_ERROR,
+                                 STATUS_SUCCESS)
 from trainforge.storage.files import atomic_write_json
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.amp import MIN_LOSS_SCALE, Precision
 from trainforge.trainer.config import ConfigError, JobConfig, OptimConfig, load_job_config
 from trainforge.trainer.data import BatchSampler, TokenStream, open_dataset
-from trainforge.trainer.dataset import Dataset
 from trainforge.trainer.distributed import Dist, setup_distributed, shut_down
+from trainforge.trainer.energy import EnergyMeter
 from trainforge.trainer.errors import DivergedError, TerminatedError, TrainerError
+from trainforge.trainer.goodput import AttemptClock, flops_per_token
 from trainforge.trainer.model import build_model, llama_config, lm_loss, load_initial_weights
-from trainforge.trainer.parallel import Parallel, parallelize
+from trainforge.trainer.parallel import parallelize
 from trainforge.trainer.schedule import lr_at
+from trainforge.trainer.state import has_own_checkpoint, resume, save
 from trainforge.trainer.tracking import MlflowTracker
 
 log = logging.getLogger("trainforge.trainer.train")
@@ -102,127 +103,6 @@ def should_step(step: int, loss: float, grad_norm: float, lr: float, loss_scale:
                         f"stopping before the optimizer step, no checkpoint written after step {step - 1}")
 
 
-def _has_own_checkpoint(cfg: JobConfig, d: Dist) -> bool:
-    """Whether ``checkpoint.dir`` holds a valid checkpoint (rank 0 decides for every rank)."""
-    found = [ckpt.newest_valid(cfg.checkpoint.dir) is not None] if d.rank == 0 else [None]
-    if d.enabled:
-        dist.broadcast_object_list(found, src=0)
-    return bool(found[0])
-
-
-def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, amp: Precision
-           ) -> tuple[int, int, dict, list[dict[str, int]]]:
-    """Load the newest valid checkpoint, if any, into the model, ``optimizer`` and the fp16 scaler.
-
-    Rank 0 picks the folder (`checkpoint.newest_valid`) and broadcasts it, so every rank loads
-    the same step. Returns ``(step, tokens_seen, metrics at that step, world_size_history)``
-    (`checkpoint.world_size_history`: this attempt's world size appended when it changed);
-    ``(0, 0, {}, [{"from_step": 0, "world_size": W}])`` on a fresh start.
-
-    Raises:
-        ConfigError: the checkpoint was trained on another dataset or model shape, or on
-            another world size with ``distributed.world_size_change`` "refuse".
-        CheckpointError: the chosen checkpoint cannot be loaded.
-    """
-    chosen = [None]
-    if d.rank == 0:
-        newest = ckpt.newest_valid(cfg.checkpoint.dir)
-        chosen = [str(newest) if newest else None]
-    if d.enabled:
-        dist.broadcast_object_list(chosen, src=0)
-    if chosen[0] is None:
-        log.info("no valid checkpoint under %s: starting from step 0", cfg.checkpoint.dir)
-        return 0, 0, {}, ckpt.world_size_history(None, d.world_size)
-    c = ckpt.load_checkpoint(chosen[0])
-    saved_world = c.meta.get("world_size", c.trainer_state.get("world_size"))
-    if saved_world is not None and int(saved_world) != d.world_size:
-        if cfg.distributed.world_size_change == "refuse":
-            raise ConfigError(f"checkpoint {c.path} was trained on world size {saved_world}, this attempt runs "
-                              f"{d.world_size} ranks and distributed.world_size_change is 'refuse' "
-                              f"(spec: training.fault.world_size_change); run on {saved_world} ranks, or set it "
-                              f"to 'continue' to reshard")
-        log.warning("checkpoint %s was trained on world size %s, this attempt runs %d ranks: resharding "
-                    "(distributed.world_size_change=continue; recorded in world_size_history)",
-                    c.path, saved_world, d.world_size)
-    history = ckpt.world_size_history(c.meta, d.world_size)
-    saved = c.meta.get("job_config", {})
-    if c.meta.get("dataset_digest") != dataset.digest:
-        raise ConfigError(f"checkpoint {c.path} was trained on dataset {c.meta.get('dataset_digest')}, "
-                          f"data.dataset_dir has {dataset.digest}; use a new checkpoint.dir")
-    saved_seq_len = saved.get("data", {}).get("sequence_length")
-    if saved.get("model") != cfg.raw["model"] or saved_seq_len != cfg.data.sequence_length:
-        raise ConfigError(f"checkpoint {c.path} has model {saved.get('model')} and sequence_length "
-                          f"{saved_seq_len}; the job config asks for "
-                          f"{cfg.raw['model']} / {cfg.data.sequence_length}; use a new checkpoint.dir")
-    try:
-        par.load_full_state(c.weights, c.optimizer, optimizer)
-    except ValueError as err:
-        raise ckpt.CheckpointError(f"{c.path}: {err}") from err
-    if amp.scaler is not None and not amp.load_state_dict(c.trainer_state.get("grad_scaler")):
-        log.warning("checkpoint %s has no fp16 loss-scaler state: starting from scale %g", c.path, amp.loss_scale())
-    if cfg.framework.gradient_compression == "powersgd":
-        log.warning("PowerSGD state (error feedback, warm-start factors, iteration count) is not checkpointed: "
-                    "restarting it, so this run is not bit-identical with an uninterrupted one")
-    rngs = c.trainer_state.get("rng", [])
-    if c.trainer_state.get("world_size") == d.world_size and len(rngs) == d.world_size:
-        ckpt.restore_rng_state(rngs[d.rank])
-    else:
-        log.warning("checkpoint world size %s != %d: RNG states not restored (data order is unaffected)",
-                    c.trainer_state.get("world_size"), d.world_size)
-    log.info("resuming from %s (step %d)", c.path, c.step)
-    return c.step, int(c.trainer_state["tokens_seen"]), c.meta.get("metrics", {}), history
-
-
-def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, amp: Precision, step: int,
-         tokens_seen: int, accum: int, metrics: dict, world_sizes: list[dict[str, int]] | None = None
-         ) -> Path | None:
-    """Write step ``step`` (rank 0) after every rank handed over its RNG state; returns the folder.
-
-    Every rank must call it (finiteness check, RNG gather, FSDP's full-state gather).
-
-    Raises:
-        DivergedError: a weight is not finite (a diverged run never writes a checkpoint).
-    """
-    bad = torch.tensor([par.nonfinite_parameters()], device=d.device)
-    if d.enabled:
-        dist.all_reduce(bad)
-    if bad.item():
-        raise DivergedError(f"step {step}: {bad.item()} parameter tensors hold non-finite values "
-                            f"(lr {metrics.get('learning_rate')}); no checkpoint written")
-    rngs = [None] * d.world_size
-    if d.enabled:
-        dist.gather_object(ckpt.capture_rng_state(), rngs if d.rank == 0 else None, dst=0)
-    else:
-        rngs = [ckpt.capture_rng_state()]
-    weights, optimizer_state = par.full_state(optimizer)  # a collective under FSDP; None on ranks > 0
-    path = None
-    if d.rank == 0:
-        state = {"step": step, "tokens_seen": tokens_seen, "world_size": d.world_size, "scheduler": {"step": step},
-                 "rng": rngs}
-        if amp.scaler is not None:
-            state["grad_scaler"] = amp.state_dict()
-        meta = {"step": step, "tokens_seen": tokens_seen, "world_size": d.world_size,
-                "world_size_history": world_sizes or ckpt.world_size_history(None, d.world_size),
-                "grad_accum_steps": accum,
-                "config_digest": cfg.digest(), "dataset_digest": dataset.digest,
-                "dataset": {"vocab_size": dataset.vocab_size, "eos_id": dataset.eos_id, "eos_token": dataset.eos_token,
-                            "tokenizer_sha256": dataset.tokenizer_sha256},
-                "job_config": cfg.raw, "versions": _versions(), "metrics": metrics,
-                "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        t0 = time.perf_counter()
-        path = ckpt.write_checkpoint(cfg.checkpoint.dir, step, weights, optimizer_state, state, meta)
-        deleted = ckpt.apply_retention(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
-        log.info("checkpoint %s written in %.2fs (retention deleted %d)", path, time.perf_counter() - t0, len(deleted))
-    if d.enabled:
-        dist.barrier()
-    return path
-
-
-def _versions() -> dict[str, str]:
-    return {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__, "numpy": np.__version__}
-
-
 def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     """Run (or finish) the training described by ``cfg``; ``out`` tracks progress for the result file."""
     o, T = cfg.optim, cfg.data.sequence_length
@@ -235,12 +115,14 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     sampler = BatchSampler(TokenStream(dataset, "train"), T, o.micro_batch_size, accum, d.world_size, o.seed)
     model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, T)).to(d.device)
     n_params = sum(p.numel() for p in model.parameters())  # before sharding; tied weights counted once
-    if cfg.init is not None and not _has_own_checkpoint(cfg, d):  # its own checkpoint wins on a retry
+    if cfg.init is not None and not has_own_checkpoint(cfg, d):  # its own checkpoint wins on a retry
         load_initial_weights(model, cfg.init.checkpoint, dataset.tokenizer_path, dataset.tokenizer_sha256)
     par = parallelize(model, cfg, d)  # DDP or FSDP2 (+ compression hook, activation checkpointing)
     optimizer = make_optimizer(par.model, o)  # after sharding: FSDP2 replaces the parameters
     amp = Precision(cfg.precision, d.device, sharded=par.kind == "fsdp")
+    t_restore = time.perf_counter()
     step, tokens_seen, metrics, world_sizes = resume(cfg, d, dataset, par, optimizer, amp)
+    restore_s = time.perf_counter() - t_restore
     out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, metrics.get("train_loss")
     if step and d.rank == 0:
         out.last_checkpoint = ckpt.join(cfg.checkpoint.dir, ckpt.step_dir_name(step))  # local path or s3:// URI
@@ -248,8 +130,11 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     tokens_per_step = o.global_batch_size * T
 
     tracker = MlflowTracker.from_env() if d.rank == 0 else None
+    clock = _attempt_clock(cfg, d, model, n_params, tokens_per_step) if d.rank == 0 else None
+    if clock:  # steps up to the newest one the run holds are trained again: wasted progress
+        reached = tracker.skip_logged_steps(step) if tracker else step  # exactly once: never re-logged
+        clock.restored(restore_s, step, reached)
     if tracker:
-        tracker.skip_logged_steps(step)  # exactly once: a resumed attempt never re-logs a step
         flat = {f"{s}.{k}": v for s in ("data", "model", "optim", "checkpoint", "logging", "distributed")
                 for k, v in cfg.raw[s].items()}
         flat |= {f"framework.{k}": v for k, v in dataclasses.asdict(cfg.framework).items()}  # resolved defaults
@@ -264,12 +149,17 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
              d.world_size, accum, par.kind, cfg.precision, o.lr_schedule)
 
     t_window, steps_in_window = time.perf_counter(), 0
+    if clock:
+        clock.loop_started()
     while step < o.max_steps:
+        if clock:
+            clock.step_started()
         lr = lr_at(step, o)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=d.device)  # mean loss of this rank's micro-batches
-        for a, (x, y) in enumerate(sampler.micro_batches(step, d.rank)):  # x, y: (micro_batch, T) int64
+        batches = sampler.micro_batches(step, d.rank)
+        for a, (x, y) in enumerate(clock.batches(batches) if clock else batches):  # (micro_batch, T) int64
             x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
             with par.grad_sync(a == accum - 1):  # reduce across ranks on the last micro-batch only
                 with amp.autocast():
@@ -292,6 +182,8 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
         step += 1
         tokens_seen += tokens_per_step
         steps_in_window += 1
+        if clock:
+            clock.step_done(step)
         out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, loss_value
         metrics = {"train_loss": loss_value, "learning_rate": lr, "grad_norm": grad_norm}
         if not math.isfinite(grad_norm):  # a skipped fp16 step: keep inf out of meta.json and MLflow
@@ -302,20 +194,43 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             metrics["tokens_per_s"] = steps_in_window * tokens_per_step / max(elapsed, 1e-9)
             log.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | tok/s %.0f", step, o.max_steps,
                      loss_value, lr, grad_norm, metrics["tokens_per_s"])
+            ledger_tags = clock.snapshot()
             if tracker:
-                tracker.log_metrics(step, metrics)
+                tracker.log_metrics(step, metrics, tags=ledger_tags)
             t_window, steps_in_window = time.perf_counter(), 0
         if step % cfg.checkpoint.interval_steps == 0 or step == o.max_steps:
+            t_save = time.perf_counter()
             with sigterm_deferred():  # a checkpoint and its mention in the result file go together
                 path = save(cfg, d, dataset, par, optimizer, amp, step, tokens_seen, accum, metrics,
                             world_sizes)
                 if path is not None:
                     out.last_checkpoint = str(path)
+            if clock:
+                clock.saved(time.perf_counter() - t_save)
             t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
     if step > o.max_steps:
         log.warning("resumed at step %d, past optim.max_steps=%d: nothing to train", step, o.max_steps)
+    if clock:
+        ledger_tags = clock.snapshot(final=True)
+        if tracker:
+            tracker.set_tags(ledger_tags)
     # Known trap: gloo can hang at exit when a DDP model outlives the process group.
     del par, model, optimizer
+
+
+def _attempt_clock(cfg: JobConfig, d: Dist, model: torch.nn.Module, n_params: int,
+                   tokens_per_step: int) -> AttemptClock:
+    """Rank 0's ledger clock of this attempt, with the energy counters of its machine."""
+    m = cfg.model
+    embedding = model.get_input_embeddings().weight.numel()
+    fpt = flops_per_token(n_params - embedding, m.num_layers, m.num_heads, m.hidden_size // m.num_heads,
+                          cfg.data.sequence_length)
+    cuda = d.device.type == "cuda"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return AttemptClock(world_size=d.world_size, tokens_per_step=tokens_per_step, flops_per_token=fpt,
+                        device=torch.cuda.get_device_name(d.device) if cuda else "cpu",
+                        energy=EnergyMeter.open(list(range(local)) if cuda else []),
+                        job_dir=os.environ.get(JOB_DIR_ENV))
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -120,7 +120,11 @@ class JobStatus:
     """One observation of a job.
 
     ``failure`` is set only for FAILED; ``result`` is the trainer's result file when available;
-    ``wall_s`` is how long the job ran (seconds), once it has ended.
+    ``wall_s`` is how long the job ran (seconds), once it has ended. Once it has ended, for the
+    run ledger (trainforge.ledger): ``ended_at_epoch_s`` when the engine saw it end, and
+    ``phases``, the engine's part of the ledger's buckets — ``queue_wait`` (submission to the
+    job's start: Kueue admission and scheduling, Slurm pending) and ``image_pull`` — each in
+    seconds, or the reason the engine cannot know it ("unknown: ...", "not applicable: ...").
     """
 
     state: JobState
@@ -129,6 +133,8 @@ class JobStatus:
     failure: FailureKind | None = None
     result: dict[str, Any] | None = None
     wall_s: float | None = None
+    ended_at_epoch_s: float | None = None
+    phases: dict[str, float | str] | None = None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,10 @@ adds what training means:
   stuck in a collective at exit): its own reason instead of the trainer's "finished at step N",
   and ``training.fault.post_training_failure`` decides: ``resume`` (retry, which resumes at the
   final step and finishes), ``accept`` (succeed with that checkpoint) or ``fail`` (no retry);
-* on success: the final step, tokens and loss, and the job's accounting, as metrics and XCom.
+* on success: the final step, tokens and loss, and the job's accounting, as metrics and XCom;
+  and its ledger — goodput, badput buckets, GPU-hours, energy, cost (trainforge.ledger;
+  logged by trainforge.tasks.train_ledger). The price is chosen before the job is launched: a
+  spec naming no catalog row fails the task without retries.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from trainforge.base import fail_permanently
 from trainforge.cluster_job import ClusterJobOperator
 from trainforge.hooks.mlflow import TAG_FAILED_TRY
 from trainforge.jobconfig import build_training_job, init_block
+from trainforge.ledger.catalog import CatalogError, Price, choose_price
 from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec, stage_task_id
 from trainforge.tasks.model_init import InitSourceError, registered_init
+from trainforge.tasks.train_ledger import record_ledger
 
 MAX_TAG_CHARS = 5000  # MLflow's tag value limit is 8000 characters
 
@@ -101,6 +106,7 @@ class TrainOperator(ClusterJobOperator):
         self.prepare_task_id = prepare_task_id
         self.stage = stage
         self._mlflow_run_id: str | None = None
+        self._first_start_s: float | None = None
 
     # -- the stage and its init ---------------------------------------------------------------
     def resolved_spec(self, context: Any) -> PipelineSpec:
@@ -177,6 +183,7 @@ class TrainOperator(ClusterJobOperator):
                     ) -> tuple[TrainingJob, dict[str, Any]]:
         """The training job of this try; ``init`` crosses the deferral for the XCom."""
         ti = context["ti"]
+        self._price(spec)  # a price the spec cannot have fails before any training
         prepared = ti.xcom_pull(task_ids=self.prepare_task_id)
         if not prepared or "dataset_dir" not in prepared:
             fail_permanently(
@@ -230,6 +237,7 @@ class TrainOperator(ClusterJobOperator):
                          first_start_epoch_s: float | None = None, **job_kwargs: Any) -> Any:
         """A failed try is recorded, and a failure after training is named and follows
         ``training.fault.post_training_failure``; then the cluster-job handling."""
+        self._first_start_s = first_start_epoch_s
         if (isinstance(event, dict) and event.get("status") in ("error", "timeout")
                 and isinstance(event.get("handle"), dict)):
             spec = self.resolved_spec(context)
@@ -269,8 +277,9 @@ class TrainOperator(ClusterJobOperator):
                  "train/tokens_seen": result.get("tokens_seen"),
                  "train/final_loss": result.get("final_train_loss")}
         prefix = f"{self.stage}/" if self.stage else ""  # one series per stage
+        self._record_ledger(context, spec, event, mlflow_run_id)
         if event.get("wall_s") is not None:
-            usage = account(spec, event["wall_s"])
+            usage = account(spec, event["wall_s"], self._price(spec))
             final.update({f"accounting/{prefix}{k}": v for k, v in usage.items()})
             self.log.info("Accounting: %.1f s wall, %.4f GPU-hours, %.4f CPU-core-hours, "
                           "%.4f %s, %.5f kWh", usage["wall_s"], usage["gpu_hours"],
@@ -295,6 +304,27 @@ class TrainOperator(ClusterJobOperator):
             "final_train_loss": result.get("final_train_loss"),
             "mlflow_run_id": mlflow_run_id,
         }
+
+    @staticmethod
+    def _price(spec: PipelineSpec) -> Price | str:
+        """The job's price (trainforge.ledger.catalog); a spec that names no catalog row fails
+        the task without retries."""
+        try:
+            return choose_price(spec)
+        except CatalogError as err:
+            fail_permanently(f"cost: {err}")
+
+    def _record_ledger(self, context: Any, spec: PipelineSpec, event: dict[str, Any],
+                       parent: str) -> None:
+        """The job's ledger, logged (trainforge.tasks.train_ledger); never fails the task: the
+        training it describes succeeded."""
+        try:
+            record_ledger(self.mlflow_hook, spec, event, self._price(spec),
+                          own_run=self._stage_run_id(spec, parent), parent_run=parent,
+                          stage=self.stage, task_started_s=self._first_start_s,
+                          try_number=int(context["ti"].try_number))
+        except Exception:  # noqa: BLE001 - the ledger is worth less than the model
+            self.log.warning("could not record the job's ledger in MLflow", exc_info=True)
 
     def job_killed(self) -> None:
         """The task was killed: its MLflow run (a stage's: its child run) ends KILLED (a retry

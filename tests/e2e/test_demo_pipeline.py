@@ -117,3 +117,32 @@ def test_checkpoint_chosen_has_a_verifying_manifest(demo_run):
         "step-00000150",
         "step-00000200",
     ]
+
+
+def test_the_run_has_its_ledger_and_trainforge_report_reads_it(demo_run, mlflow_server, tmp_path):
+    from mlflow import MlflowClient
+    from typer.testing import CliRunner
+
+    from trainforge.cli import app
+    from trainforge.ledger import names as n
+
+    _, summary, output = demo_run
+    run = MlflowClient(mlflow_server).get_run(summary["mlflow_run_id"])
+    m, tags = run.data.metrics, run.data.tags
+    parts = m[n.PRODUCTIVE_S] + sum(m[n.badput(b)] for b in n.BUCKETS if n.badput(b) in m)
+    assert parts == pytest.approx(m[n.WALL_S], rel=0.01) and m[n.badput("other")] >= 0
+    assert 0 < m[n.GOODPUT] < 100 and m[n.DISRUPTIONS] == 0
+    assert m[n.badput("program_startup")] > 0 and m[n.badput("queue_wait")] >= 0
+    assert tags[n.unknown_tag("image_pull")].startswith("not applicable:")
+    assert tags[n.energy_source_tag("cpu")] in ("measured-rapl", "estimated")
+    assert tags["cost/price_source"].startswith("catalog v1: local/localhost")
+    assert m[n.TPS] > 0 and n.MFU_PCT not in m  # CPU: no peak, so no MFU
+    assert summary["ledger"][""]["figures"][n.GOODPUT] == pytest.approx(m[n.GOODPUT])
+    assert "ledger" in output and "goodput" in output
+
+    report = CliRunner().invoke(app, ["report", "tiny_shakespeare", "--tracking-uri", mlflow_server,
+                                      "--json", "--plot", str(tmp_path / "r.png")])
+    assert report.exit_code == 0, report.output[-3000:]
+    rows = {r["mlflow_run_id"]: r for r in json.loads(report.output)["runs"]}
+    assert rows[summary["mlflow_run_id"]]["figures"][n.GOODPUT] == pytest.approx(m[n.GOODPUT])
+    assert (tmp_path / "r.png").stat().st_size > 0

@@ -2,6 +2,9 @@
 
 The trainer is SIGKILLed a few steps after a checkpoint, so the next attempt trains those steps
 again; the run's metric history must still hold every step exactly once, up to the final step.
+The same run checks the ledger's attempt records: one disruption, the steps trained again as
+wasted progress, every step productive once, and a productive time that matches the one
+bench/goodput.py measures from the step lines within 2 points of goodput.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ import psutil
 import pytest
 
 from faultlib import wait_for
+from trainforge.pipeline import load_spec
 from tests.trainer.conftest import REPO_ROOT, make_job, trainer_command, trainer_env, write_job
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 MAX_STEPS = 30
+DEMO = REPO_ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
 
 
 def _newest_step(log_path) -> int:
@@ -52,6 +57,7 @@ def test_kill_after_a_checkpoint_then_resume_logs_every_step_once(tmp_path, tiny
     env = trainer_env(tmp_path / "result.json", MLFLOW_TRACKING_URI=mlflow_server,
                       MLFLOW_RUN_ID=run_id)
     log_path = tmp_path / "attempt1.log"
+    started = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(trainer_command(job, nproc=2), cwd=REPO_ROOT, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -61,6 +67,7 @@ def test_kill_after_a_checkpoint_then_resume_logs_every_step_once(tmp_path, tiny
                      or _newest_step(log_path) >= 13, 180, 0.005)
             assert proc.poll() is None, log_path.read_text()[-3000:]
         finally:
+            killed_epoch = time.time()
             _kill_tree(proc)
     killed_at = _newest_step(log_path)
     assert 13 <= killed_at < 20, f"killed at step {killed_at}: outside the window the test needs"
@@ -79,3 +86,35 @@ def test_kill_after_a_checkpoint_then_resume_logs_every_step_once(tmp_path, tiny
         assert sorted(steps) == list(range(1, MAX_STEPS + 1)), (key, sorted(steps))
     history = client.get_metric_history(run_id, "train_loss")
     assert max(history, key=lambda m: m.step).value == pytest.approx(result["final_train_loss"])
+
+    _check_the_ledger(client.get_run(run_id).data.tags, before[-1], started,
+                      log_path.read_text(errors="replace") + resumed.stdout, killed_epoch)
+
+
+def _check_the_ledger(tags, logged_before_kill, started, log_text, killed_epoch):
+    from bench.goodput import measure, parse_log
+    from trainforge.ledger import names as n
+    from trainforge.ledger.attempts import attempt_records, sum_attempts
+    from trainforge.ledger.build import build_ledger
+
+    first, second = attempt_records(tags)
+    assert not first["final"] and second["final"]
+    assert second["resumed_step"] == 10 and second["reached_step"] == logged_before_kill
+    assert second["wasted_steps"] == logged_before_kill - 10
+    assert first["productive_steps"] + second["productive_steps"] == MAX_STEPS
+    books = sum_attempts([first, second])
+    assert books.buckets["wasted_progress"] > 0 and books.buckets["checkpoint_save"] > 0
+    assert books.buckets["recovery"] > 0 and books.recoveries_s[0] > books.buckets["recovery"]
+
+    ledger = build_ledger(load_spec(DEMO), {"handle": {}}, tags, "unknown: not priced here",
+                          task_started_s=started, now_s=time.time(), submitted_by_this_try=True)
+    m = ledger.metrics
+    assert m[n.DISRUPTIONS] == 1
+    assert m[n.PRODUCTIVE_S] + sum(m[n.badput(b)] for b in n.BUCKETS if n.badput(b) in m) \
+        == pytest.approx(m[n.WALL_S], rel=0.01)
+    assert m[n.badput("other")] >= 0
+
+    bench = measure(parse_log(log_text), [killed_epoch], checkpoint_every=10)
+    assert bench["kills"] == 1 and bench["steps"] == MAX_STEPS
+    ledger_goodput = books.productive_s / bench["wall_s"]  # over the benchmark's own window
+    assert abs(100 * ledger_goodput - 100 * bench["goodput"]) <= 2.0, (books, bench)

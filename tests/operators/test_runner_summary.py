@@ -60,3 +60,24 @@ def test_the_summary_lists_every_failed_try_not_only_the_last_state():
     text = console.export_text()
     assert "failed try train #1" in text and "node lost" in text
     assert "failed try train #2" in text and "collective timeout on rank 1" in text
+
+
+def test_the_summary_shows_each_ledger_in_one_row():
+    from rich.console import Console
+
+    from trainforge.ledger.read import ledger_figures
+
+    metrics = {"goodput/percent": 62.5, "goodput/wall_s": 80.0, "gpu_hours/allocated": 0.0,
+               "energy/kwh": 0.0004, "cost/allocated": 0.0, "disruptions/count": 1.0,
+               "recovery/mean_s": 9.0, "recovery/max_s": 9.0, "badput/recovery_s": 6.0,
+               "badput/program_startup_s": 12.0, "badput/other_s": 1.0}
+    tags = {"energy/source/cpu": "estimated", "cost/currency": "USD", "unrelated": "x"}
+    ledger = ledger_figures(metrics, tags)
+    assert ledger["tags"] == {"energy/source/cpu": "estimated", "cost/currency": "USD"}
+    console = Console(record=True, width=400)
+    print_summary({"dag_id": "d", "airflow_run_id": "r", "state": "success", "ledger": {"": ledger}},
+                  console)
+    text = console.export_text()
+    assert "goodput 62.5% of 80.0 s" in text and "cpu estimated" in text
+    assert "top badput: program_startup 12.0 s, recovery 6.0 s, other 1.0 s" in text
+    assert "1 disruption(s), recovery mean 9.0 s max 9.0 s" in text

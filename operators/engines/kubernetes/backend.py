@@ -268,7 +268,9 @@ class KubernetesBackend(Backend):
         wall_s = s.wall_s(handle, cond, rank0)
         if state == JobState.SUCCEEDED:
             return JobStatus(JobState.SUCCEEDED, s.condition_text(cond) or "training finished",
-                             exit_code, None, result, wall_s)
+                             exit_code, None, result, wall_s,
+                             s.epoch_s((cond or {}).get("lastTransitionTime")),
+                             s.phases(handle, rank0, container))
         if state == JobState.FAILED:
             kind = failure_kind(exit_code, result)
             message = (result or {}).get("message") or s.condition_text(cond)

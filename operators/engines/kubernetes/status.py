@@ -245,3 +245,22 @@ def wall_s(handle: dict[str, Any], cond: dict[str, Any] | None,
     if ended is None or started is None:
         return None
     return round(max(0.0, ended - started), 3)
+
+
+def phases(handle: dict[str, Any], rank0: dict[str, Any] | None,
+           container: str) -> dict[str, float | str]:
+    """The ledger's engine buckets of a finished job, from rank 0's newest pod: ``queue_wait``
+    from the job's creation to the pod's start (Kueue admission, scheduling), ``image_pull``
+    from the pod's start to the trainer container's first start (image pull, init containers)."""
+    status = (rank0 or {}).get("status") or {}
+    pod_start = epoch_s(status.get("startTime"))
+    submitted = handle.get("submitted_at_epoch_s")
+    state = _container(rank0, container) if rank0 else {}
+    started = (((state.get("state") or {}).get("terminated") or {}).get("startedAt")
+               or ((state.get("lastState") or {}).get("terminated") or {}).get("startedAt"))
+    container_start = epoch_s(started)
+    why = "unknown: rank 0's pod is gone (deleted or replaced) and with it its start times"
+    return {"queue_wait": round(max(0.0, pod_start - submitted), 3)
+            if pod_start is not None and submitted else why,
+            "image_pull": round(max(0.0, container_start - pod_start), 3)
+            if pod_start is not None and container_start is not None else why}

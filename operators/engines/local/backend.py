@@ -55,6 +55,15 @@ from trainforge.errors import BackendError, JobNotFoundError
 log = logging.getLogger(__name__)
 
 
+
+def local_phases(handle: JobHandle, exit_record: dict[str, Any]) -> dict[str, float | str]:
+    """The ledger's engine buckets of a local job: no queue (the wait is the supervisor's own
+    start, measured), no container image."""
+    started, submitted = exit_record.get("started_at"), handle.get("submitted_at_epoch_s")
+    return {"queue_wait": round(max(0.0, started - submitted), 3) if started and submitted else
+            "unknown: the job folder records no submission or start time",
+            "image_pull": "not applicable: the local engine runs no container image"}
+
 class LocalBackend(Backend):
     """torchrun on this machine, one supervised process group per job.
 
@@ -156,7 +165,8 @@ class LocalBackend(Backend):
             if exit_record.get("started_at") and exit_record.get("ended_at"):
                 wall_s = round(exit_record["ended_at"] - exit_record["started_at"], 3)
             if rc == 0 and not exit_record.get("cancelled"):
-                return JobStatus(JobState.SUCCEEDED, "training finished", rc, None, result, wall_s)
+                return JobStatus(JobState.SUCCEEDED, "training finished", rc, None, result, wall_s,
+                                 exit_record.get("ended_at"), local_phases(handle, exit_record))
             if exit_record.get("cancelled"):
                 return JobStatus(JobState.CANCELLED, "job was cancelled", rc, None, result, wall_s)
             message = (result or {}).get("message") or f"torchrun exited with code {rc}"

@@ -54,6 +54,14 @@ _RESUBMIT = re.compile(r"-r(\d+)$")
 _MAX_RESUBMITS = 100
 
 
+
+RAY_PHASES: dict[str, float | str] = {
+    "queue_wait": "unknown: Ray's job API reports when a job was submitted and ended, not when "
+                  "it left PENDING",
+    "image_pull": "unknown: Ray's job API does not report how long the runtime environment or "
+                  "image took to set up"}
+"""The ledger's engine buckets of a Ray job: neither is reported."""
+
 class RayBackend(Backend):
     """Jobs on a Ray cluster through its job submission API (the dashboard's HTTP port).
 
@@ -188,7 +196,8 @@ class RayBackend(Backend):
         result = self._result(client, sid, info)
         if state == "SUCCEEDED":
             message = (result or {}).get("message") or "training finished"
-            return JobStatus(JobState.SUCCEEDED, message, 0, None, result, wall_s)
+            return JobStatus(JobState.SUCCEEDED, message, 0, None, result, wall_s,
+                             info.end_time / 1000.0 if info.end_time else None, RAY_PHASES)
         # FAILED
         exit_code = (result or {}).get("exit_code", info.driver_exit_code)
         kind = failure_kind(exit_code, result)

@@ -68,6 +68,16 @@ _STALE = ("exit.json", "result.json", "cancel.json", "slurm_job.json", "start_fa
 START_FAILURE = "start_failure.json"  # why we cancelled a job that could not start
 
 
+
+def slurm_phases(handle: JobHandle, started: float | None) -> dict[str, float | str]:
+    """The ledger's engine buckets of a Slurm job: its pending time, from submission to the
+    start Slurm reports."""
+    submitted = handle.get("submitted_at_epoch_s")
+    return {"queue_wait": round(max(0.0, started - submitted), 3) if started and submitted else
+            "unknown: Slurm reported no start time (the controller forgot the job and there is "
+            "no accounting)",
+            "image_pull": "not applicable: the Slurm engine runs no container image"}
+
 class SlurmBackend(Backend):
     """Jobs on a Slurm cluster through its command-line tools on this (submit) node.
 
@@ -220,7 +230,8 @@ class SlurmBackend(Backend):
                              None, result, wall_s)
         if mapped is JobState.SUCCEEDED:
             message = (result or {}).get("message") or "training finished"
-            return JobStatus(JobState.SUCCEEDED, message, exit_code or 0, None, result, wall_s)
+            return JobStatus(JobState.SUCCEEDED, message, exit_code or 0, None, result, wall_s,
+                             seen["end"], slurm_phases(handle, seen["start"]))
         kind = failure_kind(exit_code, result)
         detail = (result or {}).get("message") or {
             "TIMEOUT": "it reached its time limit (fault.run_timeout)",

@@ -1,0 +1,101 @@
+"""The trainer's attempt records (MLflow tags ``trainforge.ledger.attempt.<ms>``), summed.
+
+Each attempt is one start of the trainer; its rank 0 wrote its buckets at every log interval
+and when training ended (trainforge.trainer.goodput). Between two attempts lies a disruption:
+from the failed attempt's last record to the next attempt's process start is ``recovery`` time
+(noticing the failure, stopping the group, scheduling and starting it again); the next
+attempt's start-up and checkpoint load stay in their own buckets, and its steps up to the
+furthest step reached before are ``wasted_progress``. A disruption's recovery *time* (the
+``recovery/mean_s`` and ``recovery/max_s`` figures) runs from the failed attempt's last record
+to the restarted attempt's first step, as Google's goodput library and torchtitan count it.
+
+The last record of an attempt is at most one log interval old when the attempt dies, so
+``log_every_steps`` bounds how finely a failure is placed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainforge.contract import LEDGER_DIR, LEDGER_TAG_PREFIX as RECORD_TAG_PREFIX
+
+_SECONDS = {"startup": "program_startup", "restore": "checkpoint_restore",
+            "data_wait": "data_loading", "save": "checkpoint_save", "eval": "evaluation",
+            "wasted": "wasted_progress"}
+
+
+class AttemptRecordError(ValueError):
+    """An attempt record tag that is not the trainer's JSON."""
+
+
+def job_dir_records(job_dir: str | Path) -> dict[str, str]:
+    """The attempt records a job folder holds (``ledger/attempt-<ms>.json``), keyed as their
+    MLflow tags are, for :func:`attempt_records` (a job run without MLflow, e.g. a benchmark)."""
+    folder = Path(job_dir) / LEDGER_DIR
+    return {f"{RECORD_TAG_PREFIX}{p.stem.removeprefix('attempt-')}": p.read_text()
+            for p in sorted(folder.glob("attempt-*.json"))}
+
+
+def attempt_records(tags: dict[str, str]) -> list[dict[str, Any]]:
+    """The run's attempt records, oldest first.
+
+    Raises:
+        AttemptRecordError: a record tag does not hold a JSON object with ``started_at`` and
+            ``seconds`` (names the tag and what it holds).
+    """
+    records = []
+    for key, value in tags.items():
+        if not key.startswith(RECORD_TAG_PREFIX):
+            continue
+        try:
+            record = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise AttemptRecordError(f"tag {key}: not JSON ({err}): {value[:200]!r}") from err
+        if not isinstance(record, dict) or "started_at" not in record or "seconds" not in record:
+            raise AttemptRecordError(f"tag {key}: expected the trainer's attempt record (an object "
+                                     f"with started_at and seconds), got {value[:200]!r}")
+        records.append(record)
+    return sorted(records, key=lambda r: float(r["started_at"]))
+
+
+@dataclass
+class TrainerBooks:
+    """The attempts' sums: trainer buckets (seconds), productive time and work, disruptions."""
+
+    buckets: dict[str, float]
+    productive_s: float
+    productive_tokens: int
+    recoveries_s: list[float]
+    first_start: float | None
+    last_record: float | None
+    world_size: int | None
+    device: str | None
+    flops_per_token: float | None
+
+
+def sum_attempts(records: list[dict[str, Any]]) -> TrainerBooks:
+    """The trainer's part of the ledger from its attempt records (oldest first)."""
+    buckets = {name: 0.0 for name in (*_SECONDS.values(), "recovery")}
+    productive_s, tokens, recoveries = 0.0, 0, []
+    for i, rec in enumerate(records):
+        seconds = rec["seconds"]
+        for short, bucket in _SECONDS.items():
+            buckets[bucket] += float(seconds.get(short, 0.0))
+        productive_s += float(seconds.get("productive", 0.0))
+        tokens += int(rec.get("productive_steps", 0)) * int(rec.get("tokens_per_step", 0))
+        if i:
+            failed_at = float(records[i - 1]["recorded_at"])
+            buckets["recovery"] += max(0.0, float(rec["started_at"]) - failed_at)
+            if rec.get("first_step_at") is not None:
+                recoveries.append(max(0.0, float(rec["first_step_at"]) - failed_at))
+    last = records[-1] if records else {}
+    return TrainerBooks(
+        buckets=buckets, productive_s=productive_s, productive_tokens=tokens,
+        recoveries_s=recoveries,
+        first_start=float(records[0]["started_at"]) if records else None,
+        last_record=float(last["recorded_at"]) if records else None,
+        world_size=last.get("world_size"), device=last.get("device"),
+        flops_per_token=last.get("flops_per_token"))

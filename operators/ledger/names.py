@@ -1,0 +1,49 @@
+"""The ledger's names: buckets, metrics, tags and the JSON artifact (docs/contracts.md, "Run ledger").
+
+Bucket names follow the badput types of Google's ml-goodput-measurement; the throughput names
+follow torchtitan's metrics.
+"""
+
+from __future__ import annotations
+
+TRAINER_BUCKETS = ("program_startup", "checkpoint_restore", "data_loading", "checkpoint_save",
+                   "evaluation", "wasted_progress", "recovery")
+"""Known from the trainer's attempt records."""
+ORCHESTRATION_BUCKETS = ("queue_wait", "image_pull", "orchestration")
+"""Known from the task and the engine; an engine that cannot know one says so in a tag."""
+OTHER = "other"
+"""What no bucket explains: the wall time less the productive time and every known bucket."""
+BUCKETS = (*TRAINER_BUCKETS, *ORCHESTRATION_BUCKETS, OTHER)
+
+GOODPUT = "goodput/percent"
+PRODUCTIVE_S = "goodput/productive_s"
+WALL_S = "goodput/wall_s"
+GPU_HOURS_ALLOCATED = "gpu_hours/allocated"
+GPU_HOURS_PRODUCTIVE = "gpu_hours/productive"
+ENERGY_KWH = "energy/kwh"
+COST_ALLOCATED = "cost/allocated"
+TPS = "tps"
+TFLOPS = "tflops"
+MFU_PCT = "mfu_pct"
+DISRUPTIONS = "disruptions/count"
+RECOVERY_MEAN_S = "recovery/mean_s"
+RECOVERY_MAX_S = "recovery/max_s"
+
+ARTIFACT = "ledger.json"
+"""The ledger as JSON on the run (a stage's ledger: ``ledger/<stage>.json`` on the DAG run's run)."""
+SCHEMA = "trainforge.ledger/v1"
+
+
+def badput(bucket: str) -> str:
+    """The metric of one bucket, seconds: ``badput/<bucket>_s``."""
+    return f"badput/{bucket}_s"
+
+
+def unknown_tag(name: str) -> str:
+    """The tag saying why a bucket or figure is not logged: ``ledger/<name>``."""
+    return f"ledger/{name}"
+
+
+def energy_source_tag(kind: str) -> str:
+    """``energy/source/<device kind>``: measured-nvml, measured-rapl or estimated."""
+    return f"energy/source/{kind}"

@@ -1,0 +1,89 @@
+"""Rank 0's attempt clock and energy counters: buckets from local timers, RAPL read from a tree."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from trainforge.contract import LEDGER_TAG_PREFIX
+from trainforge.ledger.attempts import job_dir_records
+from trainforge.trainer.energy import EnergyMeter, rapl_zones
+from trainforge.trainer.goodput import AttemptClock, flops_per_token
+
+
+def test_flops_per_token_is_torchtitans():
+    # 6 N + 12 l h q t
+    assert flops_per_token(1000, 2, 4, 8, 16) == 6 * 1000 + 12 * 2 * 4 * 8 * 16
+
+
+def test_the_clock_splits_steps_into_data_wait_productive_and_wasted_compute(tmp_path):
+    clock = AttemptClock(world_size=2, tokens_per_step=64, flops_per_token=10, device="cpu",
+                         started_at=time.time() - 3.0, job_dir=str(tmp_path))
+    clock.restored(0.5, resumed_step=10, reached_step=12)
+    clock.loop_started()
+    assert clock.seconds["startup"] == pytest.approx(2.5, abs=0.1)
+    for step in (11, 12, 13):
+        clock.step_started()
+        for _ in clock.batches(iter([1, 2])):
+            time.sleep(0.01)  # compute
+        clock.step_done(step)
+    clock.saved(0.25)
+    rec = clock.record(final=True)
+    assert rec["wasted_steps"] == 2 and rec["productive_steps"] == 1 and rec["step"] == 13
+    assert rec["seconds"]["wasted"] >= 0.04 and 0.02 <= rec["seconds"]["productive"] < 0.5
+    assert rec["seconds"]["save"] == 0.25 and rec["seconds"]["restore"] == 0.5
+    assert rec["seconds"]["data_wait"] < 0.02
+    assert rec["final"] and "energy_j" not in rec  # no meter: the orchestrator estimates
+    (key, value), = clock.snapshot().items()
+    assert key == f"{LEDGER_TAG_PREFIX}{int(clock.started_at * 1000)}"
+    assert json.loads(value)["resumed_step"] == 10
+    assert job_dir_records(tmp_path) == {key: value}  # the same record in the job folder
+
+
+def _zone(root, name, uj, max_uj=1000):
+    zone = root / name
+    zone.mkdir(parents=True)
+    (zone / "energy_uj").write_text(f"{uj}\n")
+    (zone / "max_energy_range_uj").write_text(f"{max_uj}\n")
+    return zone
+
+
+def test_rapl_packages_are_summed_across_a_wrap_and_subzones_ignored(tmp_path):
+    pkg0 = _zone(tmp_path, "intel-rapl:0", 900)
+    pkg1 = _zone(tmp_path, "intel-rapl:1", 100)
+    _zone(tmp_path, "intel-rapl:0:0", 5)  # a sub-zone (core) of package 0
+    meter = EnergyMeter.open(gpus=[], powercap_root=tmp_path)
+    assert meter.sources == {"cpu": "measured-rapl"} and len(meter.rapl) == 2
+    (pkg0 / "energy_uj").write_text("50\n")  # wrapped at 1000: +150 uJ
+    (pkg1 / "energy_uj").write_text("400\n")  # +300 uJ
+    assert meter.joules() == {"cpu": pytest.approx(450e-6)}
+
+
+def test_unreadable_or_missing_rapl_leaves_the_cpu_estimated(tmp_path):
+    assert rapl_zones(tmp_path / "absent") == []
+    zone = _zone(tmp_path, "intel-rapl:0", 1)
+    (zone / "energy_uj").unlink()
+    (zone / "energy_uj").mkdir()  # reading it fails like a root-only file does
+    meter = EnergyMeter.open(gpus=[], powercap_root=tmp_path)
+    assert meter.sources == {} and meter.joules() == {}
+    shutil.rmtree(zone)
+
+
+@pytest.mark.gpu
+def test_nvml_counts_the_gpus_energy():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("pynvml", reason="install nvidia-ml-py")
+    meter = EnergyMeter.open(gpus=[0])
+    assert meter.sources.get("gpu") == "measured-nvml"
+    x = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):
+        x = x @ x
+        x /= x.norm()
+    torch.cuda.synchronize()
+    time.sleep(0.2)
+    assert meter.joules()["gpu"] > 0

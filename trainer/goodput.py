@@ -1,0 +1,169 @@
+"""Where one attempt's time went, on rank 0's own clocks: the record the run's ledger is built from.
+
+An attempt is one start of the trainer (a torchrun restart or a new job is a new attempt). Rank 0
+times, with local ``perf_counter`` readings and no collective:
+
+* ``startup``: process start (the OS's process creation time) to the first step, less restore;
+* ``restore``: loading the newest checkpoint (`trainforge.trainer.train.resume`);
+* ``data_wait``: waiting for the next micro-batch;
+* ``save``: writing a checkpoint (the blocking part, barrier included);
+* ``eval``: evaluation inside the training loop (none today: validation is its own stage);
+* ``wasted``: the step time of steps this run had reached before (``reached``: the newest step
+  the MLflow run already holds when the attempt starts) and trains again after resuming from
+  an older checkpoint;
+* ``productive``: the step time of every other step.
+
+A step's time runs from its start to the next step's start (or the attempt's last record), as
+Google's goodput library and torchtitan count it: the forward and backward passes, the
+optimizer, and the step's logging; less its ``data_wait`` and ``save``.
+
+:meth:`AttemptClock.snapshot` renders the record as the MLflow tag
+``trainforge.ledger.attempt.<process start, epoch ms>`` (JSON) and writes it to
+``$TRAINFORGE_JOB_DIR/ledger/attempt-<ms>.json``; rank 0 takes one at each log interval (the tag
+goes in the step metrics' ``log_batch`` call) and once more when training ends, so a killed
+attempt's record is as recent as its last logged step. The orchestrator (trainforge.ledger)
+reads every attempt's record of the run after the job: docs/contracts.md, "Run ledger".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psutil
+
+from trainforge.contract import LEDGER_DIR, LEDGER_TAG_PREFIX
+from trainforge.storage.files import atomic_write_bytes
+from trainforge.trainer.energy import EnergyMeter
+
+log = logging.getLogger(__name__)
+RECORD_VERSION = 1
+T = TypeVar("T")
+
+
+def flops_per_token(non_embedding_params: int, layers: int, heads: int, head_dim: int,
+                    seq_len: int) -> int:
+    """Training FLOPs per token as torchtitan counts them: 6 x parameters (forward 2, backward 4;
+    embeddings left out, they are a lookup) + 12 x layers x heads x head_dim x sequence length
+    (the attention scores and their use, forward and backward)."""
+    return 6 * non_embedding_params + 12 * layers * heads * head_dim * seq_len
+
+
+class AttemptClock:
+    """Rank 0's buckets of this attempt; see the module docstring."""
+
+    def __init__(self, *, world_size: int, tokens_per_step: int, flops_per_token: int,
+                 device: str, energy: EnergyMeter | None = None,
+                 started_at: float | None = None, job_dir: str | None = None) -> None:
+        self.started_at = psutil.Process().create_time() if started_at is None else started_at
+        self.world_size, self.tokens_per_step = world_size, tokens_per_step
+        self.flops_per_token, self.device, self.energy = flops_per_token, device, energy
+        self.file = (Path(job_dir) / LEDGER_DIR / f"attempt-{int(self.started_at * 1000)}.json"
+                     if job_dir else None)
+        self.seconds = {"startup": 0.0, "restore": 0.0, "data_wait": 0.0, "save": 0.0,
+                        "eval": 0.0, "wasted": 0.0, "productive": 0.0}
+        self.resumed_step = self.reached_step = self.step = 0
+        self.productive_steps = self.wasted_steps = 0
+        self.first_step_at: float | None = None
+        self._step_wait = self._mark = 0.0
+        self._open: tuple[str, float] | None = None  # (bucket, perf_counter) of the step running on
+
+    def restored(self, seconds: float, resumed_step: int, reached_step: int) -> None:
+        """The checkpoint load took ``seconds``; training goes on after ``resumed_step`` and the
+        run had already reached ``reached_step`` (steps up to it are trained again)."""
+        self.seconds["restore"] += seconds
+        self.resumed_step = self.step = resumed_step
+        self.reached_step = max(reached_step, resumed_step)
+
+    def loop_started(self) -> None:
+        """The first step begins: everything since process start that is not restore is startup."""
+        self.first_step_at = time.time()
+        self.seconds["startup"] = max(0.0, self.first_step_at - self.started_at - self.seconds["restore"])
+
+    def step_started(self) -> None:
+        self._close_step()
+        self._step_wait = 0.0
+
+    def _close_step(self) -> None:
+        """The previous step's time since it ended (its logging) goes to its bucket."""
+        now = time.perf_counter()
+        if self._open is not None:
+            bucket, since = self._open
+            self.seconds[bucket] += max(0.0, now - since)
+        self._open = None
+        self._mark = now
+
+    def batches(self, items: Iterable[T]) -> Iterator[T]:
+        """``items``, with the time spent waiting for each counted as ``data_wait``."""
+        it = iter(items)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                self._step_wait += time.perf_counter() - t0
+                return
+            self._step_wait += time.perf_counter() - t0
+            yield item
+
+    def step_done(self, step: int) -> None:
+        """Optimizer step ``step`` ended: its time is productive, or wasted when trained before."""
+        now = time.perf_counter()
+        bucket = "wasted" if step <= self.reached_step else "productive"
+        self.seconds[bucket] += max(0.0, now - self._mark - self._step_wait)
+        self.seconds["data_wait"] += self._step_wait
+        if bucket == "wasted":
+            self.wasted_steps += 1
+        else:
+            self.productive_steps += 1
+        self.step = step
+        self._open = (bucket, now)
+
+    def saved(self, seconds: float) -> None:
+        """A checkpoint took ``seconds`` after the step that just ended; that step's time stops."""
+        self.seconds["save"] += seconds
+        if self._open is not None:
+            bucket, since = self._open
+            self.seconds[bucket] += max(0.0, time.perf_counter() - since - seconds)
+            self._open = (bucket, time.perf_counter())
+
+    def record(self, final: bool = False) -> dict[str, Any]:
+        """This attempt's record as of now (docs/contracts.md, "Run ledger")."""
+        if self._open is not None:  # the step running on is counted up to now
+            bucket, since = self._open
+            now = time.perf_counter()
+            self.seconds[bucket] += max(0.0, now - since)
+            self._open = (bucket, now)
+        record: dict[str, Any] = {
+            "v": RECORD_VERSION, "started_at": round(self.started_at, 3),
+            "first_step_at": None if self.first_step_at is None else round(self.first_step_at, 3),
+            "recorded_at": round(time.time(), 3), "final": final,
+            "resumed_step": self.resumed_step, "reached_step": self.reached_step,
+            "step": self.step, "productive_steps": self.productive_steps,
+            "wasted_steps": self.wasted_steps, "tokens_per_step": self.tokens_per_step,
+            "world_size": self.world_size, "device": self.device,
+            "flops_per_token": self.flops_per_token,
+            "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+        }
+        if self.energy is not None and self.energy.sources:
+            record["energy_j"] = {k: round(v, 3) for k, v in self.energy.joules().items()}
+            record["energy_source"] = self.energy.sources
+        return record
+
+    def snapshot(self, final: bool = False) -> dict[str, str]:
+        """The record as of now: written to the job folder's file (when there is one) and
+        returned as its MLflow tag. A file that cannot be written is a warning, not a failure."""
+        text = json.dumps(self.record(final), separators=(",", ":"))
+        if self.file is not None:
+            try:
+                self.file.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(self.file, text.encode("utf-8"))
+            except OSError as err:
+                log.warning("could not write the ledger record %s (%s): from now on only MLflow "
+                            "holds it", self.file, err)
+                self.file = None
+        return {f"{LEDGER_TAG_PREFIX}{int(self.started_at * 1000)}": text}
