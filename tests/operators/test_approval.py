@@ -55,7 +55,8 @@ def test_the_request_shows_candidate_and_champion_thresholds_card_and_links():
             "candidate_value": 2.1, "champion_version": "5", "champion_value": 2.4,
             "improvement": 0.125, "min_improvement": 0.01}
     body = request_body(
-        gate=gate, thresholds={"validation.max_val_loss": 3.5, "validation.gate.min_improvement": 0.01},
+        gate=gate,
+        thresholds={"validation.max_val_loss": 3.5, "validation.gate.min_improvement": 0.01},
         model_card="# tiny\n\n- dataset digest: `abc`",
         links={"MLflow run": "http://mlflow/#/experiments/1/runs/r", "Airflow DAG run": ""},
         timeout_s=86400, on_timeout="reject")

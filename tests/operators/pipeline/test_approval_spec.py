@@ -22,7 +22,8 @@ def _spec(approval: str = "", pipeline: str = "", validation: str = ""):
 
 def test_defaults_reject_after_a_week_and_let_the_auth_manager_choose():
     approval = _spec("  approval: {}\n").registry.approval
-    assert (approval.approvers, approval.timeout, approval.on_timeout) == (None, 7 * 86400, "reject")
+    assert (approval.approvers, approval.timeout, approval.on_timeout) == (
+        None, 7 * 86400, "reject")
     assert _spec().registry.approval is None and _spec().pipeline.deadline is None
 
 
