@@ -10,6 +10,11 @@ or, with ``stages`` (operators/pipeline/stages.py, docs/stages.md), one training
 
     prepare_data >> train_pretrain >> train_finetune >> validate_checkpoint >> register_model
 
+With ``registry.approval`` ``approve_champion`` follows ``register_model`` and carries the
+champion's asset outlet: a person approves the gate's pass before ``champion`` moves
+(trainforge.tasks.approve_champion). ``pipeline.deadline`` becomes the DAG's deadline alert
+(trainforge.deadline).
+
 Every pipeline also ends with ``close_run`` (operators/tasks/close_run.py), an Airflow teardown
 task downstream of every other task: it runs once they are all done, whatever their states,
 cancels what failed training tasks left running and ends the MLflow runs still ``RUNNING``; its
@@ -32,11 +37,13 @@ from airflow.sdk import DAG, Asset, Param
 
 from trainforge.base import TUNABLE_PARAMS
 from trainforge.callbacks import close_mlflow_run_on_failure
+from trainforge.deadline import deadline_alert
 from trainforge.graph import TaskGraph, TaskKind, TaskNode, task_graph
 from trainforge.pipeline.loader import SpecError, SpecIssue, load_spec
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.pipeline import AssetSchedule
 from trainforge.pipeline.stages import stage_spec
+from trainforge.tasks.approve_champion import ApproveChampionOperator
 from trainforge.tasks.close_run import CloseRunOperator
 from trainforge.tasks.prepare_data import PrepareDataOperator
 from trainforge.tasks.register_model import RegisterModelOperator
@@ -94,6 +101,7 @@ def build_dag(spec: PipelineSpec, spec_file: str = ""):
         tags=sorted({"trainforge", *p.tags}),
         default_args=_default_args(spec),
         params=build_params(spec),
+        deadline=deadline_alert(spec),
     )
     graph = task_graph(spec)
     with dag:
@@ -126,9 +134,14 @@ def _operator(spec: PipelineSpec, spec_file: str, graph: TaskGraph, node: TaskNo
             leaf_stages=[leaf.stage for leaf in leaves] if spec.stages else None,
             **common,
         )
-    if node.kind is TaskKind.REGISTER_MODEL:
-        return RegisterModelOperator(
-            outlets=[RegisterModelOperator.champion_outlet(spec.registry.model_name)], **common)
+    champion = [RegisterModelOperator.champion_outlet(spec.registry.model_name)]
+    approval = spec.registry.approval
+    if node.kind is TaskKind.REGISTER_MODEL:  # with approval, approve_champion moves champion
+        return RegisterModelOperator(outlets=[] if approval else champion, **common)
+    if node.kind is TaskKind.APPROVE_CHAMPION:
+        return ApproveChampionOperator(
+            approvers=approval.approvers, timeout_s=approval.timeout,
+            on_timeout=approval.on_timeout, outlets=champion, **common)
     # Not the MLflow-closing failure callback: a failed teardown must not end a finished run
     # FAILED. The spec's failure notifications stay.
     return CloseRunOperator(on_failure_callback=_teardown_failure_callbacks(dag),

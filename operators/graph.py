@@ -7,8 +7,9 @@ One spec gives these tasks, in this order::
 With ``stages`` (operators/pipeline/stages.py, docs/stages.md) there is one training task per
 stage, ``train_<name>``, wired by ``depends_on``: the stages without dependencies follow
 ``prepare_data``, and the leaves (stages no other stage depends on) all feed
-``validate_checkpoint``. ``close_run`` (the teardown, trainforge.tasks.close_run) follows every
-other task.
+``validate_checkpoint``. With ``registry.approval`` (docs/registry.md) ``approve_champion``
+follows ``register_model``: a person approves the gate's pass before ``champion`` moves.
+``close_run`` (the teardown, trainforge.tasks.close_run) follows every other task.
 
 The DAG builder, ``trainforge render``, the runner's summary and the teardown all read the graph
 from :func:`task_graph`. Pure: pydantic models in, frozen dataclasses out; no Airflow import.
@@ -29,12 +30,14 @@ class TaskKind(str, enum.Enum):
     TRAIN = "train"
     VALIDATE_CHECKPOINT = "validate_checkpoint"
     REGISTER_MODEL = "register_model"
+    APPROVE_CHAMPION = "approve_champion"
     CLOSE_RUN = "close_run"
 
 
 PREPARE_DATA_TASK_ID = TaskKind.PREPARE_DATA.value
 VALIDATE_CHECKPOINT_TASK_ID = TaskKind.VALIDATE_CHECKPOINT.value
 REGISTER_MODEL_TASK_ID = TaskKind.REGISTER_MODEL.value
+APPROVE_CHAMPION_TASK_ID = TaskKind.APPROVE_CHAMPION.value
 CLOSE_RUN_TASK_ID = TaskKind.CLOSE_RUN.value
 
 
@@ -118,6 +121,9 @@ def task_graph(spec) -> TaskGraph:
                           tuple(leaf.task_id for leaf in leaf_stages(stages))))
     nodes.append(TaskNode(REGISTER_MODEL_TASK_ID, TaskKind.REGISTER_MODEL,
                           (VALIDATE_CHECKPOINT_TASK_ID,)))
+    if spec.registry.approval is not None:
+        nodes.append(TaskNode(APPROVE_CHAMPION_TASK_ID, TaskKind.APPROVE_CHAMPION,
+                              (REGISTER_MODEL_TASK_ID,)))
     nodes.append(TaskNode(CLOSE_RUN_TASK_ID, TaskKind.CLOSE_RUN,
                           tuple(node.task_id for node in nodes), is_teardown=True))
     return TaskGraph(tuple(nodes))

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.errors import MlflowRequestError
 from trainforge.hooks.mlflow_calls import mlflow_errors
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,22 @@ class ModelRegistry:
     def version_with_alias(self, name: str, alias: str) -> dict[str, Any] | None:
         """``{"version", "tags", "run_id", ...}`` of the version ``alias`` points at, or None."""
         return self.hook.get_model_version_by_alias(name, alias)
+
+    def version(self, name: str, version: str) -> dict[str, Any] | None:
+        """``{"version", "run_id", "description", "aliases", "tags"}`` of ``name``
+        v``version``, or None when it does not exist (never registered, or deleted)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            found = self.client.get_model_version(name, str(version))
+        except MlflowException as err:
+            if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return None
+            raise MlflowRequestError("get_model_version", f"{name} v{version}", err.error_code,
+                                     err.message) from err
+        return {"version": str(found.version), "run_id": found.run_id,
+                "description": found.description or "", "aliases": sorted(found.aliases or []),
+                "tags": dict(found.tags or {})}
 
     def set_version_tags(self, name: str, version: str, tags: Mapping[str, Any]) -> None:
         """Set each tag on ``name`` v``version`` (``str(value)``, cut to 5000 characters)."""

@@ -332,7 +332,8 @@ class PipelineSpec(SpecModel):
         # One validator, so that every rule is checked even when another one fails.
         errors = [*storage_errors(self.training.engine, self.data.output_uri,
                                   self.training.checkpoint.uri),
-                  *self._s3_access(), *self._init_keeps_tokenizer()]
+                  *self._s3_access(), *self._init_keeps_tokenizer(),
+                  *self._approval_needs_gate()]
         if errors:
             raise field_errors(PipelineSpec, *errors)
         return self
@@ -386,6 +387,16 @@ class PipelineSpec(SpecModel):
                 f"data must be encoded with its tokenizer (got data.tokenizer.source "
                 f"{self.data.tokenizer.source!r}; expected {init!r})",
                 self.data.tokenizer.source, ("model", "init_from"))]
+        return []
+
+    def _approval_needs_gate(self) -> list[tuple]:
+        # A person approves what the gate passed; with the gate off nothing is ever passed.
+        if self.registry.approval is not None and not self.validation.gate.enabled:
+            return [(("registry", "approval"), "registry.approval asks a person to approve each "
+                     "eval-gate pass, but validation.gate.enabled is false, so champion never "
+                     "moves (got validation.gate.enabled false; expected true, or no "
+                     "registry.approval)", self.validation.gate.enabled,
+                     ("validation", "gate", "enabled"))]
         return []
 
     @property

@@ -11,9 +11,9 @@ import datetime as dt
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from trainforge.sections import SpecModel, check_length
+from trainforge.sections import SpecModel, check_length, field_errors
 from trainforge.pipeline.durations import DelayS, DurationS
 
 _DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -22,7 +22,7 @@ _DAG_ID = re.compile(r"^[A-Za-z0-9_.\-]+$")
 MAX_NAME_LENGTH = 200
 _PRESETS = ("@once", "@hourly", "@daily", "@weekly", "@monthly", "@quarterly", "@yearly")
 _ASSET_URI = re.compile(r"^[a-z][a-z0-9+.\-]*://\S+$")
-TASK_IDS = ("prepare_data", "train", "validate_checkpoint", "register_model")
+TASK_IDS = ("prepare_data", "train", "validate_checkpoint", "register_model", "approve_champion")
 
 
 class AssetSchedule(SpecModel):
@@ -75,6 +75,9 @@ class TaskOverrides(SpecModel):
     train: TaskSettings = TaskSettings()
     validate_checkpoint: TaskSettings = TaskSettings()
     register_model: TaskSettings = TaskSettings()
+    approve_champion: TaskSettings = Field(
+        TaskSettings(), description="The approval task (registry.approval); its "
+        "execution_timeout does not count the wait for an answer (registry.approval.timeout).")
 
 
 class EmailNotifications(SpecModel):
@@ -119,6 +122,20 @@ class PipelineSection(SpecModel):
     mlflow_experiment: str | None = Field(
         None, description="MLflow experiment for this pipeline's runs; defaults to the name."
     )
+    deadline: DurationS | None = Field(
+        None, description="A DAG run still running this long after it was queued is overdue: "
+        "an Airflow deadline alert mails pipeline.notifications.email (required with it). The "
+        "run itself goes on.",
+    )
+
+    @model_validator(mode="after")
+    def _deadline_notifies(self) -> PipelineSection:
+        if self.deadline is not None and self.notifications.email is None:
+            raise field_errors(PipelineSection, (
+                ("deadline",), "pipeline.deadline notifies through pipeline.notifications, but "
+                "none is set (got no notifications.email; expected notifications.email with "
+                "'to' recipients, or no deadline)", self.deadline, ()))
+        return self
 
     @field_validator("name")
     @classmethod

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from trainforge.pipeline.approval import ApprovalSection
 from trainforge.sections import SpecModel, check_length
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,255}$")
@@ -64,6 +65,10 @@ class RegistrySection(SpecModel):
         description="Aliases set on every new version; 'champion' is reserved for the eval gate.",
     )
     tags: dict[str, str] = Field(default_factory=dict, description="Tags on the model version.")
+    approval: ApprovalSection | None = Field(
+        None, description="A person approves each eval-gate pass before champion moves "
+        "(docs/registry.md); unset: champion moves as soon as the gate passes.",
+    )
 
     @field_validator("model_name")
     @classmethod

@@ -13,7 +13,8 @@ versions, loaded back from the registry, as a child process. A gate failure is a
 the task logs it plainly and succeeds. When ``champion`` moves, the task emits an asset event for
 ``Asset("trainforge-model-<name>")`` through the ``AssetAlias`` outlet that the DAG builder
 declares (`champion_outlet`): an ``Asset`` outlet would emit on every success, gate failures
-included.
+included. With ``registry.approval`` a gate pass moves nothing: ``approve_champion``
+(trainforge.tasks.approve_champion) asks a person, then moves ``champion`` and emits the event.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def model_card(spec, prepared: dict, validated: dict, context: Any, mlflow_run_u
     ]
     if gate is not None:
         lines.append(f"- {gate.summary_line()}")
-    airflow_url = _airflow_run_url(ti.dag_id, ti.run_id)
+    airflow_url = airflow_run_url(ti.dag_id, ti.run_id)
     if airflow_url:
         lines.append(f"- Airflow DAG run: {airflow_url}")
     if mlflow_run_url:
@@ -88,7 +89,8 @@ def model_card(spec, prepared: dict, validated: dict, context: Any, mlflow_run_u
     return "\n".join(lines)
 
 
-def _airflow_run_url(dag_id: str, run_id: str) -> str:
+def airflow_run_url(dag_id: str, run_id: str) -> str:
+    """The DAG run's page in the Airflow UI (``[api] base_url``), or "" when none is set."""
     try:
         from airflow.configuration import conf
 
@@ -96,6 +98,20 @@ def _airflow_run_url(dag_id: str, run_id: str) -> str:
     except Exception:  # noqa: BLE001 - a link is a convenience
         base = ""
     return f"{base}/dags/{quote(dag_id)}/runs/{quote(run_id, safe='')}" if base else ""
+
+
+def emit_champion_event(task: Any, context: Any, name: str, version: str,
+                        previous: str | None) -> None:
+    """Emit the asset event of ``champion`` moving to ``version`` through ``task``'s
+    `champion_outlet` (nothing when the task declares none)."""
+    alias = champion_outlet(name)
+    if not any(getattr(o, "name", None) == alias.name for o in task.outlets or []):
+        task.log.info("no outlet %s declared on this task: no asset event emitted", alias.name)
+        return
+    extra = {"name": name, "version": version, "alias": "champion",
+             "model_uri": f"models:/{name}/{version}", "previous_champion": previous}
+    context["outlet_events"][alias].add(model_asset(name), extra=extra)
+    task.log.info("Asset event for %s: %s", model_asset_name(name), extra)
 
 
 class RegisterModelOperator(TrainforgeStageOperator):
@@ -178,11 +194,14 @@ class RegisterModelOperator(TrainforgeStageOperator):
             "trainforge.model_version": str(registered["version"]),
             **gate.tags(),
         })
-        if gate.decision == PASS:
-            self._emit_champion_event(context, registered["name"], str(registered["version"]), gate)
+        awaiting = gate.decision == PASS and gate.champion_after != gate.candidate_version
+        if gate.decision == PASS and not awaiting:
+            emit_champion_event(self, context, registered["name"], str(registered["version"]),
+                                gate.champion_version)
         self.mlflow_hook.end_run(run_id, "FINISHED")
         aliases = registry.aliases_of(registered["name"], registered["version"])
-        return {**registered, "aliases": aliases, "gate": gate.as_xcom()}
+        return {**registered, "aliases": aliases, "gate": gate.as_xcom(),
+                "awaiting_approval": awaiting}
 
     # -- the gate ---------------------------------------------------------------------------
     @property
@@ -221,8 +240,11 @@ class RegisterModelOperator(TrainforgeStageOperator):
                 self.log.warning("champion of %s moved from v%s to v%s while the gate ran; "
                                  "comparing again", name, champion_version, now and now["version"])
                 continue
-            registry.promote(name, version, champion_version,
-                             decision.tags(with_champion_after=False))
+            if spec.registry.approval is not None:  # approve_champion moves it after approval
+                registry.set_version_tags(name, version, decision.tags(with_champion_after=False))
+            else:
+                registry.promote(name, version, champion_version,
+                                 decision.tags(with_champion_after=False))
             break
         else:
             decision = dataclasses.replace(
@@ -260,25 +282,17 @@ class RegisterModelOperator(TrainforgeStageOperator):
         return report
 
     def _log_decision(self, gate: GateDecision) -> None:
-        if gate.decision == PASS:
+        if gate.decision == PASS and gate.champion_after != gate.candidate_version:
+            self.log.info("%s. champion stays %s until a person approves (approve_champion).",
+                          gate.summary_line(),
+                          f"v{gate.champion_after}" if gate.champion_after else "unset")
+        elif gate.decision == PASS:
             self.log.info("%s. champion is now v%s.", gate.summary_line(), gate.champion_after)
         else:
             self.log.warning("%s. v%s keeps its other aliases; champion stays %s. The task "
                              "succeeds: a gate failure is a normal outcome.", gate.summary_line(),
                              gate.candidate_version,
                              f"v{gate.champion_after}" if gate.champion_after else "unset")
-
-    def _emit_champion_event(self, context: Any, name: str, version: str,
-                             gate: GateDecision) -> None:
-        alias = champion_outlet(name)
-        if not any(getattr(o, "name", None) == alias.name for o in self.outlets or []):
-            self.log.info("no outlet %s declared on this task: no asset event emitted", alias.name)
-            return
-        extra = {"name": name, "version": version, "alias": "champion",
-                 "model_uri": f"models:/{name}/{version}",
-                 "previous_champion": gate.champion_version}
-        context["outlet_events"][alias].add(model_asset(name), extra=extra)
-        self.log.info("Asset event for %s: %s", model_asset_name(name), extra)
 
     def _mlflow_run_url(self, run_id: str) -> str:
         try:

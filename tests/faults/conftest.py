@@ -16,6 +16,7 @@ SYNC_SPEC = HERE / "fault_tiny_sync.yaml"  # waits in the worker slot (deferrabl
 DEADLINE_SPEC = HERE / "fault_tiny_deadline.yaml"  # short execution_timeout on train
 ONCE_SPEC = HERE / "fault_tiny_once.yaml"  # deferrable: false, no retry (teardown tests)
 STAGES_SPEC = HERE / "fault_tiny_stages.yaml"  # one stage: a child MLflow run (teardown tests)
+APPROVAL_SPEC = HERE / "approval_tiny.yaml"  # registry.approval: answered over REST
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +41,8 @@ def _standalone_server(tmp_path_factory, shakespeare_corpus, mlflow_server
                        ) -> Iterator[AirflowStandalone]:
     home = make_home(tmp_path_factory.mktemp("fault-home"), shakespeare_corpus)
     server = AirflowStandalone(home, mlflow_server, [FAULT_SPEC, DIVERGE_SPEC, SYNC_SPEC,
-                                                        DEADLINE_SPEC, ONCE_SPEC, STAGES_SPEC])
+                                                        DEADLINE_SPEC, ONCE_SPEC, STAGES_SPEC,
+                                                        APPROVAL_SPEC])
     try:
         server.start()
         yield server

@@ -238,7 +238,7 @@ CASES = [
      "did you mean training.engine? move it under training:"),
     # a key already written where it belongs is no misplaced copy of it: the plain error
     (_replace("  model_name: tiny-llm\n", "  model_name: tiny-llm\n  name: x\n"),
-     "registry.name", 15, "unknown field (got 'name'; expected one of: aliases, model_name, tags)"),
+     "registry.name", 15, "unknown field (got 'name'; expected one of: aliases, approval, model_name, tags)"),
     # a name too long for its system: the length and the limit, not a complaint about characters
     (_replace("name: tiny", "name: " + "a" * 203), "pipeline.name", 2,
      "a dag_id is too long (got 203 characters, 'aaaaaaaaaaaaaaaaaaaaaaaa...'; expected at most "

@@ -1,0 +1,119 @@
+"""Human approval of a gate pass (``registry.approval``, docs/registry.md): the request a person
+reads, the tags that record the answer, and what each answer means. Pure: no Airflow, no MLflow.
+
+The ``approve_champion`` task (trainforge.tasks.approve_champion) asks; a person answers
+``Approve`` or ``Reject`` (with an optional reason) in the Airflow UI's required actions or
+through the REST API; this module turns the answer into an :class:`ApprovalOutcome`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trainforge.pipeline.durations import format_duration
+
+APPROVE, REJECT = "Approve", "Reject"  # the options (the names ApprovalOperator uses)
+REASON_PARAM = "reason"  # the request's one form field
+
+APPROVAL_TAG_PREFIX = "trainforge.approval."
+TAG_STATUS = APPROVAL_TAG_PREFIX + "status"  # PENDING | APPROVED | REJECTED | TIMED_OUT
+TAG_BY = APPROVAL_TAG_PREFIX + "by"  # the answering Airflow user id; "none" on a timeout
+TAG_REASON = APPROVAL_TAG_PREFIX + "reason"  # the approver's reason, or the timeout's
+TAG_AT = APPROVAL_TAG_PREFIX + "at"  # ISO 8601 UTC time of the request or the answer
+TAG_DAG_RUN = APPROVAL_TAG_PREFIX + "dag_run"  # "<dag_id>/<run_id>" that asked
+PENDING, APPROVED, REJECTED, TIMED_OUT = "pending", "approved", "rejected", "timed_out"
+
+
+@dataclass(frozen=True)
+class ApprovalOutcome:
+    """What an answer (or its absence) decides for one model version."""
+
+    status: str  # APPROVED | REJECTED
+    by: str | None  # Airflow user id; None when the request timed out
+    reason: str
+    at: str  # ISO 8601 UTC
+    timed_out: bool = False
+
+    @property
+    def promote(self) -> bool:
+        return self.status == APPROVED
+
+    def tags(self) -> dict[str, str]:
+        return {TAG_STATUS: self.status, TAG_BY: self.by or "none",
+                TAG_REASON: self.reason or "none", TAG_AT: self.at}
+
+    def as_xcom(self) -> dict[str, Any]:
+        return {**asdict(self), "promoted": self.promote}
+
+
+def outcome_of(chosen: list[str], params_input: dict[str, Any], responded_by: dict | None,
+               responded_at: str, timed_out: bool, timeout_s: int) -> ApprovalOutcome:
+    """The outcome of a resumed request.
+
+    Args:
+        chosen: the chosen options (one of :data:`APPROVE`, :data:`REJECT`).
+        params_input: the form's values (``{"reason": text}``).
+        responded_by: Airflow's ``{"id", "name"}`` of who answered; None on a timeout.
+        timed_out: Airflow applied the request's default (``Reject``) because nobody answered.
+    Raises:
+        ValueError: not exactly one known option (Airflow validated the answer first, so a
+            programming error).
+    """
+    if len(chosen) != 1 or chosen[0] not in (APPROVE, REJECT):
+        raise ValueError(f"an approval answer is one of {APPROVE!r}, {REJECT!r} (got {chosen!r})")
+    reason = str(params_input.get(REASON_PARAM) or "").strip()
+    if timed_out:
+        return ApprovalOutcome(REJECTED, None, f"no answer within {format_duration(timeout_s)} "
+                               "(registry.approval.on_timeout: reject)", responded_at, True)
+    by = (responded_by or {}).get("id") or None
+    status = APPROVED if chosen[0] == APPROVE else REJECTED
+    return ApprovalOutcome(status, by, reason, responded_at)
+
+
+def _value(value: Any) -> str:
+    return "—" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def request_body(*, gate: dict[str, Any], thresholds: dict[str, Any], model_card: str,
+                 links: dict[str, str], timeout_s: int, on_timeout: str) -> str:
+    """The Markdown a person reads before answering.
+
+    Args:
+        gate: the ``register_model`` XCom's ``gate`` (``trainforge.gate.GateDecision``).
+        thresholds: spec field -> value of the absolute thresholds and the gate rule.
+        model_card: the version's description (trainforge.tasks.register_model.model_card).
+        links: title -> URL (MLflow run, model version, Airflow DAG run); empty ones left out.
+    """
+    version, champion = gate.get("candidate_version"), gate.get("champion_version")
+    improvement = gate.get("improvement")
+    lines = [
+        f"The eval gate passed v{version}: {gate.get('reason')}.",
+        "",
+        f"Approve to move `champion` to v{version}; reject to keep "
+        + (f"v{champion}" if champion else "no champion") + ".",
+        f"Without an answer within {format_duration(timeout_s)} the request "
+        + ("is rejected." if on_timeout == "reject" else "fails the task; champion stays."),
+        "",
+        "| | version | " + str(gate.get("metric")) + " |",
+        "|---|---|---|",
+        f"| candidate | v{version} | {_value(gate.get('candidate_value'))} |",
+        f"| champion | {'v' + str(champion) if champion else '—'} | "
+        f"{_value(gate.get('champion_value'))} |",
+        "",
+        f"Compared on the same validation split (method `{gate.get('method')}`); relative "
+        f"improvement {'—' if improvement is None else f'{improvement:+.2%}'}.",
+        "",
+        "**Thresholds**",
+        "",
+        *[f"- `{key}`: {_value(value)}" for key, value in thresholds.items()],
+        "",
+        "**Links**",
+        "",
+        *[f"- [{title}]({url})" for title, url in links.items() if url],
+        "",
+        "**Model card**",
+        "",
+        *[("> " + line) if line else ">" for line in model_card.splitlines()],
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""The ``approve_champion`` task: a person approves a gate pass before ``champion`` moves.
+
+Present only with ``registry.approval`` (docs/registry.md, "Human approval"). It follows
+``register_model``, whose gate then only records its decision:
+
+1. the gate did not pass, or the version already holds ``champion`` → the task is skipped:
+   nothing to approve;
+2. the version must still exist in the registry (else the task fails, saying so); it is tagged
+   ``trainforge.approval.status: pending`` and Airflow's human-in-the-loop request is written:
+   subject, the gate's report as Markdown (`trainforge.approval.request_body`), options
+   ``Approve`` / ``Reject``, a ``reason`` field, the spec's approvers as assigned users. The
+   task then waits in Airflow's ``awaiting_input`` state, holding no worker slot;
+3. the answer (UI or REST) resumes it: **Approve** moves ``champion`` (unless it moved since
+   the gate compared: then the task fails and nothing moves) and emits the asset event of
+   ``register_model``'s outlet; **Reject** tags the version rejected with the reason; champion
+   stays. No answer within ``registry.approval.timeout``: ``on_timeout: reject`` rejects
+   (Airflow applies the request's default, ``Reject``); ``on_timeout: fail`` fails the task.
+   A timeout never promotes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+from urllib.parse import quote
+
+from airflow.providers.standard.operators.hitl import HITLOperator
+from airflow.sdk import Param
+from airflow.sdk.definitions.param import ParamsDict
+from airflow.sdk.exceptions import AirflowSkipException
+
+from trainforge.approval import (
+    APPROVE,
+    PENDING,
+    REASON_PARAM,
+    REJECT,
+    TAG_AT,
+    TAG_DAG_RUN,
+    TAG_STATUS,
+    TIMED_OUT,
+    ApprovalOutcome,
+    outcome_of,
+    request_body,
+)
+from trainforge.base import TrainforgeStageOperator, fail_permanently
+from trainforge.gate import PASS
+from trainforge.hooks.mlflow_registry import CHAMPION, ModelRegistry
+from trainforge.tasks.register_model import airflow_run_url, emit_champion_event
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
+    """Ask a person to approve the gate's pass; move ``champion`` on approval (module doc).
+
+    Args:
+        approvers: Airflow user ids that may answer; None: whoever the auth manager allows.
+        timeout_s: how long the request waits (``registry.approval.timeout``).
+        on_timeout: ``"reject"`` or ``"fail"`` (``registry.approval.on_timeout``).
+        register_task_id: the task whose XCom holds the version and the gate decision.
+
+    XCom: ``{"name", "version", "status", "by", "reason", "at", "timed_out", "promoted",
+    "champion_after"}``.
+    """
+
+    ui_color = "#fbeed5"
+
+    def __init__(self, *, approvers: list[str] | None, timeout_s: int, on_timeout: str,
+                 register_task_id: str = "register_model", **kwargs: Any):
+        # Airflow hands the DAG's params in as `params`; the request's form keeps only the
+        # task's own (HITLOperator filters by source), the reason.
+        params = ParamsDict(kwargs.pop("params", None) or {})
+        params[REASON_PARAM] = Param("", type="string", title="Reason", source="task",
+                                     description="Why (kept on the model version).")
+        super().__init__(
+            subject="Promote a model version to champion?",
+            options=[APPROVE, REJECT],
+            defaults=[REJECT] if on_timeout == "reject" else None,
+            params=params,
+            assigned_users=[{"id": name, "name": name} for name in approvers or []] or None,
+            response_timeout=dt.timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+        self.timeout_s = timeout_s
+        self.on_timeout = on_timeout
+        self.register_task_id = register_task_id
+
+    @property
+    def _registry(self) -> ModelRegistry:
+        return ModelRegistry(self.mlflow_hook)
+
+    def _registered(self, context: Any) -> tuple[str, str, dict[str, Any]]:
+        """(model name, version, gate decision) from ``register_model``'s XCom."""
+        registered = context["ti"].xcom_pull(task_ids=self.register_task_id) or {}
+        gate = registered.get("gate") or {}
+        if not registered.get("name") or not registered.get("version"):
+            fail_permanently(f"no registered version to approve ({self.register_task_id} XCom "
+                             f"was {registered!r})")
+        return registered["name"], str(registered["version"]), gate
+
+    def _require_version(self, name: str, version: str) -> dict[str, Any]:
+        found = self._registry.version(name, version)
+        if found is None:
+            fail_permanently(f"registered model {name} v{version} no longer exists (deleted "
+                             f"since register_model registered it): nothing to approve, "
+                             f"champion unchanged")
+        return found
+
+    def execute(self, context: Any) -> Any:
+        spec = self.resolved_spec(context)
+        name, version, gate = self._registered(context)
+        if gate.get("decision") != PASS:
+            raise AirflowSkipException(f"eval gate {gate.get('decision')} for {name} "
+                                       f"v{version}: nothing to approve")
+        if str(gate.get("champion_after")) == version:
+            raise AirflowSkipException(f"{name} v{version} already holds {CHAMPION}")
+        found = self._require_version(name, version)
+        ti = context["ti"]
+        self._registry.set_version_tags(name, version, {
+            TAG_STATUS: PENDING, TAG_AT: _now(), TAG_DAG_RUN: f"{ti.dag_id}/{ti.run_id}"})
+        self.subject = f"Promote {name} v{version} to {CHAMPION}?"
+        self.body = request_body(
+            gate=gate, thresholds=_thresholds(spec), model_card=found.get("description") or "",
+            links=self._links(name, version, found.get("run_id"), ti.dag_id, ti.run_id),
+            timeout_s=self.timeout_s, on_timeout=self.on_timeout)
+        self.log.info("Asking for approval of %s v%s (%s); waiting at most %ss", name, version,
+                      gate.get("reason"), self.timeout_s)
+        return super().execute(context)
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        name, version, gate = self._registered(context)
+        if "error" in event:  # no answer and no default (on_timeout: fail)
+            self._registry.set_version_tags(name, version, {TAG_STATUS: TIMED_OUT, TAG_AT: _now()})
+            self.log.error("No answer for %s v%s within %ss (registry.approval.on_timeout: "
+                           "fail): champion unchanged", name, version, self.timeout_s)
+        answer = super().execute_complete(context, event)  # raises on the timeout error
+        responded_at = answer.get("responded_at")
+        outcome = outcome_of(
+            list(answer["chosen_options"]), dict(answer.get("params_input") or {}),
+            answer.get("responded_by_user"),
+            responded_at.isoformat() if hasattr(responded_at, "isoformat") else _now(),
+            bool(event.get("timedout")), self.timeout_s)
+        self._require_version(name, version)
+        if outcome.promote:
+            self._promote(context, name, version, gate, outcome)
+        else:
+            self._registry.set_version_tags(name, version, outcome.tags())
+            self.log.warning("%s v%s rejected by %s: %s. champion unchanged.", name, version,
+                             outcome.by or "the timeout", outcome.reason or "no reason given")
+        after = self._registry.version_with_alias(name, CHAMPION)
+        return {"name": name, "version": version, **outcome.as_xcom(),
+                "champion_after": after["version"] if after else None}
+
+    def _promote(self, context: Any, name: str, version: str, gate: dict[str, Any],
+                 outcome: ApprovalOutcome) -> None:
+        """Move ``champion`` to the approved version, unless it moved since the gate compared."""
+        compared = gate.get("champion_version")
+        now = self._registry.version_with_alias(name, CHAMPION)
+        current = now["version"] if now else None
+        if current != version and current != compared:
+            self._registry.set_version_tags(name, version, {**outcome.tags(),
+                                                            TAG_STATUS: PENDING})
+            fail_permanently(
+                f"{CHAMPION} of {name} moved from v{compared} to v{current} since the eval gate "
+                f"compared v{version} with it: not moving it (clear register_model to compare "
+                f"again)")
+        self._registry.promote(name, version, compared, outcome.tags())
+        self.log.info("%s v%s approved by %s: %s is now v%s", name, version, outcome.by,
+                      CHAMPION, version)
+        emit_champion_event(self, context, name, version, compared)
+
+    def _links(self, name: str, version: str, run_id: str | None, dag_id: str,
+               dag_run_id: str) -> dict[str, str]:
+        """Title -> URL of the version, its MLflow run and this DAG run (empty when unknown)."""
+        base = self.mlflow_hook.tracking_uri.rstrip("/")
+        links = {f"MLflow model version {name} v{version}":
+                 f"{base}/#/models/{quote(name, safe='')}/versions/{version}"}
+        if run_id:
+            try:
+                experiment = self.mlflow_hook.get_run(run_id).info.experiment_id
+                links["MLflow run"] = f"{base}/#/experiments/{experiment}/runs/{run_id}"
+            except Exception:  # noqa: BLE001 - a link is a convenience
+                self.log.debug("no MLflow run link for run %s", run_id, exc_info=True)
+        links["Airflow DAG run"] = airflow_run_url(dag_id, dag_run_id)
+        return links
+
+
+def _thresholds(spec) -> dict[str, Any]:
+    """The spec's absolute thresholds and gate rule, as written (``None``: not set)."""
+    v = spec.validation
+    return {"validation.max_val_loss": v.max_val_loss,
+            "validation.max_val_perplexity": v.max_val_perplexity,
+            "validation.require_beats_unigram": v.require_beats_unigram,
+            "validation.gate.metric": v.gate.metric,
+            "validation.gate.min_improvement": v.gate.min_improvement}

@@ -1,0 +1,112 @@
+"""Human approval under a real ``airflow standalone``, answered through Airflow's REST API the
+way a script (or the UI's required-actions page) answers it. One run of ``approval_tiny``
+(registry.approval, approver ``admin``):
+
+* the request shows what a person reads: the gate's report in the body, the spec's approver as
+  the assigned user; the version waits tagged ``pending``;
+* rejected with a reason: the version is tagged rejected, champion stays unset, no asset event,
+  the DAG run succeeds;
+* the approval task cleared (what the UI's "clear" does) asks again; approved: champion moves to
+  the version and the model's asset event reaches Airflow with the version in its extra.
+
+An answer is sent only once the scheduler has seen the parked task's worker exit: Airflow
+3.3.2 fails a task resumed so fast that it is already queued again when the scheduler
+processes that exit (its resume-after-defer exception covers ``scheduled`` only), which a
+person never is but a script answering within a second can be.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+from urllib.parse import quote
+
+import pytest
+from faultlib import has_dag, wait_for, wait_run_end
+
+pytestmark = [pytest.mark.airflow, pytest.mark.integration]
+
+DAG = "approval_tiny"
+MODEL = "approval-tiny"
+TASK = "approve_champion"
+REACH_APPROVAL_S = 600  # prepare_data, 10 steps of training, validation, export and register
+
+
+def _hitl_path(run_id: str) -> str:
+    return f"/api/v2/dags/{DAG}/dagRuns/{quote(run_id)}/taskInstances/{TASK}/-1/hitlDetails"
+
+
+def _parks(server, run_id: str) -> int:
+    """How often the scheduler has processed the exit of a worker that parked the task."""
+    return sum(f"task_id={TASK}, run_id={run_id}," in line and "state=awaiting_input" in line
+               for line in server.log_path.read_text(errors="replace").splitlines()
+               if "TaskInstance Finished" in line)
+
+
+def _ask(server, run_id: str, times: int) -> dict:
+    """The request of ``run_id`` once its task waits for the ``times``-th answer."""
+    def asked():
+        try:
+            state = server.ti(DAG, run_id, TASK)["state"]
+        except urllib.error.HTTPError:
+            return None
+        if state in ("failed", "skipped", "upstream_failed"):
+            pytest.fail(f"{TASK} ended {state} before asking: {server.tail()}")
+        return (state == "awaiting_input" and _parks(server, run_id) >= times
+                and server.api("GET", _hitl_path(run_id)))
+
+    return wait_for(f"{TASK} of {run_id} to ask (#{times})", asked, REACH_APPROVAL_S, 2)
+
+
+def _answer(server, run_id: str, option: str, reason: str) -> dict:
+    return server.api("PATCH", _hitl_path(run_id),
+                      {"chosen_options": [option], "params_input": {"reason": reason}})
+
+
+def _asset_events(server) -> list[dict]:
+    assets = server.api("GET", f"/api/v2/assets?name_pattern=trainforge-model-{MODEL}")["assets"]
+    if not assets:
+        return []
+    return server.api("GET", f"/api/v2/assets/events?asset_id={assets[0]['id']}")["asset_events"]
+
+
+def test_reject_then_approve_through_the_rest_api(airflow_standalone, mlflow_server):
+    from mlflow import MlflowClient
+
+    server, client = airflow_standalone, MlflowClient(mlflow_server)
+    wait_for(f"the {DAG} DAG", lambda: has_dag(server, DAG), 120, 2)
+
+    run_id = server.trigger(DAG)
+    request = _ask(server, run_id, 1)
+    version = request["subject"].split(" v")[1].split(" ")[0]
+    assert request["subject"] == f"Promote {MODEL} v{version} to champion?"
+    assert request["options"] == ["Approve", "Reject"]
+    assert [u["id"] for u in request["assigned_users"]] == ["admin"]
+    body = request["body"]
+    assert f"| candidate | v{version} |" in body and "| champion | — | — |" in body
+    assert "**Thresholds**" in body and "`validation.gate.metric`: val_bits_per_byte" in body
+    assert "**Model card**" in body and f"> # {MODEL}" in body
+    assert f"/#/models/{MODEL}/versions/{version}" in body
+    assert client.get_model_version(MODEL, version).tags["trainforge.approval.status"] == "pending"
+
+    answered = _answer(server, run_id, "Reject", "samples read worse than the champion's")
+    assert answered["responded_by"]["id"] == "admin"
+    assert wait_run_end(server, DAG, run_id, 300) == "success", server.tail()
+    assert server.ti(DAG, run_id, TASK)["state"] == "success"
+    tags = client.get_model_version(MODEL, version).tags
+    assert tags["trainforge.approval.status"] == "rejected"
+    assert tags["trainforge.approval.by"] == "admin"
+    assert tags["trainforge.approval.reason"] == "samples read worse than the champion's"
+    assert "champion" not in client.get_registered_model(MODEL).aliases
+    assert _asset_events(server) == []
+
+    server.clear(DAG, run_id, TASK)
+    assert _ask(server, run_id, 2)["subject"] == request["subject"]
+    _answer(server, run_id, "Approve", "")
+    assert wait_run_end(server, DAG, run_id, 300) == "success", server.tail()
+    assert client.get_registered_model(MODEL).aliases["champion"] == version
+    tags = client.get_model_version(MODEL, version).tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"]) == (
+        "approved", "admin")
+    events = wait_for("the champion's asset event", lambda: _asset_events(server), 60, 2)
+    assert [e["extra"]["version"] for e in events] == [version]
+    assert events[0]["extra"]["model_uri"] == f"models:/{MODEL}/{version}"
