@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from mlflow import MlflowClient
 
 from tests.faults.faultlib import AirflowStandalone, wait_for
 
@@ -76,24 +77,28 @@ def test_a_person_moving_champion_starts_the_downstream_dag(handoff_airflow, mlf
          "--secret-env", "HANDOFF_SECRET"],
         env={**os.environ, "HANDOFF_SECRET": SECRET}, capture_output=True, text=True, timeout=60)
     assert registered.returncode == 0, registered.stderr
-    # a version made by hand, as a person would: no pipeline, no trainforge tags
-    _mlflow_rest(mlflow_server, "registered-models/create", {"name": model_name})
-    version = _mlflow_rest(mlflow_server, "model-versions/create", {
-        "name": model_name, "source": "s3://elsewhere/model"})["model_version"]["version"]
-    assert airflow.api("GET", f"/api/v2/dags/{dag_id}/dagRuns")["total_entries"] == 0
+    webhook_id = registered.stdout.strip().splitlines()[-1]
+    try:
+        # a version made by hand, as a person would: no pipeline, no trainforge tags
+        _mlflow_rest(mlflow_server, "registered-models/create", {"name": model_name})
+        version = _mlflow_rest(mlflow_server, "model-versions/create", {
+            "name": model_name, "source": "s3://elsewhere/model"})["model_version"]["version"]
+        assert airflow.api("GET", f"/api/v2/dags/{dag_id}/dagRuns")["total_entries"] == 0
 
-    _mlflow_rest(mlflow_server, "registered-models/alias",
-                 {"name": model_name, "alias": "champion", "version": version})
+        _mlflow_rest(mlflow_server, "registered-models/alias",
+                     {"name": model_name, "alias": "champion", "version": version})
 
-    def started():
-        runs = airflow.api("GET", f"/api/v2/dags/{dag_id}/dagRuns")["dag_runs"]
-        return [r for r in runs if r["run_type"] == "asset_triggered"]
+        def started():
+            runs = airflow.api("GET", f"/api/v2/dags/{dag_id}/dagRuns")["dag_runs"]
+            return [r for r in runs if r["run_type"] == "asset_triggered"]
 
-    runs = wait_for(f"{dag_id} to start from the asset event", started, 180, 2.0)
-    assert len(runs) == 1
-    events = airflow.api("GET", f"/api/v2/assets/events?limit=50")["asset_events"]
-    ours = [e for e in events if e["extra"].get("name") == model_name]
-    assert len(ours) == 1, ours
-    assert ours[0]["extra"]["version"] == str(version)
-    assert ours[0]["extra"]["alias"] == "champion" and ours[0]["extra"]["source"] == "mlflow-webhook"
-    assert ours[0]["uri"] == f"trainforge-model-{model_name}"
+        runs = wait_for(f"{dag_id} to start from the asset event", started, 180, 2.0)
+        assert len(runs) == 1
+        events = airflow.api("GET", "/api/v2/assets/events?limit=50")["asset_events"]
+        ours = [e for e in events if e["extra"].get("name") == model_name]
+        assert len(ours) == 1, ours
+        assert ours[0]["extra"]["version"] == str(version)
+        assert ours[0]["extra"]["alias"] == "champion" and ours[0]["extra"]["source"] == "mlflow-webhook"
+        assert ours[0]["uri"] == f"trainforge-model-{model_name}"
+    finally:  # the session's MLflow server outlives this Airflow
+        MlflowClient(mlflow_server, mlflow_server).delete_webhook(webhook_id)
