@@ -2,7 +2,7 @@
 
 Each checkpoint the validator passed becomes one *external* LoggedModel (MLflow keeps no copy of
 its files: tag ``trainforge.checkpoint`` and param ``checkpoint`` say where it lies, a local path
-or an ``s3://`` URI), named ``step-<N>`` (``<stage>/step-<N>`` in a staged pipeline), with param
+or an ``s3://`` URI), named ``step-<N>`` (``<stage>-step-<N>`` in a staged pipeline), with param
 ``step``, its validation metrics linked to it by model id and to the validation dataset by name
 and digest (the UI's model comparison, `search_logged_models` by ``metrics.val_loss``), and its
 validation report as the artifact ``validation_report.json``. ``register_model`` then logs the
@@ -73,10 +73,10 @@ class LoggedModels:
             return str(ready[0].model_id)
         with mlflow_errors("get_run", f"run {run_id}"):
             experiment_id = self.client.get_run(run_id).info.experiment_id
-        name = f"{stage}/step-{step}" if stage else f"step-{step}"
+        name = f"{stage}-step-{step}" if stage else f"step-{step}"
         with mlflow_errors("create_logged_model", f"run {run_id} checkpoint {checkpoint}"):
             model = self.client.create_logged_model(
-                experiment_id=experiment_id, name=name.replace("/", "-"), source_run_id=run_id,
+                experiment_id=experiment_id, name=name, source_run_id=run_id,
                 model_type=MODEL_TYPE, params={"checkpoint": checkpoint, "step": str(step)},
                 tags={"mlflow.model.isExternal": "true", TAG_KIND: KIND_CHECKPOINT,
                       TAG_CHECKPOINT: checkpoint,

@@ -113,6 +113,8 @@ class AirflowAssetLedger:
         old = [key for key, value in rows if _seconds(value) < now_s - KEEP_DELIVERIES_S]
         if old:
             session.execute(delete(Variable).where(Variable.key.in_(old)))
+            log.info("forgot %d MLflow webhook delivery id(s) older than %.0f s", len(old),
+                     KEEP_DELIVERIES_S)
 
 
 def _seconds(value: str | None) -> float:
@@ -142,4 +144,5 @@ class MlflowPipelineMoves:
         with mlflow_errors("delete_model_version_tag", f"{name} v{version} tag {key}"):
             client.delete_model_version_tag(name, version, key)
         age_s = self.clock() - _seconds(tags[key])
+        log.info("%s v%s: pipeline move marker %s (%.0f s old) consumed", name, version, key, age_s)
         return 0 <= age_s <= PIPELINE_MOVE_WINDOW_S

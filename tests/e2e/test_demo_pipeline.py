@@ -103,8 +103,9 @@ def test_exactly_one_model_version_with_the_alias(demo_run, mlflow_server):
     assert by_alias.status == "READY"
     assert by_alias.run_id == summary["mlflow_run_id"]
     # made from the chosen checkpoint's LoggedModel, which names where the checkpoint lies
-    assert by_alias.source == f"models:/{by_alias.model_id}"
-    model = client.get_logged_model(by_alias.model_id)
+    model_id = by_alias.source.removeprefix("models:/")
+    assert model_id.startswith("m-"), by_alias.source
+    model = client.get_logged_model(model_id)
     assert model.tags["trainforge.checkpoint"] == summary["checkpoint"]
     assert model.tags["trainforge.validation.chosen"] == "true" and model.params["step"] == "200"
     assert {m.key for m in model.metrics} >= {"val_loss", "val_perplexity"}
