@@ -8,6 +8,8 @@
     python -m trainforge.mlflow_setup wait --url URL --timeout-s 60
     python -m trainforge.mlflow_setup bootstrap --tracking-uri URL --experiment NAME \
         --registered-model NAME[=DESCRIPTION]
+    python -m trainforge.mlflow_setup webhook --tracking-uri URL \
+        --url AIRFLOW_API/trainforge-webhooks/mlflow --secret-env VAR   # alias changes -> assets
 
 Exit codes: 0 ok, 1 the server failed or a store cannot be reached (message on stderr),
 2 bad arguments (including a store URI of an unsupported scheme).
@@ -34,6 +36,7 @@ from trainforge.mlflow_setup.server import (
 )
 from trainforge.mlflow_setup.processes import free_port
 from trainforge.mlflow_setup.stores import check_stores
+from trainforge.mlflow_setup.webhook import register_webhook
 
 
 def _add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument(
         "--registered-model", action="append", default=[], metavar="NAME[=DESCRIPTION]"
     )
+    hook = commands.add_parser("webhook", help="register the alias-change webhook to Airflow")
+    hook.add_argument("--tracking-uri", required=True)
+    hook.add_argument("--url", required=True,
+                      help="the receiver: <Airflow API server>/trainforge-webhooks/mlflow")
+    hook.add_argument("--secret-env", required=True, metavar="VAR",
+                      help="environment variable holding the secret (the password of Airflow "
+                           "connection trainforge_mlflow_webhook)")
     return parser
 
 
@@ -141,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             ]
             result = bootstrap(args.tracking_uri, args.experiment, models)
             print(" ".join(f"{k}={v}" for k, v in result.experiment_ids.items()), flush=True)
+        elif args.command == "webhook":
+            print(register_webhook(args.tracking_uri, args.url,
+                                   os.environ.get(args.secret_env, "")), flush=True)
     except StoreArgumentError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

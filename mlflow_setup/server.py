@@ -52,6 +52,12 @@ _SERVER_ENV_DEFAULTS = {
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "PYTHONUNBUFFERED": "1",
+    # Webhooks (trainforge.mlflow_setup.webhook) reach Airflow's API server next to this server,
+    # on loopback or a cluster address, over plain http; MLflow's defaults allow only https to
+    # public addresses. A registered webhook is seen within 2 s (MLflow caches the list 60 s).
+    "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+    "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+    "MLFLOW_WEBHOOK_CACHE_TTL": "2",
 }
 _LOG_TAIL_LINES = 30
 

@@ -13,6 +13,14 @@ step appears once in the metric history. Restarts resume bit-identically (same b
 optimizer state), so the skipped values equal the ones already logged. One step's metrics go in
 one ``log_batch`` call, so a kill never leaves half a step logged.
 
+System metrics: :meth:`MlflowTracker.system_metrics` runs MLflow's own monitor
+(``mlflow.system_metrics``) on rank 0 while training: CPU and memory (psutil), disk, network and,
+where nvidia-ml-py finds an NVIDIA GPU, GPU utilisation and memory, logged as ``system/*``
+metrics every `SYSTEM_METRICS_INTERVAL_S` seconds (MLflow's
+``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` overrides it). Their step is the sample number,
+continued across attempts; the samples of the last, unfinished interval are logged when training
+ends, so even a run shorter than one interval has one sample.
+
 HTTP limits: unless the environment already sets them, ``MLFLOW_HTTP_REQUEST_TIMEOUT`` is 10 s
 and ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` 2, so an unreachable server stalls a step for at most
 about half a minute instead of MLflow's default of several minutes.
@@ -23,6 +31,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -30,6 +40,8 @@ log = logging.getLogger(__name__)
 MAX_CONSECUTIVE_FAILURES = 3
 STEP_KEY = "train_loss"
 """The metric logged at every logged step; its history says which steps an attempt logged."""
+SYSTEM_METRICS_INTERVAL_S = 10.0
+"""Seconds between two ``system/*`` samples (MLflow's own default; its env variable overrides it)."""
 
 
 class MlflowTracker:
@@ -42,6 +54,7 @@ class MlflowTracker:
 
         self._mlflow = mlflow
         self.client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        self.tracking_uri = tracking_uri
         self.run_id = run_id
         self.failures = 0
         self.logged_through = 0
@@ -139,3 +152,31 @@ class MlflowTracker:
         if batch or tag_batch:
             self._call("log_batch(metrics)", self.client.log_batch, self.run_id, metrics=batch,
                        tags=tag_batch)
+
+    @contextmanager
+    def system_metrics(self, interval_s: float = SYSTEM_METRICS_INTERVAL_S) -> Iterator[None]:
+        """Log ``system/*`` metrics into the run every ``interval_s`` seconds while open (module
+        doc). A monitor that cannot start or stop is logged as a warning: training goes on."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = self._call("start system metrics", SystemMetricsMonitor, self.run_id,
+                             sampling_interval=interval_s, resume_logging=True,
+                             tracking_uri=self.tracking_uri)
+        if monitor is not None:
+            monitor.start()
+            log.info("logging system metrics of rank 0 into run %s every %ss", self.run_id,
+                     monitor.sampling_interval)
+        try:
+            yield
+        finally:
+            if monitor is not None:
+                self._call("stop system metrics", self._finish_monitor, monitor)
+
+    @staticmethod
+    def _finish_monitor(monitor: Any) -> None:
+        """Stop the monitor's thread, then log the samples of its last, unfinished interval."""
+        monitor.finish()
+        last = monitor.aggregate_metrics()
+        if last:
+            monitor.publish_metrics(last)
+            monitor.mlflow_logger.flush()

@@ -5,7 +5,7 @@
     # one process, no torchrun (debugging):
     python -m trainforge.trainer.train --config job.json
 
-Environment: MLFLOW_TRACKING_URI + MLFLOW_RUN_ID (rank 0 logs params and step metrics into that
+Environment: MLFLOW_TRACKING_URI + MLFLOW_RUN_ID (rank 0 logs params, step metrics and system/* metrics into that
 existing run; unset URI = no MLflow), TRAINFORGE_RESULT_FILE (rank 0 writes result.json there on
 every exit it survives to see), OMP_NUM_THREADS (torch threads per process; 1 when unset),
 TRAINFORGE_JOB_DIR (rank 0 writes its run-ledger records under ``ledger/``: trainer/goodput.py).
@@ -35,7 +35,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,66 +148,68 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
              "%s, %s, %s schedule", n_params, o.max_steps, o.global_batch_size, T, o.micro_batch_size,
              d.world_size, accum, par.kind, cfg.precision, o.lr_schedule)
 
-    t_window, steps_in_window = time.perf_counter(), 0
-    if clock:
-        clock.loop_started()
-    while step < o.max_steps:
+    # system/* metrics of rank 0's machine while the steps run (trainforge.trainer.tracking)
+    with tracker.system_metrics() if tracker else nullcontext():
+        t_window, steps_in_window = time.perf_counter(), 0
         if clock:
-            clock.step_started()
-        lr = lr_at(step, o)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=d.device)  # mean loss of this rank's micro-batches
-        batches = sampler.micro_batches(step, d.rank)
-        for a, (x, y) in enumerate(clock.batches(batches) if clock else batches):  # (micro_batch, T) int64
-            x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-            with par.grad_sync(a == accum - 1):  # reduce across ranks on the last micro-batch only
-                with amp.autocast():
-                    loss = lm_loss(par.module, x, y) / accum  # scalar, nats/token
-                amp.backward(loss)
-            loss_sum += loss.detach()
-        amp.unscale(optimizer)  # fp16: true gradients before clipping
-        max_norm = o.grad_clip if o.grad_clip > 0 else float("inf")
-        grad_norm = par.clip_grad_norm(max_norm)  # before clipping
-        if d.enabled:
-            dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
-            loss_sum /= d.world_size
-        loss_value = loss_sum.item()
-        scale = amp.loss_scale()
-        if not should_step(step + 1, loss_value, grad_norm, lr, scale) and d.rank == 0:
-            log.warning("step %d: fp16 gradient overflow (grad norm %s): optimizer step skipped, loss scale %g "
-                        "halved", step + 1, grad_norm, scale)
-        amp.step(optimizer)  # skipped by the scaler after an overflow
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += tokens_per_step
-        steps_in_window += 1
-        if clock:
-            clock.step_done(step)
-        out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, loss_value
-        metrics = {"train_loss": loss_value, "learning_rate": lr, "grad_norm": grad_norm}
-        if not math.isfinite(grad_norm):  # a skipped fp16 step: keep inf out of meta.json and MLflow
-            del metrics["grad_norm"]
-
-        if d.rank == 0 and (step % cfg.logging.log_every_steps == 0 or step == o.max_steps):
-            elapsed = time.perf_counter() - t_window
-            metrics["tokens_per_s"] = steps_in_window * tokens_per_step / max(elapsed, 1e-9)
-            log.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | tok/s %.0f", step, o.max_steps,
-                     loss_value, lr, grad_norm, metrics["tokens_per_s"])
-            ledger_tags = clock.snapshot()
-            if tracker:
-                tracker.log_metrics(step, metrics, tags=ledger_tags)
-            t_window, steps_in_window = time.perf_counter(), 0
-        if step % cfg.checkpoint.interval_steps == 0 or step == o.max_steps:
-            t_save = time.perf_counter()
-            with sigterm_deferred():  # a checkpoint and its mention in the result file go together
-                path = save(cfg, d, dataset, par, optimizer, amp, step, tokens_seen, accum, metrics,
-                            world_sizes)
-                if path is not None:
-                    out.last_checkpoint = str(path)
+            clock.loop_started()
+        while step < o.max_steps:
             if clock:
-                clock.saved(time.perf_counter() - t_save)
-            t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
+                clock.step_started()
+            lr = lr_at(step, o)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=d.device)  # mean loss of this rank's micro-batches
+            batches = sampler.micro_batches(step, d.rank)
+            for a, (x, y) in enumerate(clock.batches(batches) if clock else batches):  # (micro_batch, T) int64
+                x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+                with par.grad_sync(a == accum - 1):  # reduce across ranks on the last micro-batch only
+                    with amp.autocast():
+                        loss = lm_loss(par.module, x, y) / accum  # scalar, nats/token
+                    amp.backward(loss)
+                loss_sum += loss.detach()
+            amp.unscale(optimizer)  # fp16: true gradients before clipping
+            max_norm = o.grad_clip if o.grad_clip > 0 else float("inf")
+            grad_norm = par.clip_grad_norm(max_norm)  # before clipping
+            if d.enabled:
+                dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
+                loss_sum /= d.world_size
+            loss_value = loss_sum.item()
+            scale = amp.loss_scale()
+            if not should_step(step + 1, loss_value, grad_norm, lr, scale) and d.rank == 0:
+                log.warning("step %d: fp16 gradient overflow (grad norm %s): optimizer step skipped, loss scale %g "
+                            "halved", step + 1, grad_norm, scale)
+            amp.step(optimizer)  # skipped by the scaler after an overflow
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += tokens_per_step
+            steps_in_window += 1
+            if clock:
+                clock.step_done(step)
+            out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, loss_value
+            metrics = {"train_loss": loss_value, "learning_rate": lr, "grad_norm": grad_norm}
+            if not math.isfinite(grad_norm):  # a skipped fp16 step: keep inf out of meta.json and MLflow
+                del metrics["grad_norm"]
+
+            if d.rank == 0 and (step % cfg.logging.log_every_steps == 0 or step == o.max_steps):
+                elapsed = time.perf_counter() - t_window
+                metrics["tokens_per_s"] = steps_in_window * tokens_per_step / max(elapsed, 1e-9)
+                log.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | tok/s %.0f", step, o.max_steps,
+                         loss_value, lr, grad_norm, metrics["tokens_per_s"])
+                ledger_tags = clock.snapshot()
+                if tracker:
+                    tracker.log_metrics(step, metrics, tags=ledger_tags)
+                t_window, steps_in_window = time.perf_counter(), 0
+            if step % cfg.checkpoint.interval_steps == 0 or step == o.max_steps:
+                t_save = time.perf_counter()
+                with sigterm_deferred():  # a checkpoint and its mention in the result file go together
+                    path = save(cfg, d, dataset, par, optimizer, amp, step, tokens_seen, accum, metrics,
+                                world_sizes)
+                    if path is not None:
+                        out.last_checkpoint = str(path)
+                if clock:
+                    clock.saved(time.perf_counter() - t_save)
+                t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
     if step > o.max_steps:
         log.warning("resumed at step %d, past optim.max_steps=%d: nothing to train", step, o.max_steps)
     if clock:

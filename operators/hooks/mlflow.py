@@ -3,7 +3,8 @@
 One MLflow run per DAG run (found by its tags), params/metrics/tags/artifacts/dataset inputs
 logged into it (this module); one model version per idempotency key, waited on until READY
 before any alias moves (trainforge.hooks.mlflow_versions); a model version's files found and
-downloaded (trainforge.hooks.mlflow_artifacts). ``mlflow`` is imported inside methods only:
+downloaded (trainforge.hooks.mlflow_artifacts); validated checkpoints as LoggedModels
+(trainforge.hooks.mlflow_logged_models). ``mlflow`` is imported inside methods only:
 importing these modules is cheap (DAG parsing imports them).
 
 Tracking URI: the ``tracking_uri`` argument, else ``$MLFLOW_TRACKING_URI``. The hook never puts
@@ -35,6 +36,7 @@ from trainforge.hooks.errors import (
 )
 from trainforge.hooks.mlflow_artifacts import ModelArtifacts
 from trainforge.hooks.mlflow_calls import mlflow_errors, quote, tracking_uri_from_connection
+from trainforge.hooks.mlflow_logged_models import LoggedModels
 from trainforge.hooks.mlflow_versions import ModelVersions
 
 if TYPE_CHECKING:
@@ -59,7 +61,7 @@ MAX_PARAM_VALUE_CHARS = 6000  # mlflow.utils.validation.MAX_PARAM_VAL_LENGTH
 _RUN_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._/-]+")
 
 
-class MlflowHook(ModelVersions, ModelArtifacts):
+class MlflowHook(ModelVersions, ModelArtifacts, LoggedModels):
     """Client-side access to one MLflow tracking server (and its model registry).
 
     Args:

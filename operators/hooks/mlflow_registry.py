@@ -11,6 +11,7 @@ Tags written on a model version by the gate (``GATE_*``), and on the version tha
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,6 +25,10 @@ CHAMPION = "champion"
 CHALLENGER = "challenger"
 TAG_PREVIOUS_CHAMPION = "trainforge.previous_champion"
 TAG_SUPERSEDED_BY = "trainforge.superseded_by"
+TAG_PIPELINE_ALIAS_MOVE = "trainforge.pipeline_alias_move"
+"""Prefix of ``<prefix>.<alias>`` (unix seconds), set on a version just before the pipeline moves
+``alias`` to it: the webhook receiver then leaves that move's asset event to the pipeline
+(trainforge.webhooks.receiver)."""
 MAX_TAG_VALUE_CHARS = 5000  # mlflow.utils.validation.MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
 
 
@@ -91,7 +96,9 @@ class ModelRegistry:
 
         The order makes a crash safe to retry: the tags are rewritten, the alias moved once.
         """
-        self.set_version_tags(name, version, {**tags, TAG_PREVIOUS_CHAMPION: previous or "none"})
+        self.set_version_tags(name, version, {**tags, TAG_PREVIOUS_CHAMPION: previous or "none",
+                                              f"{TAG_PIPELINE_ALIAS_MOVE}.{CHAMPION}":
+                                                  f"{time.time():.0f}"})
         self.move_alias(name, CHAMPION, version)
         if previous and previous != str(version):
             self.set_version_tags(name, previous, {TAG_SUPERSEDED_BY: str(version)})

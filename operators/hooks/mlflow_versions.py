@@ -56,6 +56,7 @@ class ModelVersions:
         poll_interval_s: float = 1.0,
         task: str = "text-generation",
         pip_requirements: Sequence[str] | None = None,
+        logged_model_id: str | None = None,
     ) -> dict[str, Any]:
         """Register the Hugging Face model folder ``model_dir`` once per ``idempotency_key``.
 
@@ -63,7 +64,9 @@ class ModelVersions:
            key exists (and is not FAILED_REGISTRATION): reuse it (``created`` False), wait
            until READY, set the aliases.
         2. Else log the folder with ``mlflow.transformers.log_model`` as a LoggedModel of run
-           ``run_id`` (reusing a READY one this run already logged for the key), create the
+           ``run_id`` (reusing a READY one this run already logged for the key; with
+           ``logged_model_id``, the checkpoint's own LoggedModel receives the files:
+           trainforge.hooks.mlflow_logged_models), create the
            registered model if missing, create the version (key in its tags), wait until
            READY, then set each alias. The run's status is never changed.
 
@@ -98,6 +101,7 @@ class ModelVersions:
                 {str(k): str(v) for k, v in (tags or {}).items()},
                 task,
                 pip_requirements,
+                logged_model_id,
             )
         ready = wait_model_version_ready(
             self.client, name, str(version.version), ready_timeout_s, poll_interval_s
@@ -163,6 +167,7 @@ class ModelVersions:
         tags: dict[str, str],
         task: str,
         pip_requirements: Sequence[str] | None,
+        logged_model_id: str | None,
     ) -> tuple[ModelVersion, bool]:
         """Log the model, create a version with ``key``, settle a race; (version, created)."""
         model_path = model_dir.resolve()
@@ -170,7 +175,8 @@ class ModelVersions:
             raise MlflowInvalidArgumentError(
                 "model_dir", str(model_dir), "a Hugging Face model folder with config.json"
             )
-        model_id = self._logged_model_for_key(run_id, model_path, key, task, pip_requirements)
+        model_id = self._logged_model_for_key(run_id, model_path, key, task, pip_requirements,
+                                              logged_model_id)
         self._ensure_registered_model(name)
         with mlflow_errors("create_model_version", f"registered model {name}"):
             mine = self.client.create_model_version(
@@ -244,8 +250,12 @@ class ModelVersions:
         key: str,
         task: str,
         pip_requirements: Sequence[str] | None,
+        logged_model_id: str | None = None,
     ) -> str:
-        """Model id of a READY LoggedModel of ``run_id`` for ``key``; logs one if there is none.
+        """Model id of a READY LoggedModel of ``run_id`` for ``key``; logs one if there is none
+        (into ``logged_model_id``, the validated checkpoint's external LoggedModel, when given:
+        its MLmodel stub is replaced by the ``transformers`` flavour, and MLflow drops its
+        external tag).
 
         The LoggedModel is created with the client first so that it lands in the run's
         experiment (``log_model(run_id=...)`` alone would put it in the active/default
@@ -272,13 +282,17 @@ class ModelVersions:
         if ready:
             log.info("reusing logged model %s of run %s for key %s", ready[0].model_id, run_id, key)
             return str(ready[0].model_id)
-        with mlflow_errors("create_logged_model", f"run {run_id}"):
-            model = self.client.create_logged_model(
-                experiment_id=experiment_id,
-                name="model",
-                source_run_id=run_id,
-                tags={TAG_IDEMPOTENCY_KEY: key},
-            )
+        if logged_model_id is not None:
+            with mlflow_errors("get_logged_model", f"logged model {logged_model_id}"):
+                model = self.client.get_logged_model(logged_model_id)
+        else:
+            with mlflow_errors("create_logged_model", f"run {run_id}"):
+                model = self.client.create_logged_model(
+                    experiment_id=experiment_id,
+                    name="model",
+                    source_run_id=run_id,
+                    tags={TAG_IDEMPOTENCY_KEY: key},
+                )
         with (
             mlflow_errors("transformers.log_model", f"run {run_id} model {model.model_id}"),
             fluent_tracking_uri(self.tracking_uri),
@@ -291,6 +305,9 @@ class ModelVersions:
                 model_id=model.model_id,
                 pip_requirements=list(pip_requirements or default_pip_requirements()),
             )
+        if logged_model_id is not None:  # the key last: a crash before it logs the files again
+            with mlflow_errors("set_logged_model_tags", f"logged model {model.model_id}"):
+                self.client.set_logged_model_tags(model.model_id, {TAG_IDEMPOTENCY_KEY: key})
         return str(model.model_id)
 
 

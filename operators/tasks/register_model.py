@@ -1,8 +1,10 @@
 """The ``register_model`` task: one model version per validated checkpoint, then the eval gate.
 
 The checkpoint is exported to a Hugging Face folder by the trainer's exporter (a child process),
-logged into the DAG run's MLflow run with the ``transformers`` flavour (so it loads back as a
-text-generation pipeline with its tokenizer), registered, awaited until READY, and given the
+logged with the ``transformers`` flavour (so it loads back as a text-generation pipeline with
+its tokenizer) into the checkpoint's LoggedModel in the DAG run's MLflow run (made by
+``validate_checkpoint``; the version's source is ``models:/<its model id>``), registered,
+awaited until READY, and given the
 spec's aliases (``challenger``). The idempotency key — MLflow run id + checkpoint digest — is
 looked up before anything is created, so a retry or a second run of this task never adds a
 second version.
@@ -180,6 +182,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
                 description=model_card(spec, prepared, validated, context, run_url),
                 tags=tags,
                 ready_timeout_s=self.ready_timeout_s,
+                logged_model_id=validated.get("model_id"),  # the checkpoint's LoggedModel
             )
         self.log.info("Model version %s v%s (%s) aliases %s", registered["name"],
                       registered["version"], "created" if registered.get("created") else "reused",

@@ -7,7 +7,9 @@ again from the same spec, so the config digest, architecture and vocabulary must
 checkpoint to choose (``validation.policy``) and to move damaged checkpoints aside into
 ``<checkpoints>/quarantine/`` (never deleted). It then applies the spec's thresholds to the
 report, logs the metrics and the report to the DAG run's MLflow run, and fails — naming the
-checkpoint and every failed check — when anything is wrong.
+checkpoint and every failed check — when anything is wrong. Each checkpoint that passed becomes a
+LoggedModel of that run, pointing at the checkpoint where it lies
+(trainforge.hooks.mlflow_logged_models).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from trainforge.engines.base import JobIdentity
 from trainforge.base import TrainforgeStageOperator, fail_permanently
+from trainforge.hooks.mlflow import MAX_DATASET_DIGEST_CHARS
+from trainforge.hooks.mlflow_logged_models import TAG_CHOSEN
 from trainforge.hooks.s3 import S3ConnectionError, spec_child_env
 from trainforge.jobconfig import render_job_config
 from trainforge.paths import dataset_location
@@ -108,7 +112,8 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
     """Validate the ``train`` task's checkpoints by the spec's ``validation.policy``.
 
     XCom: ``{"checkpoint", "step", "checkpoint_digest", "metrics", "sample", "policy",
-    "quarantined": [moved-to paths], "report_uri", "stage"}``.
+    "quarantined": [moved-to paths], "report_uri", "stage", "model_id"}`` (``model_id``: the
+    chosen checkpoint's LoggedModel).
 
     With ``leaf_stages`` (a spec with ``stages``; docs/stages.md) each leaf stage's checkpoints
     (task ``train_<stage>``) are validated by the policy, with that stage's training settings,
@@ -232,6 +237,7 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
             fail_permanently(
                 f"checkpoint {checkpoint}{where} failed validation:\n  - " + "\n  - ".join(failed)
             )
+        model_id = self._log_checkpoint_models(run_id, spec, prepared, report, metrics, stage)
         self.log.info("Checkpoint %s (policy %s, %d candidate(s)) passed every check: "
                       "val_loss=%.4f val_perplexity=%.2f (unigram baseline %.2f)", checkpoint,
                       spec.validation.policy, len(report.get("candidates") or []),
@@ -248,4 +254,24 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
             "quarantined": [q["moved_to"] for q in quarantined],
             "report_uri": report_uri,
             "stage": stage,
+            "model_id": model_id,
         }
+
+    def _log_checkpoint_models(self, run_id: str, spec: PipelineSpec, prepared: dict[str, Any],
+                               report: dict[str, Any], metrics: dict[str, float],
+                               stage: str | None) -> str:
+        """Every checkpoint that passed, as a LoggedModel of the run
+        (trainforge.hooks.mlflow_logged_models); the chosen one's model id."""
+        digest = str(prepared.get("digest") or "")[:MAX_DATASET_DIGEST_CHARS]
+        dataset = (f"{spec.dag_id}-dataset", digest) if digest else None  # prepare_data's input
+        chosen = report.get("checkpoint")
+        for candidate in report.get("candidates") or []:
+            if (candidate.get("ok") and candidate.get("checkpoint") != chosen
+                    and candidate.get("val_loss") is not None):
+                self.mlflow_hook.log_checkpoint_model(
+                    run_id, candidate["checkpoint"], int(candidate["step"]),
+                    {"val_loss": float(candidate["val_loss"])}, candidate, dataset, stage,
+                    {TAG_CHOSEN: "false"})
+        return self.mlflow_hook.log_checkpoint_model(
+            run_id, chosen, int(report["step"]), metrics, report, dataset, stage,
+            {TAG_CHOSEN: "true", "trainforge.checkpoint_digest": str(report.get("checkpoint_digest"))})

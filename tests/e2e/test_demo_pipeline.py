@@ -81,7 +81,8 @@ def test_mlflow_run_has_params_metrics_tags_and_dataset(demo_run, mlflow_server)
     steps = [m.step for m in history]
     assert steps == sorted(set(steps)) and steps[-1] == 200 and len(steps) >= 20
     assert history[-1].value < history[0].value
-    for key in ("val/val_loss", "val/val_perplexity", "val/unigram_perplexity"):
+    for key in ("val/val_loss", "val/val_perplexity", "val/unigram_perplexity",
+                "system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"):
         assert key in run.data.metrics
     # MLflow caps a dataset digest at 36 characters; the full SHA-256 is in the input's tags.
     inputs = run.inputs.dataset_inputs
@@ -101,6 +102,13 @@ def test_exactly_one_model_version_with_the_alias(demo_run, mlflow_server):
     assert by_alias.version == versions[0].version == summary["model_version"]
     assert by_alias.status == "READY"
     assert by_alias.run_id == summary["mlflow_run_id"]
+    # made from the chosen checkpoint's LoggedModel, which names where the checkpoint lies
+    model_id = by_alias.source.removeprefix("models:/")
+    assert model_id.startswith("m-"), by_alias.source
+    model = client.get_logged_model(model_id)
+    assert model.tags["trainforge.checkpoint"] == summary["checkpoint"]
+    assert model.tags["trainforge.validation.chosen"] == "true" and model.params["step"] == "200"
+    assert {m.key for m in model.metrics} >= {"val_loss", "val_perplexity"}
 
 
 def test_checkpoint_chosen_has_a_verifying_manifest(demo_run):

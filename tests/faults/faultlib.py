@@ -190,7 +190,8 @@ class AirflowStandalone:
         self.log_path = home / "standalone.log"
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def start(self, timeout_s: float = 300.0) -> None:
+    def start(self, timeout_s: float = 300.0, ready_dag: str = "fault_tiny") -> None:
+        """Start it; ready once the API serves DAG ``ready_dag``."""
         exe = str(Path(sys.executable).with_name("airflow"))
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen([exe, "standalone"], env=self.env, stdout=out,
@@ -202,11 +203,11 @@ class AirflowStandalone:
                 pytest.fail(f"airflow standalone exited {self.proc.returncode}: {self.tail()}")
             try:
                 self._token = None
-                return self.api("GET", "/api/v2/dags/fault_tiny").get("dag_id") == "fault_tiny"
+                return self.api("GET", f"/api/v2/dags/{ready_dag}").get("dag_id") == ready_dag
             except (OSError, urllib.error.HTTPError):
                 return False
 
-        wait_for("airflow standalone to serve the fault_tiny DAG", ready, timeout_s)
+        wait_for(f"airflow standalone to serve the {ready_dag} DAG", ready, timeout_s)
 
     def stop(self) -> None:
         from trainforge.standalone import _stop_tree

@@ -89,6 +89,12 @@ def test_full_run(full_run, mlflow_run):
     assert [m.step for m in history] == list(range(5, MAX_STEPS + 1, 5))
     assert history[-1].value == pytest.approx(result["final_train_loss"])
     assert {"learning_rate", "tokens_per_s", "grad_norm"} <= set(run.data.metrics)
+    # rank 0's machine, sampled by MLflow's monitor; a run shorter than one interval still has one
+    # sample (the last interval is logged when training ends), and no rank's node prefix
+    system = {k for k in run.data.metrics if k.startswith("system/")}
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
+            "system/disk_usage_percentage", "system/network_receive_megabytes"} <= system, system
+    assert not any(k.startswith("system/node") for k in system)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

@@ -164,3 +164,45 @@ def test_champion_loads_back_and_generates(case, monkeypatch):
     spec.loader.exec_module(handoff)
     smoke = handoff.smoke_generate(case["name"], "ROMEO:", max_new_tokens=4, event_version="1")
     assert smoke["version"] == case["results"]["second"]["version"] and smoke["text"].startswith("ROMEO:")
+
+
+def test_checkpoints_as_logged_models_the_best_found_and_registered_from(case):
+    """Both checkpoints become external LoggedModels of the run; search_logged_models by
+    val_loss finds the better one; the version is created from it."""
+    import mlflow.artifacts
+
+    hook = MlflowHook(tracking_uri=case["server"])
+    spec = PipelineSpec.model_validate(case["spec"])
+    run_id = hook.get_or_create_run(spec.experiment_name, "tiny_gate", "run-4")
+    dataset = ("tiny-dataset", "d" * 36)
+    hook.log_dataset_input(run_id, "tiny-dataset", "d" * 64, case["prepared"]["dataset_dir"])
+    ids = {which: hook.log_checkpoint_model(run_id, case[which]["checkpoint"], case[which]["step"],
+                                            case[which]["metrics"], {"ok": True, "which": which},
+                                            dataset)
+           for which in ("zero", "good")}
+    assert hook.log_checkpoint_model(run_id, case["good"]["checkpoint"], case["good"]["step"],
+                                     case["good"]["metrics"], {}, dataset) == ids["good"]  # a retry
+    client = hook.client
+    model = client.get_logged_model(ids["good"])
+    assert model.tags["trainforge.checkpoint"] == case["good"]["checkpoint"]  # where it lies
+    assert model.tags["mlflow.model.isExternal"] == "true" and model.source_run_id == run_id
+    assert model.params["step"] == str(case["good"]["step"])
+    linked = {m.key: m for m in model.metrics}
+    assert linked["val_loss"].value == pytest.approx(case["good"]["metrics"]["val_loss"])
+    assert (linked["val_loss"].dataset_name, linked["val_loss"].step) == ("tiny-dataset", 10)
+    report = json.loads(Path(mlflow.artifacts.download_artifacts(
+        f"{model.artifact_location}/validation_report.json", tracking_uri=case["server"])).read_text())
+    assert report == {"ok": True, "which": "good"}
+    assert case["zero"]["metrics"]["val_loss"] > case["good"]["metrics"]["val_loss"]
+    best = hook.best_checkpoint_model(run_id, "val_loss")
+    assert (best["model_id"], best["checkpoint"]) == (ids["good"], case["good"]["checkpoint"])
+    assert hook.best_checkpoint_model(run_id, "val_loss", lowest=False)["model_id"] == ids["zero"]
+
+    case["good_model"] = {**case["good"], "model_id": ids["good"]}  # validate_checkpoint's XCom
+    result, _ = _register(case, "run-4", "good_model")
+    mv = _version(case, result["version"])
+    assert mv.source == f"models:/{ids['good']}" and result["model_id"] == ids["good"]
+    assert "mlflow.model.isExternal" not in client.get_logged_model(ids["good"]).tags
+    again, _ = _register(case, "run-4", "good_model")  # a retry: same version, same model
+    assert (again["version"], again["created"], again["model_id"]) == (result["version"], False,
+                                                                         ids["good"])
