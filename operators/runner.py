@@ -19,8 +19,10 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import logging
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -42,6 +44,8 @@ from trainforge.paths import trainforge_home
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.runner_console import ConsoleFilter
 from trainforge.runner_summary import collect_summary, print_summary
+
+log = logging.getLogger(__name__)
 
 # The DAG file trainforge writes into the Airflow home it runs (the same one line a deployment
 # copies into its DAGs folder): it compiles the specs TRAINFORGE_PIPELINES names. Its text names
@@ -98,39 +102,60 @@ def _airflow(args: list[str], env: dict[str, str], **kwargs) -> subprocess.Compl
     return subprocess.run([str(exe), *args], env=env, text=True, **kwargs)
 
 
-def _json_output(stdout: str) -> Any:
-    """The JSON document in an Airflow CLI's output (warnings may precede it on stdout)."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(("[", "{")):
-            try:
-                return json.loads(line)
-            except json.JSONDecodeError:
-                continue
-    return None
+def _metadata_db(env: dict[str, str]) -> Path:
+    """The SQLite metadata DB of this run's Airflow home (:func:`airflow_env` names it)."""
+    return Path(env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"].removeprefix("sqlite:///"))
+
+
+def _query(env: dict[str, str], sql: str, params: tuple[Any, ...]) -> list[sqlite3.Row]:
+    """Rows of a read-only query on the run's metadata DB; none when it cannot be read.
+
+    ``airflow dags test`` has exited by now, so the DB is at rest. Reading it directly costs
+    milliseconds where each Airflow CLI start costs seconds of imports.
+    """
+    db = _metadata_db(env)
+    if not db.is_file():
+        return []
+    try:
+        with contextlib.closing(sqlite3.connect(f"{db.as_uri()}?mode=ro", uri=True, timeout=30)) as conn:
+            conn.row_factory = sqlite3.Row
+            return conn.execute(sql, params).fetchall()
+    except sqlite3.Error as exc:
+        log.warning("cannot read the DAG run from %s: %s", db, exc)
+        return []
+
+
+def _utc(value: str | None) -> dt.datetime | None:
+    """A datetime column of the metadata DB (naive UTC in SQLite) as an aware datetime."""
+    if not value:
+        return None
+    parsed = dt.datetime.fromisoformat(value)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.timezone.utc)
 
 
 def _latest_run(dag_id: str, env: dict[str, str]) -> dict[str, Any] | None:
-    out = _airflow(["dags", "list-runs", dag_id, "-o", "json"], env, capture_output=True)
-    runs = _json_output(out.stdout)
-    if not isinstance(runs, list):
+    """The DAG's most recently started run: run_id, state and its times (ISO 8601, UTC)."""
+    rows = _query(env, "SELECT run_id, state, logical_date, start_date, end_date FROM dag_run "
+                       "WHERE dag_id = ? ORDER BY COALESCE(start_date, logical_date) DESC LIMIT 1",
+                  (dag_id,))
+    if not rows:
         return None
-    runs.sort(key=lambda r: r.get("start_date") or r.get("logical_date") or "")
-    return runs[-1] if runs else None
+    run = dict(rows[0])
+    for key in ("logical_date", "start_date", "end_date"):
+        when = _utc(run[key])
+        run[key] = when.isoformat() if when else None
+    return {"dag_id": dag_id, **run}
 
 
 def _task_times(dag_id: str, run_id: str, env: dict[str, str]) -> dict[str, dict[str, Any]]:
-    out = _airflow(["tasks", "states-for-dag-run", dag_id, run_id, "-o", "json"], env,
-                   capture_output=True)
-    rows = _json_output(out.stdout)
-    if not isinstance(rows, list):
-        return {}
+    """Each task's state and duration in seconds (None while it has no start or end)."""
+    rows = _query(env, "SELECT task_id, state, start_date, end_date FROM task_instance "
+                       "WHERE dag_id = ? AND run_id = ? AND map_index = -1", (dag_id, run_id))
     times = {}
     for row in rows:
-        start, end = row.get("start_date"), row.get("end_date")
-        seconds = None
-        if start and end:
-            seconds = (dt.datetime.fromisoformat(end) - dt.datetime.fromisoformat(start)).total_seconds()
-        times[row["task_id"]] = {"state": row.get("state"), "seconds": seconds}
+        start, end = _utc(row["start_date"]), _utc(row["end_date"])
+        seconds = (end - start).total_seconds() if start and end else None
+        times[row["task_id"]] = {"state": row["state"], "seconds": seconds}
     return times
 
 
