@@ -185,13 +185,15 @@ def prepare(work: Path, seq_len: int) -> Path:
 
 
 def mlflow_run(work: Path) -> dict[str, str]:
-    """An MLflow run in a SQLite store under ``work``, as the train task's environment names it."""
+    """A new MLflow run in a SQLite store under ``work``, as the train task's environment names
+    it."""
     import mlflow
 
     uri = f"sqlite:///{work / 'mlflow.db'}"
     client = mlflow.MlflowClient(uri)
-    experiment = client.create_experiment("bench-trainer-overhead",
-                                          artifact_location=str(work / "artifacts"))
+    found = client.get_experiment_by_name("bench-trainer-overhead")
+    experiment = found.experiment_id if found else client.create_experiment(
+        "bench-trainer-overhead", artifact_location=str(work / "artifacts"))
     run = client.create_run(experiment)
     return {"MLFLOW_TRACKING_URI": uri, "MLFLOW_RUN_ID": run.info.run_id}
 
