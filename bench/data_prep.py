@@ -1,15 +1,20 @@
 """Data-preparation benchmark, measured against baselines in the same run.
 
-    .venv/bin/python bench/data_prep.py [--mib 8] [--memory-mib 24] [--budget-mib 16] [--keep]
+    .venv/bin/python bench/data_prep.py [--mib 8] [--rounds 3] [--memory-mib 24]
+                                        [--budget-mib 16] [--keep]
 
 1. Throughput. A generated JSONL corpus (``--mib``) goes through ``prepare_dataset`` with 1 and
    2 encoding workers (the tokenizer is trained once, then reused, so each run is scan +
-   encode). The step's tokenisation throughput is the tokens of its encode phase (reading the
-   spool, encoding, writing shards and indexes) per second. The baseline is a bare
-   ``tokenizers`` ``encode_batch_fast`` of the same documents with the same tokenizer and the
-   same number of threads (``RAYON_NUM_THREADS``, in a fresh process), text already in memory.
-   Prints step / bare per thread count (goal >= 0.8) and the 1 -> 2 scaling of both (the
-   bare one shows what the machine allows: on shared, busy cores neither scales).
+   encode). The step's tokenisation throughput is the tokens of its encode phase (starting the
+   workers, reading the spool, encoding, writing shards and indexes) per second. The baseline
+   is a bare ``tokenizers`` ``encode_batch_fast`` of the same documents with the same tokenizer
+   and the same number of threads (``RAYON_NUM_THREADS``, in a fresh process), text already in
+   memory. Each of ``--rounds`` rounds measures all four, in alternating order (the second
+   round runs them backwards), so that load from elsewhere falls on both sides. Prints each
+   round's figures, then the medians over rounds of step / bare per worker count (goal >= 0.8)
+   and of the 1 -> 2 scaling of the step over that of the bare encode (goal >= 0.8; the bare
+   scaling shows what the machine allows: on shared, busy cores neither scales).
+   ``--memory-mib 0`` skips part 2.
 2. Memory. A larger corpus (``--memory-mib``, more than ``--budget-mib``, the step's
    ``memory_budget_mib``) and one half its size are prepared in fresh processes with 2
    workers; prints the peak RSS of the step's process and of its largest worker (getrusage),
@@ -28,6 +33,7 @@ import os
 import random
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -108,7 +114,9 @@ def child(*args: str, env: dict | None = None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=float, default=8.0, help="throughput corpus size, MiB")
-    parser.add_argument("--memory-mib", type=float, default=24.0, help="memory corpus, MiB")
+    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (median)")
+    parser.add_argument("--memory-mib", type=float, default=24.0,
+                        help="memory corpus, MiB (0: skip the memory part)")
     parser.add_argument("--budget-mib", type=int, default=16, help="memory_budget_mib setting")
     parser.add_argument("--keep", action="store_true", help="keep the generated data")
     args = parser.parse_args()
@@ -137,26 +145,46 @@ def run(args: argparse.Namespace, work: Path) -> None:
     print(f"corpus: {docs} documents, {corpus.stat().st_size / 2**20:.1f} MiB; tokenizer "
           f"8192 tokens; cpus: {len(os.sched_getaffinity(0))}")
 
-    step = {}
-    for workers in (1, 2):
-        result = prepare_dataset(settings(str(corpus), tokenizer_uri=str(tokenizer),
-                                          encode_workers=workers), work / f"out-{workers}")
-        tokens = sum(result.tokens.values())
-        step[workers] = tokens / result.timings_s["encode"]
-        print(f"step, {workers} worker(s): {tokens} tokens; scan {result.timings_s['scan']:.1f} "
-              f"s, encode {result.timings_s['encode']:.1f} s = {step[workers]:,.0f} tokens/s; "
-              f"end to end {tokens / result.elapsed_s:,.0f} tokens/s")
-    text_tokens = tokens - docs  # the step also writes one EOS per document
-    rates = {}
-    for threads in (1, 2):
-        base = child("--bare", str(tokenizer), str(corpus), env={"RAYON_NUM_THREADS": str(threads)})
-        assert base["tokens"] == text_tokens, (base["tokens"], text_tokens)
-        rate = rates[threads] = base["tokens"] / base["seconds"]
-        print(f"bare encode_batch_fast, {threads} thread(s): {rate:,.0f} tokens/s -> "
-              f"step/bare = {step[threads] / rate:.2f} (goal >= 0.80)")
-    print(f"scaling 1 -> 2: step {step[2] / step[1]:.2f}x; bare {rates[2] / rates[1]:.2f}x (what "
-          f"this machine gives two threads now; load average {os.getloadavg()[0]:.1f})")
+    text_tokens = None
+    rounds: list[dict[tuple[str, int], float]] = []
+    for number in range(args.rounds):
+        order = [(kind, n) for n in (1, 2) for kind in ("step", "bare")]
+        rates: dict[tuple[str, int], float] = {}
+        for kind, n in order if number % 2 == 0 else order[::-1]:
+            if kind == "step":
+                result = prepare_dataset(settings(str(corpus), tokenizer_uri=str(tokenizer),
+                                                  encode_workers=n), work / f"out-{number}-{n}")
+                tokens = sum(result.tokens.values())
+                text_tokens = tokens - docs  # the step also writes one EOS per document
+                rates[kind, n] = tokens / result.timings_s["encode"]
+                shutil.rmtree(work / f"out-{number}-{n}")
+            else:
+                base = child("--bare", str(tokenizer), str(corpus),
+                             env={"RAYON_NUM_THREADS": str(n)})
+                rates[kind, n] = base["tokens"] / base["seconds"]
+                if text_tokens is not None:
+                    assert base["tokens"] == text_tokens, (base["tokens"], text_tokens)
+        rounds.append(rates)
+        print(f"round {number + 1}: tokens/s step {rates['step', 1]:,.0f} (1 worker), "
+              f"{rates['step', 2]:,.0f} (2); bare {rates['bare', 1]:,.0f} (1 thread), "
+              f"{rates['bare', 2]:,.0f} (2) -> step/bare {rates['step', 1] / rates['bare', 1]:.2f}"
+              f", {rates['step', 2] / rates['bare', 2]:.2f}")
 
+    def median(f) -> float:
+        return statistics.median(f(r) for r in rounds)
+
+    for n in (1, 2):
+        print(f"step/bare, {n} worker(s) = {median(lambda r: r['step', n] / r['bare', n]):.2f} "
+              "(goal >= 0.80)")
+    step_scaling = median(lambda r: r["step", 2] / r["step", 1])
+    bare_scaling = median(lambda r: r["bare", 2] / r["bare", 1])
+    relative = median(lambda r: (r["step", 2] / r["step", 1]) / (r["bare", 2] / r["bare", 1]))
+    print(f"scaling 1 -> 2: step {step_scaling:.2f}x, bare {bare_scaling:.2f}x (what this machine "
+          f"gives two threads now; load average {os.getloadavg()[0]:.1f}); step scaling / bare "
+          f"scaling = {relative:.2f} (goal >= 0.80)")
+
+    if not args.memory_mib:
+        return
     for mib in (args.memory_mib / 2, args.memory_mib):
         path = work / f"memory-{mib:g}.jsonl"
         write_corpus(path, mib, seed=2)

@@ -48,6 +48,8 @@ Log = logging.Logger | logging.LoggerAdapter
 #: Spool range size bounds (bytes); see :func:`chunk_bytes`.
 MIN_CHUNK_BYTES = 64 << 10
 MAX_CHUNK_BYTES = 16 << 20
+#: Spool ranges per encoding worker that a corpus is cut into (when it is large enough).
+RANGES_PER_WORKER = 8
 
 
 class _Client:
@@ -63,11 +65,15 @@ class _Client:
         return self._client
 
 
-def chunk_bytes(settings: PrepareSettings) -> int:
+def chunk_bytes(settings: PrepareSettings, source_bytes: int) -> int:
     """Spool range size: ``2 x workers`` ranges are in flight, each held as text, as the
-    tokenizer's transient objects and as ids; a factor 8 keeps that inside the memory budget."""
+    tokenizer's transient objects and as ids; a factor 8 keeps that inside the memory budget.
+    It is also small enough that ``source_bytes`` (the sources' stored size, at most their text
+    for compressed ones) makes :data:`RANGES_PER_WORKER` ranges per worker: with a few large
+    ranges, one worker would encode a whole split while the others wait."""
     budget = settings.memory_budget_mib << 20
-    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, budget // (8 * settings.workers)))
+    share = source_bytes // (RANGES_PER_WORKER * settings.workers)
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, budget // (8 * settings.workers), share))
 
 
 def prepare_dataset(settings: PrepareSettings, output_root: Path | str, *,
@@ -171,7 +177,8 @@ def _build(settings: PrepareSettings, sources: list[SourceFile], digest: str, wo
            client: Any, tokenizer_text: str | None, log: Log
            ) -> tuple[dict[str, Any], dict[str, float]]:
     spool = work / "spool"
-    scan = scan_sources(sources, settings, client, spool, chunk_bytes(settings), log)
+    scan = scan_sources(sources, settings, client, spool,
+                        chunk_bytes(settings, sum(s.bytes for s in sources)), log)
     log.info("split by document hash: %d train, %d validation", scan.documents["train"],
              scan.documents["validation"])
 

@@ -21,7 +21,7 @@ def test_one_or_several_workers_give_identical_bytes(tmp_path, make_settings, mo
     texts = [make_text(i, 6) for i in range(150)]
     (folder / "a.jsonl").write_bytes(jsonl_bytes(texts[:90]))
     (folder / "b.jsonl").write_bytes(jsonl_bytes(texts[90:]))
-    monkeypatch.setattr(prepare_mod, "chunk_bytes", lambda settings: 2000)  # ~40 ranges
+    monkeypatch.setattr(prepare_mod, "chunk_bytes", lambda settings, source_bytes: 2000)  # ~40 ranges
     results = {}
     for workers in (1, 2, 3):
         results[workers] = prepare_dataset(
@@ -50,3 +50,33 @@ def test_a_failing_worker_stops_the_step_with_its_message(tmp_path):
     with pytest.raises(DataPrepError, match=r"encoding worker \d+ exited with code 1"):
         encode_splits(tmp_path / "tokenizer.json", ranges, folder=tmp_path, dtype="uint16",
                       shard_tokens=100, eos_id=0, workers=2)
+
+
+def test_a_corpus_is_cut_into_enough_ranges_for_every_worker(tmp_path, make_settings):
+    def chunk(workers: int, source_bytes: int, budget_mib: int = 1024) -> int:
+        settings = make_settings(tmp_path / "*", encode_workers=workers,
+                                 memory_budget_mib=budget_mib)
+        return prepare_mod.chunk_bytes(settings, source_bytes)
+
+    eight_mib = 8 << 20
+    assert chunk(2, eight_mib) == eight_mib // (prepare_mod.RANGES_PER_WORKER * 2)
+    assert chunk(1, eight_mib) == 2 * chunk(2, eight_mib)
+    assert chunk(2, 10 << 30) == prepare_mod.MAX_CHUNK_BYTES  # a large corpus: the cap
+    assert chunk(2, 10 << 30, budget_mib=16) == (16 << 20) // 16  # the memory budget
+    assert chunk(4, 1000) == prepare_mod.MIN_CHUNK_BYTES  # a tiny corpus: no tiny ranges
+
+
+def test_scanned_ranges_let_two_workers_share_the_encoding(tmp_path, make_settings, monkeypatch):
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(jsonl_bytes([make_text(i, 400) for i in range(60)]))
+    seen = {}
+
+    def spy(tokenizer_path, splits, **kwargs):
+        seen.update({split: len(ranges) for split, ranges in splits.items()})
+        return encode_splits(tokenizer_path, splits, **kwargs)
+
+    monkeypatch.setattr(prepare_mod, "encode_splits", spy)
+    prepare_dataset(make_settings(folder / "*", format="jsonl", encode_workers=2),
+                    tmp_path / "out")
+    assert seen["train"] >= 2 * 4  # several ranges per worker, not one for the whole split
