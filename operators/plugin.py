@@ -18,9 +18,9 @@ from trainforge.ui.asgi import URL_PREFIX, ui_app
 UI_APP = {"app": ui_app, "url_prefix": URL_PREFIX, "name": "trainforge training pages"}
 UI_VIEWS = [
     {"name": "Training", "href": f"{URL_PREFIX}/training", "destination": "nav",
-     "url_route": "trainforge-training"},
+     "url_route": "trainforge-training", "nav_top_level": True},
     {"name": "Cluster", "href": f"{URL_PREFIX}/cluster", "destination": "nav",
-     "url_route": "trainforge-cluster"},
+     "url_route": "trainforge-cluster", "nav_top_level": True},
     {"name": "Training run", "href": f"{URL_PREFIX}/run?dag_id={{DAG_ID}}&run_id={{RUN_ID}}",
      "destination": "dag_run", "url_route": "trainforge-run"},
 ]

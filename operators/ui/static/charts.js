@@ -1,5 +1,6 @@
 // Small SVG charts drawn with DOM calls only (no innerHTML, no inline style: the page's
 // Content-Security-Policy allows neither). Colours come from the theme's CSS classes.
+(function () {
 "use strict";
 const SVG_NS = "http://www.w3.org/2000/svg";
 
@@ -21,7 +22,7 @@ function fmtNum(v) {
 
 // series: [{name, points: [[x, y], ...]}]; marks: [{x, label}] drawn as red ticks (restarts).
 function lineChart(id, series, opts) {
-  const o = Object.assign({ width: 640, height: 220, xLabel: "step", yLabel: "" }, opts || {});
+  const o = Object.assign({ width: 440, height: 200, xLabel: "step", yLabel: "" }, opts || {});
   const svg = svgEl("svg", { class: "chart", id, viewBox: `0 0 ${o.width} ${o.height}`,
                              role: "img", "aria-label": o.yLabel || id });
   const all = series.flatMap((s) => s.points);
@@ -68,13 +69,13 @@ function lineChart(id, series, opts) {
 
 // One horizontal bar per row: rows [{label, value, cls}]; values in the same unit.
 function barChart(id, rows, opts) {
-  const o = Object.assign({ width: 640, unit: "" }, opts || {});
-  const rowH = 22, labelW = 170, height = rows.length * rowH + 8;
+  const o = Object.assign({ width: 440, unit: "" }, opts || {});
+  const rowH = 22, labelW = 140, height = rows.length * rowH + 8;
   const svg = svgEl("svg", { class: "chart", id, viewBox: `0 0 ${o.width} ${height}`, role: "img",
                              "aria-label": o.label || id });
   svg.dataset.bars = String(rows.length);
   const max = Math.max(1e-9, ...rows.map((r) => r.value || 0));
-  const w = o.width - labelW - 90;
+  const w = o.width - labelW - 70;
   rows.forEach((r, i) => {
     const y = 4 + i * rowH;
     svg.appendChild(svgEl("text", { x: 0, y: y + 14 }, r.label));
@@ -88,3 +89,4 @@ function barChart(id, rows, opts) {
 }
 
 window.TFCharts = { lineChart, barChart, fmtNum };
+})();

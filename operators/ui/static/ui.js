@@ -1,5 +1,6 @@
 // The Training, run and Cluster pages: fetch the page's JSON, draw it, poll while it changes.
 // DOM built with createElement/textContent only (values from MLflow or specs are never HTML).
+(function () {
 "use strict";
 const { lineChart, barChart, fmtNum } = window.TFCharts;
 const POLL_MS = { training: 5000, run: 3000, cluster: 5000 };
@@ -198,3 +199,4 @@ function main() {
   tick();
 }
 document.addEventListener("DOMContentLoaded", main);
+})();
