@@ -63,7 +63,7 @@ def seed_airflow(pipelines: int, runs: int) -> list[tuple[str, str]]:
 
 def seed_mlflow(store_uri: str, artifacts: str, made) -> None:
     """Straight into the server's store (its SQLAlchemy store): thousands of runs in seconds."""
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, Param, RunStatus, RunTag
     from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore as Registry
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
@@ -84,7 +84,7 @@ def seed_mlflow(store_uri: str, artifacts: str, made) -> None:
                    "goodput/percent": 90.0, "badput/checkpoint_save_s": 60.0}
         store.log_batch(rid, [Metric(k, v, ms + 3_600_000, 100) for k, v in metrics.items()],
                         [Param("optim.max_steps", "100")], [])
-        store.update_run_info(rid, "FINISHED", ms + 3_700_000, None)
+        store.update_run_info(rid, RunStatus.FINISHED, ms + 3_700_000, None)
         if model not in models:
             registry.create_registered_model(model)
             models.add(model)
@@ -130,6 +130,7 @@ def main() -> int:
         with airflow_metadata(tmp / "airflow.db"):
             t0 = time.perf_counter()
             made = seed_airflow(args.pipelines, args.runs)
+            print(f"Airflow metadata generated in {time.perf_counter() - t0:.1f} s", flush=True)
             store_uri = f"sqlite:///{tmp / 'mlflow' / 'mlflow.db'}"
             (tmp / "mlflow").mkdir()
             seed_mlflow(store_uri, str(tmp / "mlflow" / "artifacts"), made)

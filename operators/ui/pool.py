@@ -8,7 +8,7 @@ deadline and answer with what it has.
 from __future__ import annotations
 
 import concurrent.futures as cf
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 POOL = cf.ThreadPoolExecutor(max_workers=16, thread_name_prefix="trainforge-ui")
@@ -21,13 +21,12 @@ class _Late:
         raise TimeoutError("no answer before the deadline")
 
 
-def bounded(futures: Iterable[cf.Future], timeout_s: float) -> Iterator[tuple[Any, Any]]:
+def bounded(futures: dict[cf.Future, Any], timeout_s: float) -> Iterator[tuple[Any, Any]]:
     """``(future, value)`` pairs of a ``{future: value}`` mapping once each is done or the
     deadline has passed; a late one comes as an object whose ``result`` raises TimeoutError."""
-    mapping = dict(futures) if not isinstance(futures, dict) else futures
-    done, late = cf.wait(mapping, timeout=timeout_s)
+    done, late = cf.wait(futures, timeout=timeout_s)
     for future in done:
-        yield future, mapping[future]
+        yield future, futures[future]
     for future in late:
         future.cancel()
-        yield _Late(), mapping[future]
+        yield _Late(), futures[future]

@@ -155,7 +155,7 @@ def _disruptions(tries: list[dict[str, Any]], tags: dict[str, str]) -> list[dict
                         "try_number": t["try_number"], "state": t["state"],
                         "at": t["end_date"] or t["start_date"], "reason": reason or ""})
     sizes = tags.get("trainforge.world_size_history")
-    if sizes:
+    if sizes and sizes.count("world_size") > 1:  # torchrun restarted the group
         out.append({"kind": "world size", "task_id": None, "try_number": None, "state": None,
                     "at": None, "reason": f"world sizes over restarts: {sizes}"})
     return out

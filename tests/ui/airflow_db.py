@@ -27,7 +27,10 @@ def airflow_metadata(path: Path) -> Iterator[None]:
 
     before = conf.get("database", "sql_alchemy_conn")
     conf.set("database", "sql_alchemy_conn", f"sqlite:///{path}")
+    settings.configure_vars()  # the ORM reads the URL from settings, set at import
     settings.configure_orm()
+    if str(settings.engine.url) != f"sqlite:///{path}":
+        raise RuntimeError(f"Airflow's ORM still points at {settings.engine.url}")
     try:
         import_all_models()
         Base.metadata.create_all(settings.engine)
@@ -35,6 +38,7 @@ def airflow_metadata(path: Path) -> Iterator[None]:
         yield
     finally:
         conf.set("database", "sql_alchemy_conn", before)
+        settings.configure_vars()
         settings.configure_orm()
 
 

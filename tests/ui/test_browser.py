@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -27,6 +27,7 @@ DAG = "fault_tiny"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-background-networking", "--disable-gpu",
                  "--disable-component-update", "--disable-sync"]
+MAX_STEPS = 1000  # about a minute and a half of training: time to watch the curve grow
 DOCS_SCREENSHOTS = "TRAINFORGE_UI_DOCS"  # a folder: screenshots are copied there as ui-*.png
 
 
@@ -85,13 +86,14 @@ def test_training_cluster_and_run_view_in_the_airflow_ui(standalone, browser, tm
     page.goto(f"{standalone.url}/plugin/trainforge-training")
     frame = page.frame_locator("iframe")
     frame.locator("section.pipeline[data-dag='fault_tiny']").wait_for(timeout=60_000)
-    run_id = standalone.trigger(DAG)
+    run_id = standalone.trigger(DAG, {"max_steps": MAX_STEPS})
     frame.locator(f"tr[data-run='{run_id}']").wait_for(timeout=60_000)
     frame.locator("#training-now .bar").wait_for(timeout=300_000)  # its job is training
     _shot(page, artifacts, "training")
 
     # the run view while it trains: the loss curve gains points
-    page.goto(f"{standalone.url}/trainforge/run?dag_id={DAG}&run_id={run_id}")
+    run_q = quote(run_id, safe="")
+    page.goto(f"{standalone.url}/trainforge/run?dag_id={DAG}&run_id={run_q}")
     loss = page.locator("#loss-chart")
 
     def points() -> int:
@@ -113,12 +115,14 @@ def test_training_cluster_and_run_view_in_the_airflow_ui(standalone, browser, tm
     state = wait_for("the run to end", lambda: standalone.run_state(DAG, run_id)
                      in ("success", "failed") and standalone.run_state(DAG, run_id), 600, 3)
     assert state == "success", standalone.tail()
-    page.goto(f"{standalone.url}/dags/{DAG}/runs/{run_id}/plugin/trainforge-run")
+    page.goto(f"{standalone.url}/dags/{DAG}/runs/{run_q}/plugin/trainforge-run")
     view = page.frame_locator("iframe")
     view.locator("#checkpoints tbody tr td", has_text="step").first.wait_for(timeout=60_000)
     assert view.locator("#checkpoints tbody tr").count() >= 1
     assert "pass" in view.locator("#gate").inner_text()
     assert int(view.locator("#goodput-chart").get_attribute("data-bars")) >= 1
     assert int(view.locator("#loss-chart").get_attribute("data-points")) >= later
+    page.goto(f"{standalone.url}/trainforge/run?dag_id={DAG}&run_id={run_q}")
+    page.locator("#checkpoints tbody tr").first.wait_for(timeout=60_000)
     _shot(page, artifacts, "run")
     assert not [e for e in errors if "Content Security Policy" in e], errors

@@ -13,6 +13,7 @@ function svgEl(name, attrs, text) {
 
 function fmtNum(v) {
   if (v === null || v === undefined || Number.isNaN(v)) return "–";
+  if (Number.isInteger(v) && Math.abs(v) < 1e6) return String(v);
   const a = Math.abs(v);
   if (a !== 0 && (a < 1e-3 || a >= 1e6)) return v.toExponential(2);
   if (a >= 100) return v.toFixed(0);
@@ -27,7 +28,7 @@ function lineChart(id, series, opts) {
                              role: "img", "aria-label": o.yLabel || id });
   const all = series.flatMap((s) => s.points);
   svg.dataset.points = String(all.length);
-  const pad = { l: 56, r: 12, t: 10, b: 28 };
+  const pad = { l: 56, r: 24, t: 10, b: 28 };
   const w = o.width - pad.l - pad.r, h = o.height - pad.t - pad.b;
   svg.appendChild(svgEl("line", { class: "axis", x1: pad.l, y1: pad.t + h, x2: pad.l + w, y2: pad.t + h }));
   svg.appendChild(svgEl("line", { class: "axis", x1: pad.l, y1: pad.t, x2: pad.l, y2: pad.t + h }));
@@ -46,7 +47,7 @@ function lineChart(id, series, opts) {
     const yv = y0 + ((y1 - y0) * i) / 4;
     svg.appendChild(svgEl("text", { x: 4, y: sy(yv) + 4 }, fmtNum(yv)));
     const xv = x0 + ((x1 - x0) * i) / 4;
-    svg.appendChild(svgEl("text", { x: sx(xv) - 10, y: o.height - 8 }, fmtNum(xv)));
+    svg.appendChild(svgEl("text", { x: sx(xv) - 10, y: o.height - 8 }, fmtNum(Math.round(xv))));
   }
   (o.marks || []).forEach((m) => {
     if (m.x === null || m.x === undefined) return;

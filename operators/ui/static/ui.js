@@ -20,6 +20,7 @@ function h(tag, attrs, ...children) {
 const state = (s) => h("span", { class: `state state-${s || "none"}` }, s || "none");
 const ext = (href, text) => href ? h("a", { href, target: "_blank", rel: "noopener noreferrer" }, text) : null;
 const top = (href, text) => h("a", { href, target: "_top" }, text);
+const num = (v) => (v === null || v === undefined || v === "" ? null : Number(v));
 const when = (iso) => iso ? new Date(iso).toLocaleString() : "–";
 function dur(s) {
   if (s === null || s === undefined) return "–";
@@ -124,7 +125,7 @@ function renderRun(d) {
       ]) : h("p", { class: "muted" }, "not available"))),
     h("h2", {}, "Eval gate"),
     h("section", { class: "card", id: "gate" }, g ? kv([["Decision", state(g.decision)], ["Reason", g.reason || "–"],
-      ["Metric", `${g.metric || "–"}: candidate ${fmtNum(Number(g.candidate_value))} vs champion ${g.champion_version ? "v" + g.champion_version : "none"} ${fmtNum(Number(g.champion_value))}`],
+      ["Metric", `${g.metric || "–"}: candidate ${fmtNum(num(g.candidate_value))} vs champion ${g.champion_version ? "v" + g.champion_version + " " + fmtNum(num(g.champion_value)) : "none"}`],
       ["Aliases set", d.model.aliases.length ? d.model.aliases.join(", ") : "none"], ["Champion after", g.champion_after ? `v${g.champion_after}` : "–"]])
       : h("p", { class: "muted" }, "no gate decision yet")),
     h("h2", {}, "Checkpoints"),
