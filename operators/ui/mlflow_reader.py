@@ -121,10 +121,19 @@ class MlflowReader:
         out = self._call("GET", "/api/2.0/mlflow/registered-models/get", params={"name": name})
         return out.get("registered_model") or {}
 
-    def model_versions(self, name: str, max_results: int = 200) -> list[dict[str, Any]]:
-        quoted = name.replace("'", "\\'")
-        out = self._call("GET", "/api/2.0/mlflow/model-versions/search",
-                         params={"filter": f"name='{quoted}'", "max_results": max_results})
+    def registered_models(self, max_results: int = 1000) -> list[dict[str, Any]]:
+        """Every registered model with its aliases (one call)."""
+        out = self._call("GET", "/api/2.0/mlflow/registered-models/search",
+                         params={"max_results": max_results})
+        return out.get("registered_models", [])
+
+    def model_versions(self, name: str | None = None, max_results: int = 10_000
+                       ) -> list[dict[str, Any]]:
+        """The versions of one registered model, or of all of them (one call), by version."""
+        params: dict[str, Any] = {"max_results": max_results}
+        if name is not None:
+            params["filter"] = "name='{}'".format(name.replace("'", "\\'"))
+        out = self._call("GET", "/api/2.0/mlflow/model-versions/search", params=params)
         versions = []
         for v in out.get("model_versions", []):
             versions.append({**v, "tags": {t["key"]: t.get("value") for t in v.get("tags", [])}})

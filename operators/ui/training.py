@@ -2,9 +2,9 @@
 what trains now, its champion and the champion metric's trend, and the last 30 days.
 
 Airflow's metadata answers first (one session, a few queries); MLflow is then asked, in the
-UI's threads, for the runs of the last 30 days (one paginated search) and each pipeline's model
-registry entry, all under one deadline. When MLflow does not answer the page still lists the
-pipelines and runs, and ``unavailable`` says what is missing.
+UI's threads, for the runs of the last 30 days (one paginated search) and the model registry
+(registered models and versions: two calls), all under one deadline. When MLflow does not
+answer the page still lists the pipelines and runs, and ``unavailable`` says what is missing.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from trainforge.ui import metadata
 from trainforge.ui.ledger import figures
 from trainforge.ui.mlflow_reader import MlflowReader, MlflowUnavailable
-from trainforge.ui.pool import POOL, bounded
+from trainforge.ui.pool import POOL
 
 RUNS_PER_PIPELINE = 5
 WINDOW_DAYS = 30
@@ -62,26 +62,34 @@ def _mlflow_runs(reader: MlflowReader, since: dt.datetime) -> list[dict[str, Any
     return reader.search_runs(f"attributes.start_time >= {start_ms}", max_runs=10_000)
 
 
-def _model(reader: MlflowReader, name: str) -> dict[str, Any]:
-    """The champion version and the gate metric's trend over a registered model's versions."""
-    model = reader.registered_model(name)
-    aliases = {a["alias"]: a["version"] for a in model.get("aliases", [])}
-    trend = []
-    for version in reader.model_versions(name):
+def _models(reader: MlflowReader, names: set[str]) -> dict[str, dict[str, Any]]:
+    """For each registered model named: its champion version and the gate metric's trend over
+    its versions (two calls whatever the number of models)."""
+    aliases = {m["name"]: {a["alias"]: a["version"] for a in m.get("aliases", [])}
+               for m in reader.registered_models() if m.get("name") in names}
+    trends: dict[str, list[dict[str, Any]]] = {name: [] for name in aliases}
+    for version in reader.model_versions():
+        if version.get("name") not in trends:
+            continue
         tags = version["tags"]
-        trend.append({"version": version["version"],
-                      "metric": tags.get("trainforge.gate.metric"),
-                      "value": _number(tags.get("trainforge.gate.candidate_value")),
-                      "decision": tags.get("trainforge.gate.decision"),
-                      "created": version.get("creation_timestamp")})
-    champion = None
-    if CHAMPION_ALIAS in aliases:
-        found = [t for t in trend if t["version"] == aliases[CHAMPION_ALIAS]]
-        champion = {"model": name, "version": aliases[CHAMPION_ALIAS],
-                    "metric": found[0]["metric"] if found else None,
-                    "value": found[0]["value"] if found else None,
-                    "url": reader.version_url(name, aliases[CHAMPION_ALIAS])}
-    return {"model": name, "aliases": aliases, "champion": champion, "trend": trend}
+        trends[version["name"]].append({
+            "version": version["version"], "metric": tags.get("trainforge.gate.metric"),
+            "value": _number(tags.get("trainforge.gate.candidate_value")),
+            "decision": tags.get("trainforge.gate.decision"),
+            "created": version.get("creation_timestamp")})
+    out = {}
+    for name, trend in trends.items():
+        champion = None
+        if CHAMPION_ALIAS in aliases[name]:
+            version = aliases[name][CHAMPION_ALIAS]
+            found = [t for t in trend if t["version"] == version]
+            champion = {"model": name, "version": version,
+                        "metric": found[0]["metric"] if found else None,
+                        "value": found[0]["value"] if found else None,
+                        "url": reader.version_url(name, version)}
+        out[name] = {"model": name, "aliases": aliases[name], "champion": champion,
+                     "trend": trend}
+    return out
 
 
 def overview(session: Session, readable: set[str] | None, reader: MlflowReader | None,
@@ -116,12 +124,14 @@ def overview(session: Session, readable: set[str] | None, reader: MlflowReader |
         for (dag_id, _), run in mlflow_runs.items():
             if run["tags"].get(TAG_MODEL):
                 names.setdefault(dag_id, run["tags"][TAG_MODEL])
-        futures = {POOL.submit(_model, reader, name): dag_id for dag_id, name in names.items()}
-        for future, dag_id in bounded(futures, max(0.1, deadline - time.monotonic())):
+        if names:
             try:
-                models[dag_id] = future.result(timeout=0)
+                by_name = POOL.submit(_models, reader, set(names.values())).result(
+                    timeout=max(0.1, deadline - time.monotonic()))
+                models = {dag_id: by_name[name] for dag_id, name in names.items()
+                          if name in by_name}
             except (MlflowUnavailable, TimeoutError) as err:
-                unavailable.append({"source": "mlflow", "error": f"model registry for {dag_id}: "
+                unavailable.append({"source": "mlflow", "error": "model registry: "
                                                                   f"{err or 'no answer in time'}"})
     pipelines = []
     for dag_id in dag_ids:
