@@ -3,6 +3,11 @@
 Airflow's plugins manager loads it from the installed distribution, so an API server, scheduler
 or triggerer with only the wheel installed shows the extra links on trainforge tasks; no file in
 a plugins folder is needed.
+
+It also mounts the Training, run and Cluster pages (trainforge.ui) on the API server and shows
+them in Airflow's UI: Training and Cluster in the navigation, the run view on a DAG run; and the
+receiver of MLflow registry webhooks (trainforge.webhooks), which turns alias moves into asset
+events.
 """
 
 from __future__ import annotations
@@ -10,14 +15,27 @@ from __future__ import annotations
 from airflow.plugins_manager import AirflowPlugin
 
 from trainforge.links import MlflowRunLink
+from trainforge.ui.asgi import URL_PREFIX, ui_app
 from trainforge.webhooks import app as webhook_app
+
+UI_APP = {"app": ui_app, "url_prefix": URL_PREFIX, "name": "trainforge training pages"}
+UI_VIEWS = [
+    {"name": "Training", "href": f"{URL_PREFIX}/training", "destination": "nav",
+     "url_route": "trainforge-training", "nav_top_level": True},
+    {"name": "Cluster", "href": f"{URL_PREFIX}/cluster", "destination": "nav",
+     "url_route": "trainforge-cluster", "nav_top_level": True},
+    {"name": "Training run", "href": f"{URL_PREFIX}/run?dag_id={{DAG_ID}}&run_id={{RUN_ID}}",
+     "destination": "dag_run", "url_route": "trainforge-run"},
+]
 
 
 class TrainforgePlugin(AirflowPlugin):
     name = "trainforge"
     operator_extra_links = [MlflowRunLink()]
     fastapi_apps = [
+        UI_APP,
         # MLflow registry webhooks -> asset events (trainforge.webhooks.app, docs/registry.md)
         {"app": webhook_app.app, "url_prefix": webhook_app.URL_PREFIX,
          "name": "trainforge MLflow webhooks"},
     ]
+    external_views = UI_VIEWS
