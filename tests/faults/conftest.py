@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from faultlib import AirflowStandalone, make_home
+from faultlib import AirflowStandalone, SmtpSink, make_home
 
 HERE = Path(__file__).resolve().parent
 FAULT_SPEC = HERE / "fault_tiny.yaml"
@@ -37,12 +37,21 @@ def airflow_standalone(_standalone_server) -> Iterator[AirflowStandalone]:
 
 
 @pytest.fixture(scope="session")
-def _standalone_server(tmp_path_factory, shakespeare_corpus, mlflow_server
+def smtp_sink() -> Iterator[SmtpSink]:
+    """Where the session's Airflow mails (its ``smtp_default`` connection)."""
+    sink = SmtpSink()
+    yield sink
+    sink.close()
+
+
+@pytest.fixture(scope="session")
+def _standalone_server(tmp_path_factory, shakespeare_corpus, mlflow_server, smtp_sink
                        ) -> Iterator[AirflowStandalone]:
     home = make_home(tmp_path_factory.mktemp("fault-home"), shakespeare_corpus)
     server = AirflowStandalone(home, mlflow_server, [FAULT_SPEC, DIVERGE_SPEC, SYNC_SPEC,
                                                         DEADLINE_SPEC, ONCE_SPEC, STAGES_SPEC,
                                                         APPROVAL_SPEC])
+    server.env["AIRFLOW_CONN_SMTP_DEFAULT"] = smtp_sink.connection()
     try:
         server.start()
         yield server

@@ -340,3 +340,53 @@ class AirflowStandalone:
         if isinstance(content, list):
             return "\n".join(c.get("event", "") if isinstance(c, dict) else str(c) for c in content)
         return str(content)
+
+
+class SmtpSink:
+    """A minimal SMTP server on loopback that keeps every message it is sent, for Airflow's
+    SMTP connection (``smtp_default``) to mail to: enough of RFC 5321 for smtplib and
+    aiosmtplib without TLS or authentication (EHLO/HELO, MAIL, RCPT, DATA, RSET, NOOP, QUIT)."""
+
+    def __init__(self) -> None:
+        import socketserver
+        import threading
+
+        self.messages: list[str] = []
+        sink = self
+
+        class Session(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                self.wfile.write(b"220 127.0.0.1 test sink\r\n")
+                for raw in self.rfile:
+                    verb = raw.decode(errors="replace").strip().split(" ", 1)[0].upper()
+                    if verb == "EHLO":
+                        self.wfile.write(b"250-127.0.0.1\r\n250 8BITMIME\r\n")
+                    elif verb == "DATA":
+                        self.wfile.write(b"354 end with <CRLF>.<CRLF>\r\n")
+                        lines = []
+                        for line in self.rfile:
+                            if line in (b".\r\n", b".\n"):
+                                break
+                            lines.append(line.decode(errors="replace"))
+                        sink.messages.append("".join(lines))
+                        self.wfile.write(b"250 queued\r\n")
+                    elif verb == "QUIT":
+                        self.wfile.write(b"221 bye\r\n")
+                        return
+                    else:  # HELO, MAIL, RCPT, RSET, NOOP
+                        self.wfile.write(b"250 ok\r\n")
+
+        self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Session)
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def connection(self) -> str:
+        """``AIRFLOW_CONN_SMTP_DEFAULT`` for this sink."""
+        return json.dumps({"conn_type": "smtp", "host": "127.0.0.1", "port": self.port,
+                           "extra": {"disable_tls": True, "disable_ssl": True,
+                                     "from_email": "airflow@example.org"}})
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

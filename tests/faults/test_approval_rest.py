@@ -7,7 +7,9 @@ way a script (or the UI's required-actions page) answers it. One run of ``approv
 * rejected with a reason: the version is tagged rejected, champion stays unset, no asset event,
   the DAG run succeeds;
 * the approval task cleared (what the UI's "clear" does) asks again; approved: champion moves to
-  the version and the model's asset event reaches Airflow with the version in its extra.
+  the version and the model's asset event reaches Airflow with the version in its extra;
+* the run waited past its ``pipeline.deadline`` (20 s): Airflow's deadline alert mailed the
+  pipeline's recipients through ``smtp_default`` (the session's SMTP sink).
 
 An answer is sent only once the scheduler has seen the parked task's worker exit: Airflow
 3.3.2 fails a task resumed so fast that it is already queued again when the scheduler
@@ -18,6 +20,8 @@ person never is but a script answering within a second can be.
 from __future__ import annotations
 
 import urllib.error
+from email import message_from_string, policy
+from email.message import EmailMessage
 from urllib.parse import quote
 
 import pytest
@@ -69,7 +73,12 @@ def _asset_events(server) -> list[dict]:
     return server.api("GET", f"/api/v2/assets/events?asset_id={assets[0]['id']}")["asset_events"]
 
 
-def test_reject_then_approve_through_the_rest_api(airflow_standalone, mlflow_server):
+def _overdue_mails(sink, run_id: str) -> list[EmailMessage]:
+    mails = [message_from_string(m, policy=policy.default) for m in sink.messages]
+    return [m for m in mails if m["Subject"] == f"trainforge {DAG}: run {run_id} overdue (20s)"]
+
+
+def test_reject_then_approve_through_the_rest_api(airflow_standalone, mlflow_server, smtp_sink):
     from mlflow import MlflowClient
 
     server, client = airflow_standalone, MlflowClient(mlflow_server)
@@ -110,3 +119,8 @@ def test_reject_then_approve_through_the_rest_api(airflow_standalone, mlflow_ser
     events = wait_for("the champion's asset event", lambda: _asset_events(server), 60, 2)
     assert [e["extra"]["version"] for e in events] == [version]
     assert events[0]["extra"]["model_uri"] == f"models:/{MODEL}/{version}"
+
+    [mail] = wait_for("the overdue mail of the deadline alert",
+                      lambda: _overdue_mails(smtp_sink, run_id), 120, 1)
+    assert mail["To"] == "ml-platform@example.org"
+    assert "is still running 20s after it was queued" in mail.get_body(("html",)).get_content()
