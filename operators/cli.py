@@ -28,7 +28,8 @@ from trainforge.pipeline import SpecError, load_spec
 from trainforge.pipeline import schema as published
 from trainforge.pipeline.loader import name_position
 from trainforge.pipeline.stages import resolve_stages, stage_folder
-from trainforge.report import UnknownPipelineError, collect_report, default_tracking_uri, print_report
+from trainforge.report import (StoreError, UnknownPipelineError, collect_report, default_tracking_uri,
+                               print_report)
 from trainforge.runner import run_pipeline
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -201,16 +202,22 @@ def report(
     uri = tracking_uri or default_tracking_uri()
     try:
         found = collect_report(pipeline, uri)
-    except UnknownPipelineError as err:
+    except (UnknownPipelineError, StoreError) as err:
         typer.echo(str(err), err=True)
         raise typer.Exit(1) from None
     if plot is not None:
+        if plot.suffix.lower() != ".png":
+            typer.echo(f"--plot {plot}: expected a file name ending in .png", err=True)
+            raise typer.Exit(2)
         from trainforge.report_plot import plot_report
 
         try:
             found["plot"] = str(plot_report(found, plot))
-        except (ImportError, OSError) as err:
+        except ImportError as err:
             typer.echo(str(err), err=True)
+            raise typer.Exit(1) from None
+        except OSError as err:
+            typer.echo(f"--plot {plot}: cannot write the plot ({err.strerror or err})", err=True)
             raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(found, indent=2))

@@ -10,6 +10,8 @@ trainforge.report_plot draws it.
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -27,6 +29,45 @@ SUMMED = (n.WALL_S, n.PRODUCTIVE_S, n.GPU_HOURS_ALLOCATED, n.GPU_HOURS_PRODUCTIV
 
 class UnknownPipelineError(LookupError):
     """No run of the pipeline is in the store."""
+
+
+class StoreError(RuntimeError):
+    """The MLflow store cannot be read: no such store, a server that does not answer, or not a
+    tracking URI at all."""
+
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+def check_store(tracking_uri: str) -> None:
+    """Refuse a store the report cannot read, before MLflow is asked (a report reads a store,
+    never creates one, and never waits minutes on a server that is not there).
+
+    Raises:
+        StoreError: names the URI, what is wrong and what was expected.
+    """
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    scheme = urlsplit(tracking_uri).scheme
+    if scheme == "sqlite":
+        db = Path(tracking_uri.removeprefix("sqlite:///"))
+        if not db.is_file():
+            raise StoreError(f"--tracking-uri {tracking_uri}: no MLflow store at {db} (run a "
+                             "pipeline first, or set TRAINFORGE_HOME or --tracking-uri to the store "
+                             "it wrote)")
+    elif scheme in ("http", "https"):
+        try:
+            with urllib.request.urlopen(f"{tracking_uri.rstrip('/')}/health",
+                                        timeout=HEALTH_TIMEOUT_S):
+                pass
+        except (OSError, urllib.error.URLError) as err:
+            raise StoreError(f"--tracking-uri {tracking_uri}: the MLflow server does not answer "
+                             f"({getattr(err, 'reason', err)})") from None
+    elif not scheme.startswith(("postgresql", "mysql", "mssql", "databricks")):
+        raise StoreError(f"--tracking-uri {tracking_uri}: not an MLflow tracking URI (expected "
+                         "sqlite:///PATH, http(s)://HOST:PORT or postgresql://...)")
 
 
 def default_tracking_uri() -> str:
@@ -57,12 +98,26 @@ def collect_report(pipeline: str, tracking_uri: str) -> dict[str, Any]:
 
     Raises:
         UnknownPipelineError: the store holds no run of it (names the pipelines it holds).
+        StoreError: the store cannot be read (:func:`check_store`, or MLflow refuses it).
     """
     from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
 
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    check_store(tracking_uri)
+    try:
+        return _collect(MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri),
+                        pipeline, tracking_uri)
+    except MlflowException as err:
+        raise StoreError(f"--tracking-uri {tracking_uri}: {err.message}") from None
+
+
+def _collect(client: Any, pipeline: str, tracking_uri: str) -> dict[str, Any]:
+    """:func:`collect_report` on an open client."""
+    if not re.fullmatch(r"[\w.\-]+", pipeline):
+        raise UnknownPipelineError(f"{pipeline!r} is not a pipeline name (a DAG id: letters, "
+                                   "digits, '_', '.' and '-')")
     experiments = [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(experiments, f"tags.`{TAG_DAG_ID}` = '{pipeline.replace(chr(39), '')}'",
+    runs = client.search_runs(experiments, f"tags.`{TAG_DAG_ID}` = '{pipeline}'",
                               max_results=5000, order_by=["attributes.start_time ASC"]) if experiments else []
     runs = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     if not runs:

@@ -39,7 +39,6 @@ def plot_report(report: dict[str, Any], path: Path) -> Path:
     ax.set_title("validation loss per registered version")
     fig.suptitle(f"trainforge report: {report['pipeline']}")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, format="png")
     plt.close(fig)
     return path

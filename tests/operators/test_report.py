@@ -4,6 +4,7 @@ server (the session's), as a table, JSON and a PNG plot; and the run summary's l
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -104,3 +105,36 @@ def test_report_of_an_unknown_pipeline_names_the_ones_the_store_has(mlflow_serve
     out = runner.invoke(app, ["report", "no_such_pipeline", "--tracking-uri", mlflow_server])
     assert out.exit_code == 1
     assert "no run of pipeline 'no_such_pipeline'" in out.output and known in out.output
+
+
+@pytest.mark.parametrize("uri, says", [
+    ("notascheme", "not an MLflow tracking URI (expected sqlite:///PATH"),
+    ("sqlite:////nonexistent-store/mlflow.db", "no MLflow store at /nonexistent-store/mlflow.db"),
+])
+def test_a_store_that_cannot_be_read_is_named_and_never_created(uri, says):
+    from trainforge.report import StoreError, collect_report
+
+    with pytest.raises(StoreError, match=re.escape(says)):
+        collect_report("p", uri)
+    assert not Path("/nonexistent-store").exists()
+
+
+def test_a_server_that_does_not_answer_fails_in_seconds_naming_it():
+    import socket
+
+    from trainforge.report import StoreError, collect_report
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(StoreError, match=f"127.0.0.1:{port}: the MLflow server does not answer"):
+        collect_report("p", f"http://127.0.0.1:{port}")
+    assert time.monotonic() - started < 10
+
+
+def test_a_name_that_is_no_dag_id_is_refused_not_rewritten(mlflow_server):
+    from trainforge.report import UnknownPipelineError, collect_report
+
+    with pytest.raises(UnknownPipelineError, match="is not a pipeline name"):
+        collect_report("shakespeare'_llm", mlflow_server)
