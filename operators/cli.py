@@ -26,7 +26,8 @@ from trainforge.jobconfig import build_training_job, init_block
 from trainforge.paths import checkpoint_root, resolve, trainforge_home
 from trainforge.pipeline import SpecError, load_spec
 from trainforge.pipeline import schema as published
-from trainforge.pipeline.loader import name_position
+from trainforge.ledger.catalog import CatalogError, choose_price
+from trainforge.pipeline.loader import name_position, value_position
 from trainforge.pipeline.stages import resolve_stages, stage_folder
 from trainforge.report import (StoreError, UnknownPipelineError, collect_report, default_tracking_uri,
                                print_report)
@@ -47,6 +48,18 @@ def _load_or_exit(file: Path):
     except OSError as err:
         typer.echo(f"{file}: cannot read: {err.strerror or err}", err=True)
     raise typer.Exit(1)
+
+
+def _price_error(file: Path, spec) -> str | None:
+    """Where the spec's ``cost`` names no row of the price catalog, located in ``file``: the
+    train task would refuse the job when it starts, so validate and run say so before."""
+    try:
+        choose_price(spec)
+    except CatalogError as err:
+        key = "instance_type" if spec.cost.instance_type else "cloud"
+        line, column = value_position(file, ("cost", key))
+        return f"{file}:{line}:{column}: cost.{key}: {err}"
+    return None
 
 
 @app.command()
@@ -79,6 +92,11 @@ def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders
                            err=True)
                 continue
             first_use[spec.dag_id] = (file, line)
+            price_error = _price_error(file, spec)
+            if price_error:
+                bad += 1
+                typer.echo(price_error, err=True)
+                continue
             typer.echo(f"{file}: ok (dag_id {spec.dag_id})")
     if not files:
         typer.echo(f"no pipeline specs (*.yaml, *.yml) in {', '.join(map(str, paths))}", err=True)
@@ -183,6 +201,10 @@ def run(
         typer.echo(f"unknown engine {engine!r} (expected one of: {', '.join(engine_names())})", err=True)
         raise typer.Exit(1)
     spec = _load_or_exit(file)
+    price_error = _price_error(file, spec)
+    if price_error:
+        typer.echo(price_error, err=True)
+        raise typer.Exit(1)
     ok = run_pipeline(spec, file.absolute(), console=console, summary_json=summary_json,
                       engine=engine)
     raise typer.Exit(0 if ok else 1)

@@ -238,15 +238,24 @@ def name_position(file: Path) -> tuple[int, int]:
 
     ``(1, 1)`` when it cannot be located (the file was read and validated just before).
     """
+    return value_position(file, ("pipeline", "name"))
+
+
+def value_position(file: Path, keys: tuple[str, ...]) -> tuple[int, int]:
+    """``(line, column)``, 1-based, of the value at ``keys`` in the YAML ``file``: of the
+    deepest of them that is there, ``(1, 1)`` when not even the first is."""
     try:
         root = yaml.compose(file.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
     except (OSError, yaml.YAMLError):
         return 1, 1
-    node = root
-    for key in ("pipeline", "name"):
+    node, found = root, None
+    for key in keys:
         if not isinstance(node, yaml.MappingNode):
-            return 1, 1
+            break
         node = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
         if node is None:
-            return 1, 1
-    return node.start_mark.line + 1, node.start_mark.column + 1
+            break
+        found = node
+    if found is None:
+        return 1, 1
+    return found.start_mark.line + 1, found.start_mark.column + 1

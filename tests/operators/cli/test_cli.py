@@ -72,3 +72,16 @@ def test_schema_prints_the_committed_schema():
     result = runner.invoke(app, ["schema"])
     assert result.exit_code == 0
     assert json.loads(result.output) == json.loads(SCHEMA_PATH.read_text())
+
+
+def test_a_cost_that_names_no_catalog_row_is_refused_by_validate_and_run_at_its_line(tmp_path):
+    spec = tmp_path / "priced.yaml"
+    text = (ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml").read_text().rstrip("\n")
+    spec.write_text(text + "\ncost:\n  cloud: aws\n  instance_type: p9.mega\n")
+    line = len(text.splitlines()) + 3  # cost:, cloud:, instance_type:
+    for command in (["validate", str(spec)], ["run", str(spec)]):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 1, result.output
+        assert f"{spec}:{line}:18: cost.instance_type: cost.cloud 'aws', cost.instance_type " \
+               "'p9.mega': no rows of the price catalog" in result.output
+        assert "aws/p5.48xlarge" in result.output and "Traceback" not in result.output
