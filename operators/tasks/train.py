@@ -249,8 +249,10 @@ class TrainOperator(ClusterJobOperator):
         return super().execute_complete(context, event, first_start_epoch_s, **job_kwargs)
 
     def _record_failed_try(self, context: Any, spec: PipelineSpec, event: dict[str, Any]) -> None:
-        """Why this try failed (tag on the DAG run's run) and how far it got (the stage's
-        metrics): for the run summary. Never raises: the failure itself is what matters."""
+        """Why this try failed (tag on the DAG run's run), how far it got (the stage's metrics)
+        and the ledger of its job so far: what the failure cost stays in the run when no retry
+        succeeds (a retry that does logs the ledger again, over every attempt). Never raises:
+        the failure itself is what matters."""
         try:
             ti = context["ti"]
             parent = self.mlflow_run_id(context, spec)
@@ -266,6 +268,8 @@ class TrainOperator(ClusterJobOperator):
                                                       if v is not None})
         except Exception:  # noqa: BLE001 - never mask the try's own failure
             self.log.warning("could not record the failed try in MLflow", exc_info=True)
+            return
+        self._record_ledger(context, spec, event, parent)
 
     def job_succeeded(self, context: Any, spec: PipelineSpec, event: dict[str, Any],
                       init: dict[str, str] | None = None) -> dict[str, Any]:

@@ -81,8 +81,14 @@ def test_a_failure_after_training_is_named_and_the_retry_resumes_by_default(mlfl
     assert "post_training_failure is 'resume': the retry resumes at step 40" in message
     assert "(transient): finished at step 40" not in message
     hook, parent = _parent(mlflow_server, raw)
-    assert hook.get_run(parent).data.tags["trainforge.failed_try.train.1"].startswith(
+    run = hook.get_run(parent)
+    assert run.data.tags["trainforge.failed_try.train.1"].startswith(
         f"job {HANDLE['key']} failed after training")
+    # what the failed try cost is in the run even if no retry succeeds
+    assert {"goodput/wall_s", "gpu_hours/allocated", "energy/kwh", "disruptions/count"} <= set(
+        run.data.metrics)
+    assert run.data.tags["ledger/program_startup"].startswith("unknown: the trainer left no")
+    assert run.data.tags["energy/source/cpu"] == "estimated"
 
 
 def test_the_trainers_own_reason_is_kept():
