@@ -113,7 +113,7 @@ def timed(call, repeat: int) -> tuple[float, object]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--pipelines", type=int, default=50)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=5)

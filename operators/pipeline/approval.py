@@ -26,7 +26,7 @@ class ApprovalSection(SpecModel):
     """A person approves each gate pass before ``champion`` moves."""
 
     approvers: list[str] | None = Field(
-        None, min_length=1,
+        None,
         description="Airflow user ids that may answer (the simple auth manager's user names, "
         "an identity provider's user ids); leave out to let every user the auth manager allows "
         "to answer this DAG's required actions answer.",
@@ -46,6 +46,10 @@ class ApprovalSection(SpecModel):
     def _approvers(cls, value: list[str] | None) -> list[str] | None:
         if value is None:
             return value
+        if not value:
+            raise ValueError("an empty list lets nobody answer (got []; expected at least one "
+                             "Airflow user id, or leave approvers out so that every user allowed "
+                             "to answer this DAG's required actions can)")
         seen: set[str] = set()
         for name in value:
             check_length(name, MAX_APPROVER_LENGTH, "an approver's user id")

@@ -36,7 +36,7 @@ def test_a_full_block_and_a_deadline():
 
 
 @pytest.mark.parametrize(("approval", "pipeline", "validation", "where", "fragment"), [
-    ("  approval:\n    approvers: []\n", "", "", "p.yaml:54:", "at least 1 item"),
+    ("  approval:\n    approvers: []\n", "", "", "p.yaml:54:", "an empty list lets nobody answer (got []"),
     ("  approval:\n    approvers: [alice, alice]\n", "", "", "registry.approval.approvers",
      "approver 'alice' is listed twice"),
     ("  approval:\n    approvers: ['']\n", "", "", "registry.approval.approvers",
