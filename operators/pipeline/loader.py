@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from trainforge.pipeline.errors import SpecError, SpecIssue, dotted
 from trainforge.pipeline.messages import _describe
 from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.registry import SPEC_FILE
 from trainforge.pipeline.yaml_positions import SpecLoader, parse_with_positions
 from trainforge.pipeline.yaml_syntax import path_at
 
@@ -86,7 +87,7 @@ def _parse(text: str, file: str) -> PipelineSpec:
     try:
         data = yaml.load(text, Loader=_FastLoader)  # noqa: S506 - a SafeLoader subclass
         if isinstance(data, dict):
-            return PipelineSpec.model_validate(data)
+            return PipelineSpec.model_validate(data, context={SPEC_FILE: True})
     except Exception:  # noqa: BLE001 - whatever it is, the careful path reports it in place
         # (PyYAML's constructors raise AttributeError or TypeError on some tagged values, e.g.
         # `!!timestamp hello`; a real bug in the model is raised again by the careful path)

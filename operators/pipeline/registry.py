@@ -7,7 +7,7 @@ import re
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from trainforge.pipeline.approval import ApprovalSection
 from trainforge.sections import SpecModel, check_length
@@ -15,6 +15,9 @@ from trainforge.sections import SpecModel, check_length
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,255}$")
 _ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,254}$")
 
+
+# The validation context key the loader sets when it validates what a person wrote in a file.
+SPEC_FILE = "spec_file"
 
 GateMetric = Literal["val_bits_per_byte", "val_loss", "val_perplexity"]
 
@@ -66,9 +69,24 @@ class RegistrySection(SpecModel):
     )
     tags: dict[str, str] = Field(default_factory=dict, description="Tags on the model version.")
     approval: ApprovalSection | None = Field(
-        None, description="A person approves each eval-gate pass before champion moves "
+        None, validate_default=False,
+        description="A person approves each eval-gate pass before champion moves "
         "(docs/registry.md); unset: champion moves as soon as the gate passes.",
     )
+
+    @field_validator("approval", mode="before")
+    @classmethod
+    def _approval_given(cls, value: object, info: ValidationInfo) -> object:
+        # In a file, ``approval:`` with nothing after it reads as null, which would silently mean
+        # "no approval": the opposite of what writing the key asks for. (A dumped spec carries
+        # null for "unset": only the loader's reading of a file passes SPEC_FILE.)
+        if value is None and (info.context or {}).get(SPEC_FILE):
+            raise ValueError(
+                "empty (got nothing after 'approval:'; expected its settings, such as "
+                "'approvers: [<user>, ...]', or '{}' for the defaults; remove the key to let "
+                "champion move as soon as the gate passes)"
+            )
+        return value
 
     @field_validator("model_name")
     @classmethod

@@ -37,6 +37,7 @@ from trainforge.pipeline.messages import (
 from trainforge.pipeline.misplaced import explain as explain_misplaced
 from trainforge.pipeline.yaml_syntax import syntax_issue, unreadable_character
 from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.registry import SPEC_FILE
 
 _FLOAT = re.compile(
     r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
@@ -199,7 +200,7 @@ def parse_with_positions(text: str, file: str) -> PipelineSpec:
             [SpecIssue(file, 1, 1, "", f"top level must be a mapping (got {type(data).__name__})")]
         )
     try:
-        spec = PipelineSpec.model_validate(data)
+        spec = PipelineSpec.model_validate(data, context={SPEC_FILE: True})
     except ValidationError as err:
         seen = set(issues)  # a set: a file with thousands of mistakes stays linear
         errors = _one_error_per_union(err.errors(), data, marks)

@@ -51,6 +51,7 @@ def test_a_full_block_and_a_deadline():
     ("  approval:\n    approver: [alice]\n", "", "", "registry.approval.approver",
      "unknown field"),
     ("  approval: yes\n", "", "", "registry.approval", ""),
+    ("  approval:\n", "", "", "p.yaml:53:12: registry.approval", "empty (got nothing after 'approval:'"),
     ("  approval: {}\n", "", "  gate:\n    enabled: false\n", "p.yaml:55:3: registry.approval",
      "validation.gate.enabled is false"),
     ("", "  deadline: soon\n" + MAIL, "", "p.yaml:7:13: pipeline.deadline", "not a duration"),
