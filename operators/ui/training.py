@@ -10,11 +10,13 @@ answer the page still lists the pipelines and runs, and ``unavailable`` says wha
 from __future__ import annotations
 
 import datetime as dt
+import json
 import time
 from typing import Any
 
 from sqlalchemy.orm import Session
 
+from trainforge.contract import LEDGER_TAG_PREFIX
 from trainforge.ui import metadata
 from trainforge.ui.ledger import figures
 from trainforge.ui.mlflow_reader import MlflowReader, MlflowUnavailable
@@ -31,23 +33,42 @@ TAG_MODEL = "trainforge.registered_model"
 def progress(run: dict[str, Any], history: list[dict[str, Any]] | None = None
              ) -> dict[str, Any]:
     """Step, max steps, ETA (s), tokens/s and last loss of an MLflow run (``search_runs``
-    form); the ETA from the pace between the first and last logged points of ``history``
-    (``train_loss``), else from the run's start."""
-    metrics, steps, times = run["metrics"], run["metric_steps"], run["metric_times"]
+    form). The ETA is the remaining steps at the pace between the first and last logged points
+    of ``history`` (``train_loss``), else at the pace of the newest attempt's ledger record
+    (first step to last record, docs/contracts.md "Run ledger"): never from the run's start,
+    which counts data preparation and the trainer's startup as training time."""
+    metrics, steps = run["metrics"], run["metric_steps"]
     step = steps.get("train_loss")
     max_steps = _number(run["params"].get("optim.max_steps"))
     eta = None
     if step and max_steps and step < max_steps:
+        pace = None
         if history and len(history) >= 2 and history[-1]["step"] > history[0]["step"]:
             first, last = history[0], history[-1]
             pace = (last["timestamp"] - first["timestamp"]) / 1000 / (last["step"] - first["step"])
         else:
-            started = run["info"].get("start_time")
-            pace = ((times["train_loss"] - started) / 1000 / step) if started else None
+            pace = _attempt_pace(run["tags"])
         eta = pace * (max_steps - step) if pace is not None else None
     return {"step": step, "max_steps": int(max_steps) if max_steps else None,
             "eta_s": eta, "tokens_per_s": metrics.get("tokens_per_s", metrics.get("tps")),
             "loss": metrics.get("train_loss"), "learning_rate": metrics.get("learning_rate")}
+
+
+def _attempt_pace(tags: dict[str, str]) -> float | None:
+    """Seconds per step of the newest attempt that has trained a step, from its ledger record;
+    None when there is none or it is unreadable."""
+    keys = sorted((k for k in tags if k.startswith(LEDGER_TAG_PREFIX)),
+                  key=lambda k: _number(k[len(LEDGER_TAG_PREFIX):]) or 0.0)
+    for key in reversed(keys):
+        try:
+            record = json.loads(tags[key])
+            first, last = float(record["first_step_at"]), float(record["recorded_at"])
+            done = int(record["step"]) - int(record.get("resumed_step") or 0)
+        except (TypeError, ValueError, KeyError):
+            continue
+        if done > 0 and last > first:
+            return (last - first) / done
+    return None
 
 
 def _number(text: Any) -> float | None:

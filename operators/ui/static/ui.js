@@ -30,7 +30,9 @@ function dur(s) {
   return `${(s / 3600).toFixed(1)} h`;
 }
 const kv = (pairs) => h("dl", { class: "kv" }, pairs.filter(Boolean).flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
-const runLink = (dag, run) => h("a", { href: `run?dag_id=${encodeURIComponent(dag)}&run_id=${encodeURIComponent(run)}` }, run);
+// A long run id (manual__2026-12-01T09:30:00.123456+00:00) stays on one line, cut with an
+// ellipsis; the whole id is the link's title.
+const runLink = (dag, run) => h("a", { class: "run-id", title: run, href: `run?dag_id=${encodeURIComponent(dag)}&run_id=${encodeURIComponent(run)}` }, run);
 
 function banner(data) {
   if (!data.partial) return null;
