@@ -64,7 +64,7 @@ function renderTraining(data) {
       kv([
         ["Champion", p.champion ? h("span", {}, ext(p.champion.url, `${p.champion.model} v${p.champion.version}`),
           ` · ${p.champion.metric || "metric"} ${fmtNum(p.champion.value)}`) : h("span", { class: "muted" }, p.model ? "no champion yet" : "no registered model yet")],
-        [`Last ${data.window_days} days`, `${t30.runs} tracked runs · ${fmtNum(t30.gpu_hours)} GPU-h · cost ${fmtNum(t30.cost)} · ` +
+        [`Last ${data.window_days} days`, `${t30.runs} tracked runs · ${t30.gpu_hours === 0 ? "no GPU-h (CPU jobs)" : fmtNum(t30.gpu_hours) + " GPU-h"} · cost ${fmtNum(t30.cost)} · ` +
           `${fmtNum(t30.energy_kwh)} kWh · goodput ${t30.goodput_percent === null ? "not recorded" : fmtNum(t30.goodput_percent) + " %"}`],
       ]),
       trend.length ? h("div", {}, h("div", { class: "muted" }, `${trend[0].metric} by registered version`),
@@ -119,7 +119,8 @@ function renderRun(d) {
       h("section", { class: "card" }, h("h3", {}, "Learning rate"), lineChart("lr-chart", [{ name: "learning_rate", points: lr }], { xMax: maxSteps })),
       h("section", { class: "card", id: "goodput" }, h("h3", {}, "Goodput"), goodputChart(f, d.tasks)),
       h("section", { class: "card", id: "usage" }, h("h3", {}, "GPU-hours, cost, energy"), f ? kv([
-        ["GPU-hours", `${fmtNum(f.gpu_hours)}${f.gpu_hours_productive !== null ? ` (productive ${fmtNum(f.gpu_hours_productive)})` : ""}`],
+        ["GPU-hours", f.gpu_hours === 0 ? "0 (no GPU allocated: a CPU job)" :
+          `${fmtNum(f.gpu_hours)}${f.gpu_hours_productive !== null ? ` (productive ${fmtNum(f.gpu_hours_productive)})` : ""}`],
         ["Cost", fmtNum(f.cost)], ["Energy", `${fmtNum(f.energy_kwh)} kWh (${energy})`],
         ["Wall time", dur(f.wall_s)], f.tps !== null ? ["Tokens/s", fmtNum(f.tps)] : null,
         f.mfu_pct !== null ? ["MFU", `${fmtNum(f.mfu_pct)} %`] : null,
