@@ -18,6 +18,7 @@ import importlib.metadata as metadata
 import os
 import shutil
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -40,6 +41,22 @@ def _applies(requirement: Requirement, extras: frozenset[str]) -> bool:
     return any(requirement.marker.evaluate({"extra": extra}) for extra in (extras or {""}))
 
 
+def _site_packages() -> list[str]:
+    """This environment's own site-packages folders. Not ``sys.path``: a package imported earlier
+    in the process may have put its vendored copies there (Ray adds ``ray/thirdparty_files``,
+    which holds a psutil), and placing such a copy would put it where nothing finds it."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
+def _distribution(name: str) -> metadata.Distribution:
+    """The installed distribution ``name`` of this environment's site-packages."""
+    found = next(iter(metadata.Distribution.discover(name=name, path=_site_packages())), None)
+    if found is None:
+        raise metadata.PackageNotFoundError(name)
+    return found
+
+
 def dependency_closure(requirements: list[Requirement]) -> list[metadata.Distribution]:
     """This environment's distributions that ``requirements`` need, transitively (each with the
     extras asked of it). A requirement that no installed distribution satisfies is an error
@@ -56,7 +73,7 @@ def dependency_closure(requirements: list[Requirement]) -> list[metadata.Distrib
         if key in wanted and extras == wanted[key]:
             continue
         try:
-            dist = found.get(key) or metadata.distribution(requirement.name)
+            dist = found.get(key) or _distribution(requirement.name)
         except metadata.PackageNotFoundError:
             raise LookupError(f"{requirement}: not installed in {sys.prefix}") from None
         if not requirement.specifier.contains(dist.version, prereleases=True):

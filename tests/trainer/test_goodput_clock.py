@@ -76,7 +76,7 @@ def test_unreadable_or_missing_rapl_leaves_the_cpu_estimated(tmp_path):
 def test_nvml_counts_the_gpus_energy():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+        pytest.skip("needs a CUDA GPU (install a CUDA build of torch and the NVIDIA driver)")
     pytest.importorskip("pynvml", reason="install nvidia-ml-py")
     meter = EnergyMeter.open(gpus=[0])
     assert meter.sources.get("gpu") == "measured-nvml"
