@@ -77,7 +77,23 @@ class AttemptClock:
         run had already reached ``reached_step`` (steps up to it are trained again)."""
         self.seconds["restore"] += seconds
         self.resumed_step = self.step = resumed_step
-        self.reached_step = max(reached_step, resumed_step)
+        self.reached_step = max(reached_step, resumed_step, self._reached_in_job_folder())
+
+    def _reached_in_job_folder(self) -> int:
+        """The newest step an earlier attempt of this job recorded in the job folder: a job
+        without MLflow (or whose run was not reachable) still counts re-trained steps as
+        wasted. An unreadable record is left out."""
+        if self.file is None:
+            return 0
+        newest = 0
+        for path in self.file.parent.glob("attempt-*.json"):
+            if path == self.file:
+                continue
+            try:
+                newest = max(newest, int(json.loads(path.read_text())["step"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return newest
 
     def loop_started(self) -> None:
         """The first step begins: everything since process start that is not restore is startup."""

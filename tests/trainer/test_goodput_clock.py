@@ -43,6 +43,31 @@ def test_the_clock_splits_steps_into_data_wait_productive_and_wasted_compute(tmp
     assert job_dir_records(tmp_path) == {key: value}  # the same record in the job folder
 
 
+def test_without_mlflow_an_earlier_attempts_record_in_the_job_folder_marks_retrained_steps(
+        tmp_path):
+    def clock(started_at):
+        return AttemptClock(world_size=1, tokens_per_step=8, flops_per_token=10, device="cpu",
+                            started_at=started_at, job_dir=str(tmp_path))
+
+    first = clock(time.time() - 10)
+    first.restored(0.0, resumed_step=0, reached_step=0)
+    first.loop_started()
+    for step in range(1, 8):
+        first.step_started()
+        first.step_done(step)
+    first.snapshot()  # killed after step 7; its newest checkpoint was step 5
+    (tmp_path / "ledger" / "attempt-1.json").write_text("{torn")  # an unreadable one is left out
+
+    second = clock(time.time())
+    second.restored(0.1, resumed_step=5, reached_step=5)  # no MLflow run: the tracker knew 5
+    second.loop_started()
+    for step in range(6, 10):
+        second.step_started()
+        second.step_done(step)
+    rec = second.record()
+    assert (rec["reached_step"], rec["wasted_steps"], rec["productive_steps"]) == (7, 2, 2)
+
+
 def _zone(root, name, uj, max_uj=1000):
     zone = root / name
     zone.mkdir(parents=True)

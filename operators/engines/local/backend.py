@@ -90,7 +90,7 @@ class LocalBackend(Backend):
                              launcher=python_torchrun(self.python),
                              log_dir=str(job_dir / "ranks"))
         env = {
-            **rank_env(job, str(job_dir / "result.json")),
+            **rank_env(job, str(job_dir / "result.json"), job_dir=str(job_dir)),
             **job.env,
             **job.secret_placeholders(),
         }
