@@ -38,6 +38,13 @@ the restart ``R`` plus on average half an interval of lost work::
 
 The script prints both, their ratio (goal >= 0.95: the engine adds no waste the model does not
 account for) and exits 1 when the run itself failed (the job did not finish at max_steps).
+
+Beside them, the run ledger's own account of the same job (trainforge.ledger, from the attempt
+records rank 0 wrote to the job folder, docs/contracts.md "Run ledger"): its productive seconds
+over the same first-step-to-last-step window (goal: within 2 percentage points of the goodput
+above), its disruption count (goal: the number of kills) and its recovery times (failed
+attempt's last record to the restarted attempt's first step, against ``R``, kill to the
+restarted group's first step: they differ by at most the step in flight at the kill).
 """
 
 from __future__ import annotations
@@ -143,6 +150,28 @@ def measure(events: list[StepEvent], kills: list[float], checkpoint_every: int) 
     }
 
 
+def ledger_side(job_dir: Path, measured: dict) -> dict:
+    """The run ledger's figures for the job (its attempt records in ``job_dir``), next to the
+    benchmark's ``measured`` ones."""
+    from trainforge.ledger.attempts import attempt_records, job_dir_records, sum_attempts
+
+    records = attempt_records(job_dir_records(job_dir))
+    books = sum_attempts(records)
+    own_wall = (books.last_record - books.first_start) if records else None
+    goodput = books.productive_s / measured["wall_s"]
+    recoveries = books.recoveries_s
+    return {
+        "ledger_attempts": len(records), "ledger_disruptions": max(0, len(records) - 1),
+        "ledger_productive_s": books.productive_s,
+        "ledger_goodput_same_window": goodput,
+        "ledger_goodput_pp_off": 100.0 * (goodput - measured["goodput"]),
+        "ledger_goodput_own_window": books.productive_s / own_wall if own_wall else None,
+        "ledger_recovery_mean_s": sum(recoveries) / len(recoveries) if recoveries else None,
+        "ledger_recovery_max_s": max(recoveries) if recoveries else None,
+        "ledger_buckets_s": books.buckets,
+    }
+
+
 def rank_processes(job_dir: Path) -> list:
     """The live trainer ranks of a local job (children of its torchrun running trainforge.trainer.train)."""
     import psutil
@@ -244,6 +273,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"the training job ended {status.state.value}: {status.message}")
         out = measure(parse_log(text), kills, args.checkpoint_every)
         out["kill_every_s"] = args.kill_every_s
+        out.update(ledger_side(job_dir, out))
         return out
 
 
@@ -284,6 +314,17 @@ def main(argv: list[str] | None = None) -> int:
           f"({fmt(out['productive_s'])} s of {fmt(out['wall_s'])} s)")
     print(f"bound 1 - delta/T - (R + T/2)/MTBF = {fmt(out['goodput_bound'])}")
     print(f"goodput / bound            = {fmt(out['ratio'])}  (goal >= 0.95)")
+    print("the run ledger, from the job's attempt records:")
+    print(f"  goodput, same window     = {fmt(out['ledger_goodput_same_window'])}  "
+          f"({fmt(out['ledger_productive_s'])} s productive; "
+          f"{out['ledger_goodput_pp_off']:+.2f} pp from the measured goodput, goal within 2)")
+    print(f"  goodput, process start to last record = {fmt(out['ledger_goodput_own_window'])}")
+    print(f"  disruptions              = {out['ledger_disruptions']} "
+          f"({out['ledger_attempts']} attempts; {out['kills']} kills)")
+    print(f"  recovery (last record -> first step): mean {fmt(out['ledger_recovery_mean_s'])} s, "
+          f"max {fmt(out['ledger_recovery_max_s'])} s  (R above: {fmt(out['restart_R_s'])} s)")
+    print("  badput (s): " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                       out["ledger_buckets_s"].items() if v))
     return 0
 
 
