@@ -88,8 +88,11 @@ def derived_spec(spec: PipelineSpec, engine: str,
 def write_spec(spec: PipelineSpec, path: Path) -> Path:
     """Write ``spec`` as YAML to ``path`` (atomically); the loader reads it back unchanged."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    raw = spec.model_dump(mode="json")
+    if raw["registry"].get("approval") is None:
+        del raw["registry"]["approval"]  # in a file, an empty approval key is an error
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("# Derived by `trainforge run --engine`; edit the original spec instead.\n"
-                   + yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+                   + yaml.safe_dump(raw, sort_keys=False))
     os.replace(tmp, path)
     return path

@@ -27,6 +27,14 @@ def test_derived_spec_switches_the_engine_and_sets_the_ray_address(tmp_path):
     path = write_spec(ray, tmp_path / "specs" / "tiny.ray.yaml")
     assert load_spec(path) == ray
     assert not list(path.parent.glob(".*.tmp"))
+    assert "approval" not in path.read_text()  # unset: no empty key, which a file may not hold
+
+
+def test_a_derived_spec_keeps_its_approval_block(tmp_path):
+    spec = load_spec(SPEC.parents[1] / "faults" / "approval_tiny.yaml")
+    assert spec.registry.approval is not None
+    ray = derived_spec(spec, "ray", {"address": "http://127.0.0.1:18265"})
+    assert load_spec(write_spec(ray, tmp_path / "approval.ray.yaml")) == ray
 
 
 def test_an_engine_the_spec_does_not_fit_is_refused_with_what_is_missing():
