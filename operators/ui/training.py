@@ -10,13 +10,12 @@ answer the page still lists the pipelines and runs, and ``unavailable`` says wha
 from __future__ import annotations
 
 import datetime as dt
-import json
 import time
 from typing import Any
 
 from sqlalchemy.orm import Session
 
-from trainforge.contract import LEDGER_TAG_PREFIX
+from trainforge.ledger.attempts import AttemptRecordError, attempt_records
 from trainforge.ui import metadata
 from trainforge.ui.ledger import figures
 from trainforge.ui.mlflow_reader import MlflowReader, MlflowUnavailable
@@ -55,13 +54,14 @@ def progress(run: dict[str, Any], history: list[dict[str, Any]] | None = None
 
 
 def _attempt_pace(tags: dict[str, str]) -> float | None:
-    """Seconds per step of the newest attempt that has trained a step, from its ledger record;
-    None when there is none or it is unreadable."""
-    keys = sorted((k for k in tags if k.startswith(LEDGER_TAG_PREFIX)),
-                  key=lambda k: _number(k[len(LEDGER_TAG_PREFIX):]) or 0.0)
-    for key in reversed(keys):
+    """Seconds per step of the newest attempt that has trained a step, from the run's ledger
+    records (trainforge.ledger.attempts); None when there is none or a record is unreadable."""
+    try:
+        records = attempt_records(tags)
+    except AttemptRecordError:
+        return None
+    for record in reversed(records):
         try:
-            record = json.loads(tags[key])
             first, last = float(record["first_step_at"]), float(record["recorded_at"])
             done = int(record["step"]) - int(record.get("resumed_step") or 0)
         except (TypeError, ValueError, KeyError):

@@ -21,7 +21,7 @@ def _run(step: int, tags: dict[str, str] | None = None, start_s: float = 1_000.0
 def _attempt(started: float, first_step: float, recorded: float, step: int,
              resumed: int = 0) -> dict[str, str]:
     record = {"v": 1, "started_at": started, "first_step_at": first_step,
-              "recorded_at": recorded, "step": step, "resumed_step": resumed}
+              "recorded_at": recorded, "step": step, "resumed_step": resumed, "seconds": {}}
     return {f"{LEDGER_TAG_PREFIX}{int(started * 1000)}": json.dumps(record)}
 
 
