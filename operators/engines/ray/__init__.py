@@ -1,5 +1,6 @@
 """The ``ray`` engine: torchrun as the entrypoint of a job on a Ray cluster's job API
-(:mod:`.backend`); :mod:`.dev` gives ``trainforge run`` a single-machine cluster (:mod:`.head`)."""
+(:mod:`.backend`), one torchrun per Ray node when ``resources.nodes`` > 1 (:mod:`.launcher`);
+:mod:`.dev` gives ``trainforge run`` a single-machine cluster (:mod:`.head`)."""
 
 from __future__ import annotations
 
@@ -20,5 +21,6 @@ ENGINE = Engine(
     block=RayEngine,
     backend="trainforge.engines.ray.backend:RayBackend",
     connection=_connection,
+    multi_node=True,
     dev_cluster="trainforge.engines.ray.dev:start_dev_cluster",
 )

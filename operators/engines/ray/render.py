@@ -5,11 +5,15 @@ returns) is the exact keyword arguments of
 ``ray.job_submission.JobSubmissionClient.submit_job`` (under ``submit_job``):
 
 =======================  ===========================================================================
-``entrypoint``           a POSIX ``sh`` command: make a job folder with ``mktemp -d``, write the job
-                         config from ``$TRAINFORGE_JOB_CONFIG`` to ``job.json`` in it, run torchrun
-                         (``--standalone``, rank 0's output only, every rank's in ``ranks/``), then
-                         print the trainer's result file as one ``TRAINFORGE_RESULT {...}`` line
-                         and exit with torchrun's code
+``entrypoint``           one node: a POSIX ``sh`` command: make a job folder with ``mktemp -d``,
+                         write the job config from ``$TRAINFORGE_JOB_CONFIG`` to ``job.json`` in it,
+                         run torchrun (``--standalone``, rank 0's output only, every rank's in
+                         ``ranks/``), then print the trainer's result file as one
+                         ``TRAINFORGE_RESULT {...}`` line and exit with torchrun's code.
+                         Several nodes: ``python -m trainforge.engines.ray.launcher`` with the
+                         torchrun command (c10d rendezvous, ``--nnodes=N``) it runs once per Ray
+                         node of a ``STRICT_SPREAD`` placement group
+                         (:mod:`trainforge.engines.ray.launcher`)
 ``submission_id``        the job identity's key (``JobIdentity.key``): deterministic per DAG run,
                          task and try; ``<key>-r<N>`` when that job failed and is submitted again
 ``runtime_env``          ``env_vars`` (the job config as canonical JSON, MLflow tracking URI and
@@ -19,7 +23,9 @@ returns) is the exact keyword arguments of
                          get their values only in the ``submit_job`` call (Ray then keeps them
                          in its job table, readable by whoever may use the job API)
 ``metadata``             the full identity, the attempt and the startup timeout
-``entrypoint_num_*``     CPUs (ranks x threads per rank) and GPUs reserved for the entrypoint
+``entrypoint_num_*``     CPUs (ranks x threads per rank) and GPUs reserved for the entrypoint;
+                         several nodes: 0 unless the spec says (the entrypoint only coordinates;
+                         each node's CPUs and GPUs are its placement group bundle)
 =======================  ===========================================================================
 
 The job config travels inside the request, so the cluster needs no shared file system with the
@@ -36,11 +42,12 @@ from typing import Any
 
 from trainforge.engines.base import TrainingJob
 from trainforge.engines.launch import rank_env, torchrun_argv
+from trainforge.engines.ray import launcher
 from trainforge.errors import BackendError
 
-CONFIG_ENV = "TRAINFORGE_JOB_CONFIG"
+CONFIG_ENV = launcher.CONFIG_ENV
 """Environment variable that carries the job config (canonical JSON) to the entrypoint."""
-RESULT_MARKER = "TRAINFORGE_RESULT "
+RESULT_MARKER = launcher.RESULT_MARKER
 """Prefix of the log line that carries the trainer's result file (docs/contracts.md)."""
 # Linux limits one environment string to 128 KiB (MAX_ARG_STRLEN); stay well below it.
 MAX_CONFIG_BYTES = 100_000
@@ -84,12 +91,23 @@ def render_request(job: TrainingJob, address: str, conn_id: str | None) -> dict[
     }
     if job.startup_timeout_s is not None:
         metadata["trainforge.startup_timeout_s"] = num(job.startup_timeout_s)
-    cpus = float(opts.get("entrypoint_num_cpus")
-                 or job.processes_per_node * job.threads_per_process)
-    gpus = float(opts.get("entrypoint_num_gpus") or job.gpus_per_node)
-    # What the entrypoint asks for, in words: Ray's PENDING message does not say.
-    metadata["trainforge.resources"] = f"{num(cpus)} CPU, {num(gpus)} GPU" + (
+    node_cpus = float(job.processes_per_node * job.threads_per_process)
+    node_words = f"{num(node_cpus)} CPU, {num(job.gpus_per_node)} GPU" + (
         f", {num(job.memory_gib)} GiB memory" if job.memory_gib else "")
+    if job.nodes == 1:
+        cpus = float(opts.get("entrypoint_num_cpus") or node_cpus)
+        gpus = float(opts.get("entrypoint_num_gpus") or job.gpus_per_node)
+        # What the entrypoint asks for, in words: Ray's PENDING message does not say.
+        metadata["trainforge.resources"] = f"{num(cpus)} CPU, {num(gpus)} GPU" + (
+            f", {num(job.memory_gib)} GiB memory" if job.memory_gib else "")
+    else:
+        # The entrypoint only coordinates; the nodes' resources are the placement group's.
+        cpus = float(opts.get("entrypoint_num_cpus") or 0.0)
+        gpus = float(opts.get("entrypoint_num_gpus") or 0.0)
+        metadata["trainforge.nodes"] = str(job.nodes)
+        metadata["trainforge.resources"] = (
+            f"entrypoint {num(cpus)} CPU, {num(gpus)} GPU; placement group of {job.nodes} "
+            f"bundles of {node_words}, STRICT_SPREAD")
     submit: dict[str, Any] = {
         "entrypoint": entrypoint(job),
         "submission_id": identity.key,
@@ -98,13 +116,15 @@ def render_request(job: TrainingJob, address: str, conn_id: str | None) -> dict[
         "entrypoint_num_cpus": cpus,
         "entrypoint_num_gpus": gpus,
     }
-    if job.memory_gib:
+    if job.memory_gib and job.nodes == 1:
         submit["entrypoint_memory"] = int(job.memory_gib * 2**30)
     return {"engine": "ray", "address": address, "connection_id": conn_id, "submit_job": submit}
 
 
 def entrypoint(job: TrainingJob) -> str:
     """The job's shell command (POSIX sh; Ray runs it with ``shell=True``)."""
+    if job.nodes > 1:
+        return multi_node_entrypoint(job)
     torchrun = torchrun_argv(job, '"$d/job.json"', log_dir='"$d/ranks"',
                              module=shlex.quote(job.module))
     return "; ".join([
@@ -117,6 +137,27 @@ def entrypoint(job: TrainingJob) -> str:
         f'"$(tr -d \'\\n\' < "$d/result.json")"; fi',
         "exit $rc",
     ])
+
+
+def multi_node_entrypoint(job: TrainingJob) -> str:
+    """``python -m trainforge.engines.ray.launcher ... -- torchrun ...``: one torchrun per Ray
+    node, c10d rendezvous on the first bundle's node; the launcher fills in the placeholders
+    (:data:`~trainforge.engines.ray.launcher.JOB_DIR`, ...) on each node."""
+    key = job.identity.key
+    torchrun = torchrun_argv(
+        job, f"{launcher.JOB_DIR}/job.json", standalone=False,
+        rendezvous=("--rdzv-backend=c10d", f"--rdzv-endpoint={launcher.RDZV_ENDPOINT}",
+                    f"--rdzv-id={key}", f"--rdzv-conf=is_host={launcher.IS_HOST}",
+                    f"--local-addr={launcher.LOCAL_ADDR}"),
+        log_dir=f"{launcher.JOB_DIR}/ranks")
+    argv = ["python", "-m", launcher.MODULE, "--key", key, "--nodes", str(job.nodes),
+            "--cpus-per-node", num(job.processes_per_node * job.threads_per_process),
+            "--gpus-per-node", num(job.gpus_per_node)]
+    if job.memory_gib:
+        argv += ["--memory-bytes", str(int(job.memory_gib * 2**30))]
+    if job.startup_timeout_s is not None:
+        argv += ["--startup-timeout-s", num(job.startup_timeout_s)]
+    return shlex.join([*argv, "--", *torchrun])
 
 
 def parse_result(text: str) -> dict[str, Any] | None:

@@ -34,11 +34,12 @@ class RayEngine(SpecModel):
     )
     entrypoint_num_cpus: float = Field(
         0.0, ge=0, description="CPUs reserved for the entrypoint; default: the job's ranks x "
-        "resources.cpus_per_process."
+        "resources.cpus_per_process (with resources.nodes > 1: none, as each node's CPUs are "
+        "reserved by its placement group bundle)."
     )
     entrypoint_num_gpus: float = Field(
         0.0, ge=0, description="GPUs reserved for the entrypoint; default: "
-        "resources.gpus_per_node."
+        "resources.gpus_per_node (with resources.nodes > 1: none)."
     )
 
     @field_validator("address")

@@ -27,7 +27,7 @@ def test_built_in_engines_default_first():
 @pytest.mark.parametrize("name,multi_node,shared_disk,needs_image,in_memory,dev_cluster", [
     ("local", False, True, False, True, False),
     ("kubernetes", True, False, True, False, False),
-    ("ray", False, True, False, True, True),
+    ("ray", True, True, False, True, True),
     ("slurm", True, True, False, False, False),
 ])
 def test_capabilities(name, multi_node, shared_disk, needs_image, in_memory, dev_cluster):

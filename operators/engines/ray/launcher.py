@@ -1,0 +1,343 @@
+"""One torchrun per Ray node: the entrypoint of a ``ray`` job with ``resources.nodes`` > 1.
+
+Runs on the cluster (the node Ray picks for the job's entrypoint), as rendered by
+:func:`trainforge.engines.ray.render.entrypoint`::
+
+    python -m trainforge.engines.ray.launcher --key KEY --nodes 2 --cpus-per-node 8 \\
+        --gpus-per-node 8 --startup-timeout-s 600 -- torchrun --nnodes=2 ... \\
+        --rdzv-endpoint={rdzv_endpoint} --local-addr={local_addr} ... --config {job_dir}/job.json
+
+1. A placement group of ``--nodes`` bundles, each ``--cpus-per-node`` CPUs, ``--gpus-per-node``
+   GPUs (and ``--memory-bytes``), strategy ``STRICT_SPREAD``: one bundle per Ray node. Waiting
+   for it prints what is missing every 30 s; not placed within ``--startup-timeout-s`` (counted
+   from the launcher's start) it is removed and the job fails with a ``TRAINFORGE_RESULT`` line
+   saying how many nodes were asked for and which the cluster has (transient: exit code 1).
+2. A probe task in bundle 0 reports that node's address (``ray.util.get_node_ip_address()``,
+   the address Ray reaches it on, never loopback) and a free port on it: the c10d rendezvous
+   endpoint, hosted there (``is_host=true`` on that node only).
+3. One task per bundle, holding the bundle's CPUs and GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``),
+   runs the torchrun command with the placeholders filled in: a job folder
+   ``$TMPDIR/trainforge-<key>.node-<N>.XXXXXX/`` on that node (``job.json`` from
+   ``$TRAINFORGE_JOB_CONFIG``, every rank's log under ``ranks/``, the node's whole console in
+   ``ranks/node-<N>.log``), ``--local-addr`` its own address. Each console line also goes to the
+   task's stdout, which Ray forwards to the job log prefixed ``(trainforge-node-<N> pid=...,
+   ip=...)``: c10d orders ranks by the nodes' addresses, so global rank 0 may run on any node and
+   no node's console can be left out of the job log.
+4. When every node has ended, rank 0's result file (on whichever node wrote it) is printed as
+   the ``TRAINFORGE_RESULT {...}`` line, and the launcher exits with the first failing node's
+   torchrun code (rank 0's node first), 0 when all succeeded. When one node fails, the others
+   are cancelled at once (their torchrun gets SIGTERM) rather than left waiting in a collective.
+
+Stopping the job (``ray job stop``: SIGTERM to this process) cancels every node task, each of
+which stops its torchrun (SIGTERM, SIGKILL after a grace period); torchrun is also started with
+``PR_SET_PDEATHSIG`` so that it gets SIGTERM if its Ray worker is killed outright.
+
+Imports only the job contract of trainforge; ``ray`` is imported in :func:`main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from trainforge.contract import EXIT_ERROR, RESULT_FILE_ENV, STATUS_ERROR
+
+MODULE = "trainforge.engines.ray.launcher"
+CONFIG_ENV = "TRAINFORGE_JOB_CONFIG"
+RESULT_MARKER = "TRAINFORGE_RESULT "
+# Placeholders of the torchrun command, filled in on each node.
+JOB_DIR = "{job_dir}"
+RDZV_ENDPOINT = "{rdzv_endpoint}"
+LOCAL_ADDR = "{local_addr}"
+IS_HOST = "{is_host}"
+
+PENDING_REPORT_S = 30.0
+"""How often the wait for the placement group says what it waits for, seconds."""
+STOP_GRACE_S = 20.0
+"""SIGTERM to a node's torchrun, then SIGKILL after this many seconds."""
+CANCEL_WAIT_S = 60.0
+"""How long the other nodes get to stop after one failed, before their workers are killed."""
+LOG_FLUSH_S = 2.0
+"""Ray's log monitor forwards worker output about once a second: wait this long after the last
+node ended so that its last lines reach the job log."""
+
+
+def bundle(cpus: float, gpus: float, memory_bytes: int | None) -> dict[str, float]:
+    """One node's share of the placement group (Ray resource names: ``CPU``, ``GPU``,
+    ``memory`` in bytes)."""
+    out = {"CPU": float(cpus)}
+    if gpus:
+        out["GPU"] = float(gpus)
+    if memory_bytes:
+        out["memory"] = float(memory_bytes)
+    return out
+
+
+def fill(argv: Sequence[str], values: dict[str, str]) -> list[str]:
+    """``argv`` with each placeholder (:data:`JOB_DIR`, ...) replaced by its value."""
+    out = []
+    for arg in argv:
+        for name, value in values.items():
+            arg = arg.replace(name, value)
+        out.append(arg)
+    return out
+
+
+def _say(line: str) -> None:
+    print(f"trainforge: {line}", flush=True)
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def probe(with_port: bool) -> dict[str, Any]:
+    """Ray task: this node's address and name, and a free port on it when ``with_port``."""
+    import ray
+
+    address = ray.util.get_node_ip_address()
+    return {"address": address, "host": socket.gethostname(),
+            "port": _free_port(address) if with_port else None}
+
+
+def run_node(node: int, nodes: int, key: str, config: str, argv: list[str],
+             endpoint: str) -> dict[str, Any]:
+    """Ray task: node ``node``'s torchrun, to its end; returns ``{"node", "address", "host",
+    "exit_code", "result", "job_dir"}`` (``result``: the result file's JSON if rank 0 ran here)."""
+    import ray
+
+    address = ray.util.get_node_ip_address()
+    job_dir = tempfile.mkdtemp(prefix=f"trainforge-{key}.node-{node}.")
+    os.makedirs(os.path.join(job_dir, "ranks"), exist_ok=True)
+    with open(os.path.join(job_dir, "job.json"), "w", encoding="utf-8") as out:
+        out.write(config)
+    result_file = os.path.join(job_dir, "result.json")
+    command = fill(argv, {JOB_DIR: job_dir, RDZV_ENDPOINT: endpoint, LOCAL_ADDR: address,
+                          IS_HOST: "true" if node == 0 else "false"})
+    console = os.path.join(job_dir, "ranks", f"node-{node}.log")
+    _say(f"node {node} of {nodes} on {socket.gethostname()} ({address}): job folder {job_dir}, "
+         f"console {console}")
+    proc = subprocess.Popen(command, env={**os.environ, RESULT_FILE_ENV: result_file},
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, preexec_fn=_set_pdeathsig)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, console), daemon=True)
+    pump.start()
+    try:
+        while proc.poll() is None:  # a loop, not wait(): Ray's cancel interrupts between polls
+            time.sleep(0.2)
+    except BaseException:  # cancelled (KeyboardInterrupt) or the worker is exiting
+        _stop(proc)
+        raise
+    finally:
+        pump.join(timeout=5)
+    result = None
+    if os.path.exists(result_file) and os.path.getsize(result_file):
+        with open(result_file, encoding="utf-8") as fh:
+            try:
+                result = json.load(fh)
+            except json.JSONDecodeError:
+                result = None
+    return {"node": node, "address": address, "host": socket.gethostname(),
+            "exit_code": proc.returncode, "result": result, "job_dir": job_dir}
+
+
+def _pump(stream: Any, path: str) -> None:
+    """Every line of ``stream`` to the file ``path`` and to this process's stdout."""
+    with open(path, "ab") as log:
+        for line in iter(stream.readline, b""):
+            log.write(line)
+            log.flush()
+            sys.stdout.buffer.write(line)
+            sys.stdout.buffer.flush()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _cluster_nodes(ray: Any) -> str:
+    """The cluster's alive nodes and their CPUs and GPUs, in words."""
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    parts = [f"{n.get('NodeManagerAddress')}: {n.get('Resources', {}).get('CPU', 0):g} CPU, "
+             f"{n.get('Resources', {}).get('GPU', 0):g} GPU" for n in alive]
+    return f"{len(alive)} alive node{'s' * (len(alive) != 1)} ({'; '.join(parts) or 'none'})"
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    print(f"\n{RESULT_MARKER}{json.dumps(result, separators=(',', ':'))}", flush=True)
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
+    parser.add_argument("--key", required=True, help="the job identity's key")
+    parser.add_argument("--nodes", type=int, required=True, help="Ray nodes (bundles), >= 2")
+    parser.add_argument("--cpus-per-node", type=float, required=True)
+    parser.add_argument("--gpus-per-node", type=float, default=0.0)
+    parser.add_argument("--memory-bytes", type=int, default=None)
+    parser.add_argument("--startup-timeout-s", type=float, default=None,
+                        help="how long the placement group may wait (default: no limit)")
+    parser.add_argument("torchrun", nargs=argparse.REMAINDER,
+                        help="-- and the torchrun command, with the placeholders")
+    args = parser.parse_args(argv)
+    if args.torchrun[:1] == ["--"]:
+        args.torchrun = args.torchrun[1:]
+    if args.nodes < 2 or not args.torchrun:
+        parser.error(f"expected --nodes >= 2 and a torchrun command after -- (got --nodes "
+                     f"{args.nodes}, command {args.torchrun!r})")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    config = os.environ.get(CONFIG_ENV)
+    if not config:
+        _say(f"${CONFIG_ENV} is empty: the job config travels in it (see docs/ray.md)")
+        return 70
+    # Worker output reaches the job log as it is: no colour codes, no lines merged across nodes.
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    def terminate(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminate)
+    started = time.monotonic()
+    ray.init(log_to_driver=True)
+    shape = bundle(args.cpus_per_node, args.gpus_per_node, args.memory_bytes)
+    asked = (f"{args.nodes} bundles of {shape}, strategy STRICT_SPREAD (one per Ray node)")
+    pg = placement_group([dict(shape) for _ in range(args.nodes)], strategy="STRICT_SPREAD",
+                         name=f"trainforge-{args.key}")
+    refs: list[Any] = []
+    try:
+        _say(f"placement group {asked}")
+        ready = pg.ready()
+        while True:
+            left = (None if args.startup_timeout_s is None
+                    else args.startup_timeout_s - (time.monotonic() - started))
+            wait_s = PENDING_REPORT_S if left is None else max(0.0, min(PENDING_REPORT_S, left))
+            done, _ = ray.wait([ready], timeout=wait_s)
+            if done:
+                break
+            waited = time.monotonic() - started
+            if left is not None and left <= wait_s:
+                message = (f"the placement group of job {args.key} ({asked}) could not be "
+                           f"placed within the startup timeout ({args.startup_timeout_s:g} s); "
+                           f"the cluster has {_cluster_nodes(ray)}")
+                _say(message)
+                _print_result({"status": STATUS_ERROR, "exit_code": EXIT_ERROR,
+                               "message": message})
+                return EXIT_ERROR
+            _say(f"pending {waited:.0f} s: waiting for {asked}; the cluster has "
+                 f"{_cluster_nodes(ray)}")
+        _say(f"placement group placed after {time.monotonic() - started:.1f} s")
+
+        def in_bundle(i: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+
+        # By their module's name (not __main__'s), so Ray ships them by reference.
+        from trainforge.engines.ray import launcher
+
+        head = ray.get(ray.remote(launcher.probe).options(
+            num_cpus=0, scheduling_strategy=in_bundle(0), max_retries=0).remote(True))
+        endpoint = f"{head['address']}:{head['port']}"
+        _say(f"{args.nodes} nodes; c10d rendezvous on {endpoint} (node 0, {head['host']})")
+        task = ray.remote(launcher.run_node)
+        for i in range(args.nodes):
+            refs.append(task.options(
+                name=f"trainforge-node-{i}", num_cpus=args.cpus_per_node,
+                num_gpus=args.gpus_per_node, memory=args.memory_bytes or None,
+                scheduling_strategy=in_bundle(i), max_retries=0,
+            ).remote(i, args.nodes, args.key, config, list(args.torchrun), endpoint))
+        return _collect(ray, refs, args.nodes)
+    except KeyboardInterrupt:
+        _say("stopping: cancelling every node's torchrun")
+        _cancel(ray, refs, wait_s=2.0)
+        return 143
+    finally:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 - the job is ending either way
+            pass
+
+
+def _collect(ray: Any, refs: list[Any], nodes: int) -> int:
+    """Wait for every node; cancel the rest when one fails; print the result; the exit code."""
+    ended: list[dict[str, Any]] = []
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        for ref in done:
+            node = refs.index(ref)
+            try:
+                info = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - the worker or its node died, cancelled
+                info = {"node": node, "exit_code": None, "result": None,
+                        "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
+            ended.append(info)
+            if info.get("exit_code") != 0 and pending:
+                _say(f"node {node} failed ({_ending(info)}): stopping the other nodes")
+                _cancel(ray, pending, wait_s=CANCEL_WAIT_S)
+    time.sleep(LOG_FLUSH_S)
+    for info in sorted(ended, key=lambda i: i["node"]):
+        _say(f"node {info['node']} of {nodes} ended: {_ending(info)}")
+    results = [i for i in ended if i.get("result")]
+    if results:
+        _print_result(results[0]["result"])
+    failed = [i for i in ended if i.get("exit_code") != 0]  # in the order they ended
+    if not failed:
+        return 0
+    rank0 = [i for i in failed if i.get("result")]
+    first = (rank0 or failed)[0]
+    return first["exit_code"] if first.get("exit_code") else EXIT_ERROR
+
+
+def _ending(info: dict[str, Any]) -> str:
+    where = f" on {info['address']}" if info.get("address") else ""
+    if info.get("error"):
+        return f"no exit code{where}: {info['error']}"
+    return f"torchrun exit code {info['exit_code']}{where}"
+
+
+def _cancel(ray: Any, refs: list[Any], wait_s: float) -> None:
+    """Cancel node tasks (each stops its torchrun); kill their workers if still running after
+    ``wait_s``."""
+    for ref in refs:
+        ray.cancel(ref)
+    _, alive = ray.wait(refs, num_returns=len(refs), timeout=wait_s) if refs else ([], [])
+    for ref in alive:
+        ray.cancel(ref, force=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
