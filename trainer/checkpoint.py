@@ -6,10 +6,13 @@
       trainer_state.pt    {"step", "tokens_seen", "world_size", "scheduler": {"step"},
                            "rng": [per rank {"torch", "cuda", "numpy", "python"}]}
       meta.json           step, tokens_seen, world_size, world_size_history, digests, job config,
-                          versions, metrics
+                          versions, metrics (and "powersgd" under PowerSGD)
+      powersgd-rank-<r>.pt  under gradient_compression "powersgd" only: rank r's PowerSGD state
+                          (trainforge.trainer.powersgd.state_dict), one file per rank
       manifest.json       written LAST, atomically: {"format", "step", "files": {name: {bytes, sha256}}}
 
-A folder counts as a checkpoint only when `verify` finds no problem. ``step`` is the number of
+A folder counts as a checkpoint only when `verify` finds no problem; the manifest lists and
+hashes the per-rank files like the others. ``step`` is the number of
 optimizer steps completed; resuming from step-00000100 continues with step index 100.
 
 The root is a local folder (``Path`` or a path string) or an ``s3://bucket/prefix`` string; the
@@ -53,6 +56,13 @@ REQUIRED_FILES = (WEIGHTS, OPTIMIZER, TRAINER_STATE, META)
 # Written into a folder before it is moved aside (trainforge.trainer.quarantine): such a folder never verifies.
 QUARANTINE_REASON = "QUARANTINE_REASON.json"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def powersgd_file(rank: int) -> str:
+    """Name of rank ``rank``'s PowerSGD state file in a step folder: ``powersgd-rank-<rank>.pt``.
+
+    A flat name: manifest entries are file names, not paths (`verify`)."""
+    return f"powersgd-rank-{rank}.pt"
 
 
 def _located(location: str | Path) -> tuple[Storage, Location]:
@@ -230,7 +240,7 @@ def world_size_history(resumed_meta: dict[str, Any] | None, world_size: int) -> 
 
 
 def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict,
-                     trainer_state: dict, meta: dict) -> Location:
+                     trainer_state: dict, meta: dict, rank_files: dict[str, Any] | None = None) -> Location:
     """Write ``root/step-XXXXXXXX/`` with the manifest last (rank 0 only); returns the folder.
 
     An existing folder of the same step is kept when it verifies (nothing is rewritten) and
@@ -239,6 +249,10 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
 
     Args:
         weights: name -> contiguous CPU tensor, no two sharing storage.
+        rank_files: file name -> object, each written with ``torch.save`` beside the required
+            files (per-rank state such as `powersgd_file`), published, listed and hashed in the
+            manifest like them; plain values and CPU tensors only (they are loaded with
+            ``weights_only=True``).
     Raises:
         CheckpointError: a file could not be written (disk full, permissions, S3 after retries).
     """
@@ -257,10 +271,13 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
             chmod_like_umask(folder / WEIGHTS)
             torch.save(optimizer_state, folder / OPTIMIZER)
             torch.save(trainer_state, folder / TRAINER_STATE)
+            for name, value in (rank_files or {}).items():
+                torch.save(value, folder / name)
             (folder / META).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-            store.publish(folder, step_dir, REQUIRED_FILES)
+            names = (*REQUIRED_FILES, *(rank_files or {}))
+            store.publish(folder, step_dir, names)
             files = {name: {"bytes": (folder / name).stat().st_size, "sha256": digest}
-                     for name, digest in _digests(folder).items()}  # what was written, after fsync
+                     for name, digest in _digests(folder, names).items()}  # what was written, after fsync
             manifest = {"format": CHECKPOINT_FORMAT, "step": step, "files": files}
             store.write_bytes(store.join(step_dir, MANIFEST), (json.dumps(manifest, indent=2) + "\n").encode())
             _remember_written(store.join(step_dir, MANIFEST))
@@ -269,11 +286,11 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
     return step_dir
 
 
-def _digests(folder: Path) -> dict[str, str]:
-    """SHA-256 of each required file of the local ``folder``, hashed side by side."""
+def _digests(folder: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """SHA-256 of each of ``names`` in the local ``folder``, hashed side by side."""
     local = storage_for(folder)
-    with ThreadPoolExecutor(hash_threads(len(REQUIRED_FILES)), thread_name_prefix="sha256") as pool:
-        return dict(zip(REQUIRED_FILES, pool.map(lambda name: local.sha256(folder / name), REQUIRED_FILES)))
+    with ThreadPoolExecutor(hash_threads(len(names)), thread_name_prefix="sha256") as pool:
+        return dict(zip(names, pool.map(lambda name: local.sha256(folder / name), names)))
 
 
 def apply_retention(root: str | Path, keep_last: int) -> list[Location]:
@@ -302,11 +319,13 @@ def apply_retention(root: str | Path, keep_last: int) -> list[Location]:
 
 
 @contextmanager
-def local_copy(step_dir: str | Path, written: bool | None = None) -> Iterator[Path]:
+def local_copy(step_dir: str | Path, written: bool | None = None,
+               only: tuple[str, ...] | None = None) -> Iterator[Path]:
     """The step folder as a local folder of the same name: itself on disk; on S3 a temporary
-    download of the manifest, every file it lists and a QUARANTINE_REASON (so the copy refuses
-    to verify too). Nothing is verified here: `verify` the copy (same bytes). ``written``: as
-    for `read_manifest` (the manifest and its files get the read-after-write allowance).
+    download of the manifest, every file it lists (those of them in ``only``, when given) and a
+    QUARANTINE_REASON (so the copy refuses to verify too). Nothing is verified here: `verify`
+    the copy (same bytes). ``written``: as for `read_manifest` (the manifest and its files get
+    the read-after-write allowance).
     """
     store, step_dir = _located(step_dir)
     just_written = _just_written(store.join(step_dir, MANIFEST), written)
@@ -314,6 +333,8 @@ def local_copy(step_dir: str | Path, written: bool | None = None) -> Iterator[Pa
         names = list(read_manifest(step_dir, just_written)["files"])
     except CheckpointError:
         names = []  # the copy has no manifest either: every check says so
+    if only is not None:
+        names = [name for name in names if name in only]
     if just_written:
         for name in names:  # visible before the download looks for them
             size_written(store, store.join(step_dir, name), "checkpoint file")
@@ -342,7 +363,7 @@ def load_checkpoint(step_dir: str | Path) -> Checkpoint:
     """
     where = _located(step_dir)[1]
     try:
-        with local_copy(where) as folder:
+        with local_copy(where, only=REQUIRED_FILES) as folder:  # not every rank's files
             weights = safetensors.torch.load_file(folder / WEIGHTS, device="cpu")
             optimizer = torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
             state = torch.load(folder / TRAINER_STATE, map_location="cpu", weights_only=True)
@@ -350,6 +371,23 @@ def load_checkpoint(step_dir: str | Path) -> Checkpoint:
     except Exception as err:  # storage, safetensors, pickle and JSON each raise their own types
         raise CheckpointError(f"loading checkpoint {where} failed: {type(err).__name__}: {err}") from err
     return Checkpoint(where, int(state["step"]), weights, optimizer, state, meta)
+
+
+def load_rank_file(step_dir: str | Path, name: str) -> Any:
+    """One per-rank file of a checkpoint (`write_checkpoint`'s ``rank_files``), read with
+    ``weights_only=True``; on S3 only that file is downloaded. Does not verify hashes.
+
+    Raises:
+        CheckpointError: the manifest does not list ``name``, or it cannot be read or decoded.
+    """
+    where = _located(step_dir)[1]
+    if name not in read_manifest(where)["files"]:
+        raise CheckpointError(f"{join(where, name)}: not in the checkpoint's manifest")
+    try:
+        with local_copy(where, only=(name,)) as folder:
+            return torch.load(folder / name, map_location="cpu", weights_only=True)
+    except Exception as err:  # storage and pickle each raise their own types
+        raise CheckpointError(f"loading {join(where, name)} failed: {type(err).__name__}: {err}") from err
 
 
 def capture_rng_state() -> dict[str, Any]:

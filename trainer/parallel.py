@@ -22,9 +22,11 @@ Gradient compression (DDP communication hooks, `torch.distributed.algorithms.ddp
 ``powersgd`` is PowerSGD (Vogels et al., 2019) with error feedback and warm start,
 ``matrix_approximation_rank = framework.powersgd_rank`` and ``start_powerSGD_iter = max(2,
 optim.warmup_steps)`` (vanilla all-reduce during the learning-rate warm-up, as the hook's
-documentation advises; 2 is the least it accepts). PowerSGD's state (error feedback, warm-start
-factors, iteration count) lives in the hook and is not checkpointed: a resumed attempt starts it
-afresh, so a resumed PowerSGD run is close to, but not bit-identical with, an uninterrupted one.
+documentation advises; 2 is the least it accepts). PowerSGD's per-rank state (error feedback,
+warm-start factors, iteration count, its RNG) is part of each checkpoint, one file per rank
+(trainer/powersgd.py, trainer/state.py): a resumed attempt on the same world size continues it and
+trains exactly as an uninterrupted run; on another world size it cannot map and starts afresh
+(logged, and recorded in meta.json's ``powersgd.restarts``).
 
 Checkpoints have one layout whatever the parallelism: rank 0 writes the full, unsharded weights
 and the AdamW state in `torch.optim.Optimizer.state_dict` form (parameters numbered 0.. in
@@ -60,6 +62,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainforge.trainer.config import JobConfig
 from trainforge.trainer.distributed import Dist
 from trainforge.trainer.model import check_weights, enable_activation_checkpointing, load_weights, tied_aliases, weights_state_dict
+from trainforge.trainer.powersgd import PowerSGDHook, powersgd_hook
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,7 @@ class Parallel:
     shapes: dict[str, torch.Size]  # full (unsharded) state-dict shapes
     aliases: dict[str, str]  # tied state-dict names -> the name stored in checkpoints
     rank: int
+    powersgd: PowerSGDHook | None = None  # the DDP hook's state under gradient_compression "powersgd"
 
     @contextmanager
     def grad_sync(self, sync: bool) -> Iterator[None]:
@@ -186,13 +190,17 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, d: Dist) -> Parallel:
                  d.world_size)
         return Parallel("fsdp", model, model, shapes, aliases, d.rank)
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
-    register_compression(ddp, cfg)
-    return Parallel("ddp", model, ddp, shapes, aliases, d.rank)
+    powersgd = register_compression(ddp, cfg)
+    return Parallel("ddp", model, ddp, shapes, aliases, d.rank, powersgd)
 
 
-def register_compression(ddp: DDP, cfg: JobConfig) -> None:
-    """Register the DDP communication hook for ``framework.gradient_compression`` (none: DDP's own)."""
+def register_compression(ddp: DDP, cfg: JobConfig) -> PowerSGDHook | None:
+    """Register the DDP communication hook for ``framework.gradient_compression`` (none: DDP's own).
+
+    Returns the hook's state under ``powersgd`` (checkpointed: trainer/powersgd.py), else None.
+    """
     fw = cfg.framework
+    hook = None
     if fw.gradient_compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif fw.gradient_compression == "bf16":
@@ -205,11 +213,13 @@ def register_compression(ddp: DDP, cfg: JobConfig) -> None:
             start_powerSGD_iter=max(2, cfg.optim.warmup_steps),
             random_seed=cfg.optim.seed % 2**32,  # numpy RandomState seed for the low-rank factors
         )
-        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = PowerSGDHook(state)
+        ddp.register_comm_hook(hook, powersgd_hook)
     if fw.gradient_compression != "none":
         log.info("DDP gradient compression: %s%s", fw.gradient_compression,
                  f" (rank {fw.powersgd_rank}, start_powerSGD_iter {max(2, cfg.optim.warmup_steps)})"
                  if fw.gradient_compression == "powersgd" else "")
+    return hook
 
 
 # No annotations on purpose: DDP checks a hook's annotations by identity, and this module's

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import transformers
 
 from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer import powersgd
 from trainforge.trainer.amp import Precision
 from trainforge.trainer.config import ConfigError, JobConfig
 from trainforge.trainer.dataset import Dataset
@@ -89,9 +90,8 @@ def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, 
         raise ckpt.CheckpointError(f"{c.path}: {err}") from err
     if amp.scaler is not None and not amp.load_state_dict(c.trainer_state.get("grad_scaler")):
         log.warning("checkpoint %s has no fp16 loss-scaler state: starting from scale %g", c.path, amp.loss_scale())
-    if cfg.framework.gradient_compression == "powersgd":
-        log.warning("PowerSGD state (error feedback, warm-start factors, iteration count) is not checkpointed: "
-                    "restarting it, so this run is not bit-identical with an uninterrupted one")
+    if par.powersgd is not None:
+        _resume_powersgd(c, cfg, d, par, amp)
     rngs = c.trainer_state.get("rng", [])
     if c.trainer_state.get("world_size") == d.world_size and len(rngs) == d.world_size:
         ckpt.restore_rng_state(rngs[d.rank])
@@ -100,6 +100,47 @@ def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, 
                     c.trainer_state.get("world_size"), d.world_size)
     log.info("resuming from %s (step %d)", c.path, c.step)
     return c.step, int(c.trainer_state["tokens_seen"]), c.meta.get("metrics", {}), history
+
+
+def _resume_powersgd(c: ckpt.Checkpoint, cfg: JobConfig, d: Dist, par: Parallel, amp: Precision) -> None:
+    """Continue each rank's PowerSGD state from its file in ``c``, or start it afresh everywhere.
+
+    Afresh (a warning, and an entry in meta.json's ``powersgd.restarts`` from the next
+    checkpoint on) when the checkpoint's world size differs (error feedback is per rank and does
+    not map onto other ranks), it holds no PowerSGD state, or a rank cannot use its file. All
+    ranks decide together: one rank continuing while another starts afresh would run different
+    collectives.
+    """
+    hook = par.powersgd
+    saved = c.meta.get("powersgd") or {}
+    hook.restarts = [dict(r) for r in saved.get("restarts") or []]
+    state, why = None, ""
+    if int(c.meta.get("world_size", -1)) != d.world_size:
+        why = (f"the checkpoint was trained on world size {c.meta.get('world_size')}, this attempt runs "
+               f"{d.world_size} ranks, and error feedback is per rank")
+    elif not saved:
+        why = "the checkpoint holds no PowerSGD state (written without gradient_compression powersgd)"
+    else:
+        try:
+            state, why = powersgd.from_state_dict(hook.state, ckpt.load_rank_file(c.path, ckpt.powersgd_file(d.rank)),
+                                                  d.device)
+        except ckpt.CheckpointError as err:
+            why = str(err)
+    usable = torch.tensor([0 if state is None else 1], device=d.device)
+    dist.all_reduce(usable)  # how many ranks can continue
+    if state is not None and usable.item() != d.world_size:
+        state, why = None, f"{d.world_size - usable.item()} other rank(s) could not use their PowerSGD state"
+    if state is None:
+        hook.restarts.append({"step": c.step, "reason": why})
+        log.warning("PowerSGD state not restored from %s: %s; starting it afresh (vanilla all-reduce for this "
+                    "attempt's first %d steps), so this run is not identical with an uninterrupted one; recorded in "
+                    "meta.json powersgd.restarts", c.path, why, hook.state.start_powerSGD_iter)
+        return
+    hook.state = state
+    log.info("PowerSGD state restored from %s (iteration %d, error feedback of %d buckets)", c.path, state.iter,
+             len(state.error_dict))
+    tokens = torch.zeros((cfg.optim.micro_batch_size, cfg.data.sequence_length), dtype=torch.long, device=d.device)
+    powersgd.rebuild_buckets(par.module, hook, tokens, amp.autocast())
 
 
 def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, amp: Precision, step: int,
@@ -124,6 +165,11 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
     else:
         rngs = [ckpt.capture_rng_state()]
     weights, optimizer_state = par.full_state(optimizer)  # a collective under FSDP; None on ranks > 0
+    rank_files: dict[str, dict] = {}
+    if par.powersgd is not None:  # each rank's own state, written by rank 0 like the RNG states
+        states = [None] * d.world_size
+        dist.gather_object(powersgd.state_dict(par.powersgd.state), states if d.rank == 0 else None, dst=0)
+        rank_files = {ckpt.powersgd_file(r): s for r, s in enumerate(states)} if d.rank == 0 else {}
     path = None
     if d.rank == 0:
         state = {"step": step, "tokens_seen": tokens_seen, "world_size": d.world_size, "scheduler": {"step": step},
@@ -138,8 +184,11 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
                             "tokenizer_sha256": dataset.tokenizer_sha256},
                 "job_config": cfg.raw, "versions": _versions(), "metrics": metrics,
                 "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        if par.powersgd is not None:
+            meta["powersgd"] = {"files": list(rank_files), "iteration": par.powersgd.state.iter,
+                                "restarts": par.powersgd.restarts}
         t0 = time.perf_counter()
-        path = ckpt.write_checkpoint(cfg.checkpoint.dir, step, weights, optimizer_state, state, meta)
+        path = ckpt.write_checkpoint(cfg.checkpoint.dir, step, weights, optimizer_state, state, meta, rank_files)
         deleted = ckpt.apply_retention(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
         log.info("checkpoint %s written in %.2fs (retention deleted %d)", path, time.perf_counter() - t0, len(deleted))
     if d.enabled:
