@@ -1,9 +1,9 @@
 """Several test hosts on one machine: Linux network namespaces joined by veth pairs on a bridge.
 
 ``with test_hosts(2, rate="100mbit", delay="1ms") as hosts:`` gives two hosts, each a network
-namespace with its own ``eth0`` on a private test subnet, its own loopback, and a hosts file in
-which the machine's hostname and the other hosts' names resolve to their test addresses, as on
-separate machines. Their links meet on a bridge in the calling (root) namespace, which holds the
+namespace with its own ``eth0`` on a private test subnet, its own loopback, its own hostname
+(``h0``, ``h1``, ...), and a hosts file in which every host's name resolves to its test address,
+as on separate machines. Their links meet on a bridge in the calling (root) namespace, which holds the
 subnet's first address: that is the "submit host" from which the tests' orchestrator (Airflow,
 ``sbatch``, the Ray job client) reaches the hosts. Nothing outside the subnet and loopback is
 ever addressed.
@@ -19,8 +19,9 @@ of the machine overlaps)::
 session killed before it cleaned up leaves names that the next one recognises as stale (their
 process is gone) and removes first.
 
-* :meth:`TestHosts.argv` wraps a command to run on host ``i`` (``ip netns exec``, which also
-  bind-mounts ``/etc/netns/<namespace>/hosts`` over ``/etc/hosts`` for it);
+* :meth:`TestHosts.argv` wraps a command to run on host ``i``: in its network namespace, with
+  the host's name as its hostname and the hosts' hosts file over ``/etc/hosts`` (private mount
+  and UTS namespaces: the machine's own files and name never change);
 * :meth:`TestHosts.shape` puts a rate and delay (``tc`` netem) on every host's link, both ways;
 * :meth:`TestHosts.cut` / :meth:`TestHosts.restore` take one host's link down and up (a lost
   host whose processes live on), :meth:`TestHosts.kill` kills every process on one host;
@@ -44,8 +45,8 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -55,7 +56,6 @@ import pytest
 
 PREFIX = "tf"
 SUPERNET = ipaddress.ip_network("10.213.0.0/16")
-NETNS_ETC = Path("/etc/netns")
 
 
 def _ip(*args: str, check: bool = True, ns: str | None = None) -> subprocess.CompletedProcess:
@@ -119,7 +119,6 @@ def remove_stale() -> list[str]:
         if name in names:
             _kill_namespace(name)
             _ip("netns", "del", name, check=False)
-            shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
         else:
             _ip("link", "del", name, check=False)
         removed.append(name)
@@ -216,10 +215,10 @@ class TestHosts:
         remove_stale()
         atexit.register(self.remove)
         self._up = True
+        self._etc = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{self.tag}-etc-"))
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.submit_address}/{self.subnet.prefixlen}", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
-        machine = socket.gethostname()
         for i, (ns, veth) in enumerate(zip(self.namespaces, self._veths)):
             _ip("netns", "add", ns)
             _ip("link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
@@ -230,14 +229,9 @@ class TestHosts:
             _ip("link", "set", "lo", "up", ns=ns)
             _ip("link", "set", veth, "master", self.bridge)
             _ip("link", "set", veth, "up")
-            etc = NETNS_ETC / ns
-            etc.mkdir(parents=True, exist_ok=True)
-            lines = ["127.0.0.1 localhost", "::1 localhost"]
-            lines.append(f"{self.submit_address} submit")
-            for j in range(self.count):
-                names = f"{self.name(j)}" + (f" {machine}" if j == i else "")
-                lines.append(f"{self.address(j)} {names}")
-            (etc / "hosts").write_text("\n".join(lines) + "\n")
+            lines = ["127.0.0.1 localhost", "::1 localhost", f"{self.submit_address} submit"]
+            lines += [f"{self.address(j)} {self.name(j)}" for j in range(self.count)]
+            self._hosts_file(i).write_text("\n".join(lines) + "\n")
         self._wait_reachable()
 
     def _wait_reachable(self, timeout_s: float = 15.0) -> None:
@@ -259,7 +253,7 @@ class TestHosts:
             _kill_namespace(ns)
         for ns in self.namespaces:
             _ip("netns", "del", ns, check=False)
-            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        shutil.rmtree(self._etc, ignore_errors=True)
         for veth in self._veths:
             _ip("link", "del", veth, check=False)
         _ip("link", "del", self.bridge, check=False)
@@ -267,8 +261,18 @@ class TestHosts:
 
     # -- using the hosts ----------------------------------------------------------------------
     def argv(self, i: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on host ``i``."""
-        return ["ip", "netns", "exec", self.namespaces[i], *argv]
+        """``argv`` run on host ``i``: in its network namespace (``nsenter``), with a hostname of
+        its own (the host's name, in a UTS namespace) and its hosts file bind-mounted over
+        ``/etc/hosts`` (in a mount namespace of its own, so nothing of the machine changes).
+        The rest of the file system is the machine's: every host sees the same files, as nodes
+        on a shared file system do, and ``/sys`` (cgroups included) is left as it is."""
+        return ["nsenter", f"--net=/run/netns/{self.namespaces[i]}",
+                "unshare", "--mount", "--uts", "--propagation", "private", "--",
+                "sh", "-c", 'mount --bind "$0" /etc/hosts && hostname "$1" && shift && exec "$@"',
+                str(self._hosts_file(i)), self.name(i), *argv]
+
+    def _hosts_file(self, i: int) -> Path:
+        return self._etc / f"hosts-{self.name(i)}"
 
     def run(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
         kwargs.setdefault("capture_output", True)
