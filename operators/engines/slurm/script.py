@@ -175,13 +175,18 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
         **job.env,
     }
     port = opts.get("rendezvous_port")
-    port_expr = str(port) if port else f"$(( {DEFAULT_RENDEZVOUS_PORT} + SLURM_JOB_ID % 10000 ))"
+    python = q(opts.get("python") or "python3")
+    rendezvous = ["--rdzv-backend=c10d", '--rdzv-endpoint="$TRAINFORGE_RDZV_ADDR:$rdzv_port"',
+                  '--rdzv-id="$SLURM_JOB_ID"']
+    if job.startup_timeout_s:
+        # A node slower to start than the others (image pull, module load, a slow shared file
+        # system) is waited for as long as the job may take to start, not torchrun's 600 s.
+        rendezvous.append(f"--rdzv-conf=join_timeout={math.ceil(job.startup_timeout_s)}")
     torchrun = torchrun_argv(
         job, q(f"{folder}/job.json"),
-        launcher=python_torchrun(q(opts.get("python") or "python3")),
+        launcher=python_torchrun(python),
         standalone=False, nnodes='"$SLURM_NNODES"',
-        rendezvous=("--rdzv-backend=c10d", '--rdzv-endpoint="$head_node:$rdzv_port"',
-                    '--rdzv-id="$SLURM_JOB_ID"'),
+        rendezvous=tuple(rendezvous),
         log_dir=q(folder + "/ranks"), module=q(job.module))
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH {d}" for d in directives]
@@ -199,28 +204,86 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
         lines += [str(line) for line in opts["setup"]]
     lines += [
         "",
-        'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
-        f"rdzv_port={port_expr}",
-        'echo "trainforge: Slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; rendezvous '
-        '$head_node:$rdzv_port"',
+        "# How the job ended, for when Slurm no longer knows it (no accounting, purged record).",
+        "finish() {",
+        '  printf \'{"exit_code": %d, "ended_at": %d}\\n\' "$1" "$(date +%s)" '
+        '> "$TRAINFORGE_JOB_DIR/.exit.json.tmp" \\',
+        '    && mv "$TRAINFORGE_JOB_DIR/.exit.json.tmp" "$TRAINFORGE_JOB_DIR/exit.json"',
+        '  exit "$1"',
+        "}",
         "",
-        "# The first node's console is the job log; the others' go to ranks/node-<N>.log.",
+        "# The rendezvous runs on the first node (this one), at the address the controller reaches",
+        "# it at (its NodeAddr, else its name): every node must resolve it, and with several nodes",
+        "# it must not be a loopback address. 78 = a configuration error, not retried.",
+        "node_addr() { scontrol show node -o \"$1\" 2>/dev/null | tr ' ' '\\n' "
+        "| sed -n 's/^NodeAddr=//p' | head -n1; }",
+        'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
+        'TRAINFORGE_RDZV_ADDR="$(node_addr "$head_node")"',
+        'export TRAINFORGE_RDZV_ADDR="${TRAINFORGE_RDZV_ADDR:-$head_node}"',
+        'if ! getent ahosts "$TRAINFORGE_RDZV_ADDR" >/dev/null; then',
+        '  echo "trainforge: the first node $head_node has the address $TRAINFORGE_RDZV_ADDR, '
+        'which does not resolve on $(hostname); set its NodeAddr in slurm.conf or fix the '
+        'nodes\' name resolution" >&2',
+        "  finish 78",
+        "fi",
+        'if [ "$SLURM_NNODES" -gt 1 ] && getent ahosts "$TRAINFORGE_RDZV_ADDR" '
+        "| awk '{print $1}' | grep -Eq '^(127\\.|::1$)'; then",
+        '  echo "trainforge: the first node $head_node has the address $TRAINFORGE_RDZV_ADDR, '
+        'a loopback address the other $(( SLURM_NNODES - 1 )) node(s) cannot reach; set its '
+        'NodeAddr in slurm.conf to an address the nodes route to" >&2',
+        "  finish 78",
+        "fi",
+        "",
+        "# The rendezvous port, on the first node: "
+        + ("training.slurm.rendezvous_port, fixed" if port else
+           f"{DEFAULT_RENDEZVOUS_PORT} + job id % 10000 unless that one is taken, then a free one"),
+        f"rdzv_port={port if port else f'$(( {DEFAULT_RENDEZVOUS_PORT} + SLURM_JOB_ID % 10000 ))'}",
+        f"if ! {python} -c 'import socket, sys; socket.socket().bind((\"\", int(sys.argv[1])))' "
+        '"$rdzv_port" 2>/dev/null; then',
+    ]
+    if port:
+        lines += [
+            '  echo "trainforge: the rendezvous port $rdzv_port (training.slurm.rendezvous_port) '
+            'is in use on the first node $head_node; free it or choose another port" >&2',
+            "  finish 1",
+        ]
+    else:
+        lines += [
+            f"  taken=$rdzv_port; rdzv_port=$({python} -c 'import socket; s = socket.socket(); "
+            f"s.bind((\"\", 0)); print(s.getsockname()[1])')",
+            '  echo "trainforge: port $taken is in use on $head_node; the rendezvous takes the '
+            'free port $rdzv_port"',
+        ]
+    lines += [
+        "fi",
+        'echo "trainforge: Slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; rendezvous '
+        '$TRAINFORGE_RDZV_ADDR:$rdzv_port"',
+        "",
+        "# Each node's torchrun names itself to the others by its own NodeAddr (--local-addr, as",
+        "# PET_LOCAL_ADDR), not by a host name that may resolve differently on another node. The",
+        "# first node's console is the job log; the others' go to ranks/node-<N>.log.",
         # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it on.
         "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 "
         "--cpus-per-task=\"$SLURM_CPUS_PER_TASK\" \\",
         "  --kill-on-bad-exit=1 \\",
-        "  bash -c '[ \"$SLURM_NODEID\" = 0 ] || exec >>\"$TRAINFORGE_JOB_DIR/ranks/node-"
-        "$SLURM_NODEID.log\" 2>&1; exec \"$@\"' trainforge-node \\",
+        "  bash -c " + q(_NODE_PREAMBLE) + " trainforge-node \\",
         "  " + " \\\n    ".join(_pairs(torchrun)),
-        "rc=$?",
-        "",
-        "# How the job ended, for when Slurm no longer knows it (no accounting, purged record).",
-        'printf \'{"exit_code": %d, "ended_at": %d}\\n\' "$rc" "$(date +%s)" '
-        '> "$TRAINFORGE_JOB_DIR/.exit.json.tmp" \\',
-        '  && mv "$TRAINFORGE_JOB_DIR/.exit.json.tmp" "$TRAINFORGE_JOB_DIR/exit.json"',
-        'exit "$rc"',
+        'finish "$?"',
     ]
     return "\n".join(lines) + "\n"
+
+
+# What every node's srun task runs before torchrun (bash; the script's variables are exported).
+_NODE_PREAMBLE = "; ".join([
+    'a="$(scontrol show node -o "$SLURMD_NODENAME" 2>/dev/null | tr " " "\\n" '
+    '| sed -n "s/^NodeAddr=//p" | head -n1)"',
+    'export PET_LOCAL_ADDR="${a:-$SLURMD_NODENAME}"',
+    'getent ahosts "$TRAINFORGE_RDZV_ADDR" >/dev/null || { echo "trainforge: node '
+    '$SLURMD_NODENAME cannot resolve the first node\'s address $TRAINFORGE_RDZV_ADDR (the '
+    'rendezvous); fix its name resolution or set NodeAddr in slurm.conf" >&2; exit 78; }',
+    '[ "$SLURM_NODEID" = 0 ] || exec >>"$TRAINFORGE_JOB_DIR/ranks/node-$SLURM_NODEID.log" 2>&1',
+    'exec "$@"',
+])
 
 
 def _pairs(argv: list[str]) -> list[str]:
