@@ -50,35 +50,63 @@ def _free_port() -> int:
 
 
 class SlurmCluster:
-    """One controller and one compute node named ``localhost``, partition ``debug``.
+    """One controller and one compute node named ``localhost``, partition ``debug``; or, given
+    test ``hosts`` (:class:`tests.hosts.TestHosts`), slurmctld on the first host and one slurmd
+    per host, nodes named as the hosts (``h0``, ``h1``, ...) at their test addresses. munged runs
+    on the machine: its socket is a file, which every host sees, as is the cluster's folder (the
+    shared file system of the job folders).
 
     Args:
         root: an empty, short folder (unix socket paths must stay under 108 bytes).
-        cpus: CPUs the node declares.
-        memory_mib: memory the node declares, MiB (``DefMemPerCPU`` is 100 MiB).
+        cpus: CPUs each node declares.
+        memory_mib: memory each node declares, MiB (``DefMemPerCPU`` is 100 MiB).
+        hosts: several test hosts to run the nodes on; None: one node on loopback.
+        slurmd_timeout_s: how long the controller waits for an unresponsive node before it marks
+            the node DOWN and fails its jobs (``SlurmdTimeout``; Slurm's default is 300 s).
     """
 
-    def __init__(self, root: Path, cpus: int = 2, memory_mib: int = 2000):
+    def __init__(self, root: Path, cpus: int = 2, memory_mib: int = 2000, hosts=None,
+                 slurmd_timeout_s: int = 300):
         self.root = Path(root)
         self.cpus = cpus
         self.memory_mib = memory_mib
+        self.hosts = hosts
+        self.slurmd_timeout_s = slurmd_timeout_s
         self.conf = self.root / "slurm.conf"
         self._procs: list[subprocess.Popen] = []
+
+    @property
+    def node_names(self) -> list[str]:
+        if self.hosts is None:
+            return ["localhost"]
+        return [self.hosts.name(i) for i in range(self.hosts.count)]
+
+    def _nodes_lines(self) -> list[str]:
+        if self.hosts is None:
+            return [f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} "
+                    f"RealMemory={self.memory_mib} State=UNKNOWN"]
+        return [f"NodeName={self.hosts.name(i)} NodeAddr={self.hosts.address(i)} CPUs={self.cpus} "
+                f"RealMemory={self.memory_mib} State=UNKNOWN" for i in range(self.hosts.count)]
 
     def env(self) -> dict[str, str]:
         return {"SLURM_CONF": str(self.conf)}
 
     def write_config(self) -> None:
         r = self.root
-        for sub in ("state", "spool", "log", "munge"):
+        for sub in ("state", "log", "munge", *(
+                ["spool"] if self.hosts is None else [f"spool-{n}" for n in self.node_names])):
             (r / sub).mkdir(parents=True, exist_ok=True)
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         ctld_port, d_port = _free_port(), _free_port()
+        nodes = ",".join(self.node_names)
+        ctld = ("localhost" if self.hosts is None
+                else f"{self.hosts.name(0)}({self.hosts.address(0)})")
+        per_node = "" if self.hosts is None else "-%n"
         self.conf.write_text("\n".join([
             "ClusterName=trainforge-test",
-            "SlurmctldHost=localhost",
+            f"SlurmctldHost={ctld}",
             f"SlurmctldPort={ctld_port}",
             f"SlurmdPort={d_port}",
             "SlurmUser=root",
@@ -87,11 +115,12 @@ class SlurmCluster:
             "CredType=cred/munge",
             f"AuthInfo=socket={r}/munge/sock",
             f"StateSaveLocation={r}/state",
-            f"SlurmdSpoolDir={r}/spool",
+            f"SlurmdSpoolDir={r}/spool{per_node}",
             f"SlurmctldPidFile={r}/slurmctld.pid",
-            f"SlurmdPidFile={r}/slurmd.pid",
+            f"SlurmdPidFile={r}/slurmd{per_node}.pid",
             f"SlurmctldLogFile={r}/log/slurmctld.log",
-            f"SlurmdLogFile={r}/log/slurmd.log",
+            f"SlurmdLogFile={r}/log/slurmd{per_node}.log",
+            f"SlurmdTimeout={self.slurmd_timeout_s}",
             "ProctrackType=proctrack/linuxproc",
             "TaskPlugin=task/none",
             "SelectType=select/cons_tres",
@@ -108,11 +137,10 @@ class SlurmCluster:
             # Scheduling every second keeps the tests quick; KillWait bounds a forced cancel.
             "SchedulerParameters=sched_interval=1",
             "KillWait=5",
-            f"NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} "
-            f"RealMemory={self.memory_mib} State=UNKNOWN",
-            "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP",
+            *self._nodes_lines(),
+            f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP",
             # A partition whose jobs may run at most a minute: longer ones can never start.
-            "PartitionName=short Nodes=localhost MaxTime=1 State=UP",
+            f"PartitionName=short Nodes={nodes} MaxTime=1 State=UP",
             "",
         ]))
 
@@ -125,14 +153,20 @@ class SlurmCluster:
                      f"--log-file={r}/munge/munged.log", f"--seed-file={r}/munge/seed"],
                     r / "log" / "munged.out", env)
         self._wait(lambda: (r / "munge" / "sock").exists(), 15.0, "munged's socket")
-        self._spawn([_which("slurmctld"), "-D", "-i"], r / "log" / "slurmctld.out", env)
-        self._spawn([_which("slurmd"), "-D", "-N", "localhost"], r / "log" / "slurmd.out", env)
-        self._wait(self._node_idle, timeout_s, "the node to become idle (sinfo)")
+        self._spawn(self._on(0, [_which("slurmctld"), "-D", "-i"]), r / "log" / "slurmctld.out", env)
+        for i, node in enumerate(self.node_names):
+            self._spawn(self._on(i, [_which("slurmd"), "-D", "-N", node]),
+                        r / "log" / f"slurmd-{node}.out", env)
+        self._wait(self._node_idle, timeout_s, "every node to become idle (sinfo)")
+
+    def _on(self, i: int, argv: list[str]) -> list[str]:
+        """``argv`` run on host ``i`` (as it is without test hosts)."""
+        return argv if self.hosts is None else self.hosts.argv(i, argv)
 
     def _node_idle(self) -> bool:
         proc = subprocess.run([_which("sinfo"), "-h", "-N", "-o", "%t"], capture_output=True,
                               text=True, env={**os.environ, **self.env()}, timeout=10)
-        # one line per partition the node is in
+        # one line per node and partition it is in
         states = set(proc.stdout.split())
         return proc.returncode == 0 and states == {"idle"}
 
