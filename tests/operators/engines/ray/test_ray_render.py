@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -14,10 +15,12 @@ from trainforge.engines.base import JobIdentity, TrainingJob
 from trainforge.engines.ray.backend import RayBackend
 from trainforge.engines.ray.render import CONFIG_ENV, RESULT_MARKER, parse_result
 from trainforge.engines.ray.head import free_port
+from trainforge.engines.ray import launcher
 from trainforge.errors import BackendError
 
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden" / "ray_render.json"
+GOLDEN_NODES = HERE / "golden" / "ray_render_nodes2.json"
 
 
 def _job(**overrides) -> TrainingJob:
@@ -51,6 +54,102 @@ def test_render_is_pure_and_matches_golden():
     assert json.loads(submit["runtime_env"]["env_vars"][CONFIG_ENV]) == _job().config
     assert submit["entrypoint_num_cpus"] == 6.0  # 2 ranks x 3 threads
     assert submit["entrypoint_memory"] == 8 * 2**30
+
+
+def test_two_nodes_render_the_launcher_and_match_golden():
+    job = _job(nodes=2, gpus_per_node=4)
+    rendered = RayBackend(address="http://ray-head:8265").render(job)
+    if os.environ.get("TRAINFORGE_UPDATE_GOLDEN"):
+        GOLDEN_NODES.write_text(json.dumps(rendered, indent=2, sort_keys=True) + "\n")
+    assert rendered == json.loads(GOLDEN_NODES.read_text())
+    submit = rendered["submit_job"]
+    # The entrypoint only coordinates: the nodes' CPUs, GPUs and memory are the bundles'.
+    assert (submit["entrypoint_num_cpus"], submit["entrypoint_num_gpus"]) == (0.0, 0.0)
+    assert "entrypoint_memory" not in submit
+    assert submit["metadata"]["trainforge.nodes"] == "2"
+    argv = shlex.split(submit["entrypoint"])
+    assert argv[:3] == ["python", "-m", launcher.MODULE]
+    args = launcher.parse_args(argv[3:])
+    assert (args.nodes, args.cpus_per_node, args.gpus_per_node) == (2, 6.0, 4.0)
+    assert (args.memory_bytes, args.startup_timeout_s) == (8 * 2**30, 600.0)
+    assert launcher.bundle(args.cpus_per_node, args.gpus_per_node, args.memory_bytes) == {
+        "CPU": 6.0, "GPU": 4.0, "memory": float(8 * 2**30)}
+    filled = launcher.fill(args.torchrun, {
+        launcher.JOB_DIR: "/tmp/d", launcher.RDZV_ENDPOINT: "10.0.0.5:29400",
+        launcher.LOCAL_ADDR: "10.0.0.7", launcher.IS_HOST: "false"})
+    assert filled[0] == "torchrun" and "--standalone" not in filled
+    for option in ("--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+                   "--rdzv-endpoint=10.0.0.5:29400", f"--rdzv-id={job.identity.key}",
+                   "--rdzv-conf=is_host=false", "--local-addr=10.0.0.7",
+                   "--log-dir=/tmp/d/ranks"):
+        assert option in filled, filled
+    assert filled[-4:] == ["-m", "trainforge.trainer.train", "--config", "/tmp/d/job.json"]
+    # One node keeps today's request exactly.
+    assert RayBackend(address="http://ray-head:8265").render(_job(nodes=1)) == json.loads(
+        GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--key", "k", "--nodes", "1", "--cpus-per-node", "1", "--", "torchrun"], "--nodes >= 2"),
+    (["--key", "k", "--nodes", "2", "--cpus-per-node", "1"], "a torchrun command after --"),
+])
+def test_the_launcher_refuses_a_bad_command_line(argv, fragment, capsys):
+    with pytest.raises(SystemExit):
+        launcher.parse_args(argv)
+    assert fragment in capsys.readouterr().err
+
+
+class _FakeRay:
+    """What the launcher's wait loop uses of ``ray``. ``ends``: (node, outcome) in the order the
+    node tasks end, an outcome being the task's value or the exception ``ray.get`` raises; a
+    task cancelled before it ended ends cancelled."""
+
+    def __init__(self, ends):
+        self.order = [node for node, _ in ends]
+        self.outcomes = dict(ends)
+        self.cancelled = []
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        if timeout is not None:  # the grace wait after a cancel: all ended by then
+            return list(refs), []
+        first = min(refs, key=self.order.index)
+        return [first], [r for r in refs if r != first]
+
+    def get(self, ref):
+        value = self.outcomes[ref]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    def cancel(self, ref, force=False):
+        self.cancelled.append(ref)
+        self.outcomes[ref] = RuntimeError("TaskCancelledError: cancelled")
+
+
+def _node(i, code, result=None):
+    return i, {"node": i, "address": f"10.0.0.{i}", "exit_code": code, "result": result}
+
+
+@pytest.mark.parametrize("ends,exit_code,result,cancelled", [
+    ([_node(0, 0), _node(1, 0, {"status": "success"})], 0, {"status": "success"}, []),
+    # rank 0 (on node 1 here: c10d orders ranks by address) failed permanently; node 0 is
+    # stopped; torchrun's code is the job's, the result says permanent.
+    ([_node(1, 1, {"status": "bad_config", "exit_code": 78}), _node(0, 0)], 1,
+     {"status": "bad_config", "exit_code": 78}, [0]),
+    # node 1's worker died: node 0 is stopped, the job fails without a result.
+    ([(1, RuntimeError("NodeDiedError: node 10.0.0.1 died")), _node(0, 0)], 1, None, [0]),
+], ids=["success", "rank0-fails", "node-dies"])
+def test_the_launcher_waits_for_every_node_and_stops_the_rest_on_a_failure(
+        monkeypatch, capsys, ends, exit_code, result, cancelled):
+    monkeypatch.setattr(launcher, "LOG_FLUSH_S", 0.0)
+    fake = _FakeRay(ends)
+    assert launcher._collect(fake, [0, 1], 2) == exit_code
+    out = capsys.readouterr().out
+    assert parse_result(out) == result
+    assert fake.cancelled == cancelled
+    assert "node 0 of 2 ended" in out and "node 1 of 2 ended" in out, out
+    if exit_code:
+        assert "stopping the other nodes" in out
 
 
 def test_spec_values_override_the_resource_defaults():
