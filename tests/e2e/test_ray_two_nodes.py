@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,7 @@ def cluster():
     temp_dir = Path(tempfile.mkdtemp(prefix="tf-ray2-"))
     with test_hosts(2) as hosts, ray_cluster(hosts, temp_dir, cpus_per_node=1) as ray:
         yield hosts, ray
-    subprocess.run(["rm", "-rf", str(temp_dir)], check=False)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _job_processes(hosts) -> list[tuple[int, int, str]]:

@@ -22,6 +22,11 @@ FAILED                                       FAILED: permanent when the trainer'
 STOPPED                                      CANCELLED
 ===========  ==============================  ===================================================
 
+With ``resources.nodes`` > 1 the entrypoint (:mod:`trainforge.engines.ray.launcher`) needs no
+resources of its own, so the job is RUNNING while it waits for its placement group (one bundle
+per node): the launcher applies the same startup timeout to that wait and fails the job with a
+result line saying what it asked for and which nodes the cluster has (transient).
+
 ``ray`` is imported inside the methods that talk to the cluster: parsing a DAG never imports it.
 """
 
@@ -147,9 +152,9 @@ class RayBackend(Backend):
             log.warning("Submitting Ray job %s raised %s, but the cluster has it: counting it as "
                         "submitted", sid, _first_line(str(err)))
             return self._handle_from_info(job.identity, sid, info)
-        log.info("Submitted Ray job %s to %s (%s ranks, %s CPUs, %s GPUs reserved)", sid,
-                 self._resolve()[0], job.processes_per_node, request["entrypoint_num_cpus"],
-                 request["entrypoint_num_gpus"])
+        log.info("Submitted Ray job %s to %s (%s nodes x %s ranks; %s)", sid,
+                 self._resolve()[0], job.nodes, job.processes_per_node,
+                 request["metadata"]["trainforge.resources"])
         deadline = (submitted_at + job.startup_timeout_s
                     if job.startup_timeout_s is not None else None)
         return self._handle(job.identity, sid, submitted_at, deadline)
