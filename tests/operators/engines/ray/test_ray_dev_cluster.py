@@ -52,3 +52,22 @@ def test_a_spec_with_a_connection_keeps_it():
     training = TrainingSection.model_validate({**BASE, "ray": {"connection_id": "ray_prod"}})
     with contextlib.ExitStack() as stack:
         assert get_engine("ray").dev_cluster_starter()(training, stack, print, {}) is None
+
+
+def test_several_nodes_are_refused_rather_than_started_as_one_local_head(monkeypatch, free_addr):
+    from trainforge.errors import BackendError
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+    training = TrainingSection.model_validate(
+        {**BASE, "resources": {"nodes": 2, "processes_per_node": 1}, "ray": {"address": free_addr}})
+    with contextlib.ExitStack() as stack, pytest.raises(BackendError, match="is one Ray node"):
+        get_engine("ray").dev_cluster_starter()(training, stack, print, {})
+
+
+@pytest.fixture
+def free_addr() -> str:
+    """A job API address where nothing answers."""
+    from trainforge.engines.ray.head import free_port
+
+    return f"http://127.0.0.1:{free_port()}"
