@@ -26,7 +26,9 @@ documentation advises; 2 is the least it accepts). PowerSGD's per-rank state (er
 warm-start factors, iteration count, its RNG) is part of each checkpoint, one file per rank
 (trainer/powersgd.py, trainer/state.py): a resumed attempt on the same world size continues it and
 trains exactly as an uninterrupted run; on another world size it cannot map and starts afresh
-(logged, and recorded in meta.json's ``powersgd.restarts``).
+(logged, and recorded in meta.json's ``powersgd.restarts``). On gloo each bucket's PowerSGD
+finishes before the next bucket's starts (torch's hook can otherwise issue the all-reduces of
+several buckets in different orders on different ranks: trainer/powersgd.py).
 
 Checkpoints have one layout whatever the parallelism: rank 0 writes the full, unsharded weights
 and the AdamW state in `torch.optim.Optimizer.state_dict` form (parameters numbered 0.. in
@@ -213,7 +215,7 @@ def register_compression(ddp: DDP, cfg: JobConfig) -> PowerSGDHook | None:
             start_powerSGD_iter=max(2, cfg.optim.warmup_steps),
             random_seed=cfg.optim.seed % 2**32,  # numpy RandomState seed for the low-rank factors
         )
-        hook = PowerSGDHook(state)
+        hook = PowerSGDHook(state, wait_each_bucket=dist.get_backend() != "nccl")  # why: trainer/powersgd.py
         ddp.register_comm_hook(hook, powersgd_hook)
     if fw.gradient_compression != "none":
         log.info("DDP gradient compression: %s%s", fw.gradient_compression,

@@ -19,6 +19,15 @@ first step would otherwise run with. `rebuild_buckets` therefore runs one forwar
 pass on a dummy batch whose bucket hook communicates nothing and leaves the state alone
 (``PowerSGDHook.local_only``): DDP then rebuilds its buckets before the first real step, as the
 uninterrupted run did before its second.
+
+On gloo the hook waits for each bucket's PowerSGD before DDP may call it for the next
+(``PowerSGDHook.wait_each_bucket``). torch's hook issues a bucket's second and third all-reduce
+(P, then Q) from the callbacks of its first, which run on gloo's threads when that one completes,
+so with two or more buckets in flight the ranks can issue the buckets' all-reduces in different
+orders: gloo then aborts the process ("Received data size doesn't match expected size. Is there
+a distributed collective mismatch", seen with torch 2.13 on the demo model, whose 2.5 M parameters
+fill several buckets). Waiting keeps every rank's order the bucket order, at the cost of the
+overlap of PowerSGD with the backward pass; NCCL keeps the overlap.
 """
 
 from __future__ import annotations
@@ -51,18 +60,23 @@ class PowerSGDHook:
 
     state: PowerSGDState
     local_only: bool = False  # True during `rebuild_buckets`: no communication, state untouched
+    wait_each_bucket: bool = False  # gloo: one bucket's PowerSGD at a time (module doc)
     # Steps at which an attempt started the state afresh, and why ([{"step", "reason"}], oldest first).
     restarts: list[dict[str, Any]] = field(default_factory=list)
 
 
 # No annotations on purpose (see parallel.bf16_compress_any_backend_hook).
 def powersgd_hook(hook, bucket):
-    """`powerSGD_hook.powerSGD_hook` on ``hook.state``; the bucket unchanged while ``hook.local_only``."""
+    """`powerSGD_hook.powerSGD_hook` on ``hook.state``, finished before returning when
+    ``hook.wait_each_bucket``; the bucket unchanged while ``hook.local_only``."""
     if hook.local_only:
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
-    return powerSGD_hook.powerSGD_hook(hook.state, bucket)
+    fut = powerSGD_hook.powerSGD_hook(hook.state, bucket)
+    if hook.wait_each_bucket:
+        fut.wait()
+    return fut
 
 
 def state_dict(state: PowerSGDState) -> dict[str, Any]:
