@@ -359,13 +359,21 @@ def test_hosts(count: int, rate: str | None = None, delay: str | None = None) ->
 test_hosts.__test__ = False  # type: ignore[attr-defined]
 
 
+def skip_if_unavailable() -> None:
+    """Skip the calling test, saying what is missing and how to get it, where test hosts cannot
+    be made here."""
+    why = unavailable()
+    if why:
+        from tests.conftest import skip_without
+
+        skip_without("hosts", why)
+
+
 @pytest.fixture
 def make_hosts() -> Iterator:
     """A factory ``make_hosts(count, rate=None, delay=None) -> TestHosts``; every host it made is
     removed when the test ends. Skips, saying what is missing, where hosts cannot be made."""
-    why = unavailable()
-    if why:
-        pytest.skip(f"needs {why}")
+    skip_if_unavailable()
     made: list[TestHosts] = []
 
     def make(count: int, rate: str | None = None, delay: str | None = None) -> TestHosts:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.hosts import test_hosts, unavailable
+from tests.hosts import skip_if_unavailable, test_hosts
 from tests.ray_cluster import ray_cluster
 
 HERE = Path(__file__).resolve().parent
@@ -38,9 +38,7 @@ JOB_PROCESS = re.compile(r"torchrun|torch\.distributed\.run|trainforge\.trainer\
 
 @pytest.fixture(scope="module")
 def cluster():
-    why = unavailable()
-    if why:
-        pytest.skip(f"needs {why}")
+    skip_if_unavailable()
     # Short: Ray's socket paths under it must stay under 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="tf-ray2-"))
     with test_hosts(2) as hosts, ray_cluster(hosts, temp_dir, cpus_per_node=1) as ray:

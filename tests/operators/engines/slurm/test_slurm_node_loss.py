@@ -27,6 +27,7 @@ from trainforge.contract import FailureKind
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
 from tests import hosts as test_hosts
+from tests.conftest import skip_without
 from tests.slurm_cluster import SlurmCluster, missing_binaries
 from tests.trainer.conftest import build_dataset, make_job
 
@@ -69,10 +70,8 @@ def _trainers(hosts, i: int) -> list[str]:
 @pytest.fixture
 def two_hosts_cluster(monkeypatch):
     if missing_binaries():
-        pytest.skip(f"needs Slurm and munge (missing: {', '.join(missing_binaries())})")
-    why = test_hosts.unavailable()
-    if why:
-        pytest.skip(f"needs {why}")
+        skip_without("slurm", f"missing: {', '.join(missing_binaries())}")
+    test_hosts.skip_if_unavailable()
     with test_hosts.test_hosts(2) as hosts:
         cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix="tf-slurm-loss-")), hosts=hosts,
                                slurmd_timeout_s=SLURMD_TIMEOUT_S)

@@ -25,6 +25,7 @@ import pytest
 
 from tests.e2e.conftest import shakespeare_corpus  # noqa: F401 - the demo corpus (session)
 from tests import hosts as test_hosts
+from tests.conftest import skip_without
 from tests.slurm_cluster import SlurmCluster, missing_binaries
 from tests.slurm_cluster import slurm_cluster  # noqa: F401 - the session's Slurm cluster
 
@@ -107,7 +108,9 @@ def _two_hosts_missing() -> str | None:
 
 
 def _skip():
-    pytest.skip(f"needs {_two_hosts_missing()}")
+    if missing_binaries():
+        skip_without("slurm", f"missing: {', '.join(missing_binaries())}")
+    test_hosts.skip_if_unavailable()
 
 
 def _two_node_run(tmp_path_factory, shakespeare_corpus, hosts):
