@@ -245,7 +245,7 @@ def test_the_real_trainer_trains_under_srun_and_torchrun(backend, tmp_path):
     assert status.state is JobState.SUCCEEDED, (status, log[-3000:])
     assert status.result["final_step"] == 6
     assert (tmp_path / "checkpoints" / "step-00000006" / "manifest.json").is_file()
-    assert "rendezvous localhost:" in log
+    assert "rendezvous 127.0.0.1:" in log
 
 
 STUBBORN = """\
