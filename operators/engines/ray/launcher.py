@@ -103,13 +103,17 @@ def _free_port(address: str) -> int:
         return sock.getsockname()[1]
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+def _pdeathsig() -> Any:
+    """A function for ``preexec_fn`` that asks for SIGTERM when the parent dies
+    (``prctl(PR_SET_PDEATHSIG)``), or None where there is no such call. libc is loaded here, in
+    the parent: the child of a threaded process (a Ray worker) must not import or allocate."""
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
 def probe(with_port: bool) -> dict[str, Any]:
@@ -140,7 +144,7 @@ def run_node(node: int, nodes: int, key: str, config: str, argv: list[str],
          f"console {console}")
     proc = subprocess.Popen(command, env={**os.environ, RESULT_FILE_ENV: result_file},
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, preexec_fn=_set_pdeathsig)
+                            stderr=subprocess.STDOUT, preexec_fn=_pdeathsig())
     pump = threading.Thread(target=_pump, args=(proc.stdout, console), daemon=True)
     pump.start()
     try:
