@@ -37,6 +37,7 @@ from faultlib import (
     job_processes,
     mlflow_run,
     mlflow_steps,
+    ranks_held,
     steps_logged,
     task_process,
     wait_for,
@@ -117,23 +118,29 @@ def test_sigterm_to_the_waiting_task_process_cancels_the_job_and_never_succeeds(
 def test_sigkilled_task_process_is_retried_and_the_retry_adopts_the_running_job(
         airflow_standalone, mlflow_server):
     server = airflow_standalone
-    max_steps = 15_000  # minutes of training: still running when try 2 looks (~160 steps/s here)
+    max_steps = 1500
     run_id, path, proc = start_waiting(server, max_steps=max_steps)
     wait_for("a checkpoint and a few steps past it", lambda: steps_logged(path) >= 25, 180, 0.2)
-    set_paused(server, SYNC_DAG, True)
-    try:
-        proc.kill()  # a lost worker: no on_kill, no cancel
-        ti = wait_try_ended(server, run_id)
-        assert (ti["state"], ti["try_number"]) == ("up_for_retry", 1), ti
-        assert exit_record(path) is None and job_processes(path)  # the job trains on
-    finally:
-        set_paused(server, SYNC_DAG, False)
+    key = JobIdentity(SYNC_DAG, run_id, "train", 1).key
+    # The ranks are held (SIGSTOP) from the kill until try 2 has adopted the job, so the job is
+    # still running when try 2 looks, however fast this machine trains.
+    with ranks_held(path):
+        assert steps_logged(path) < max_steps
+        set_paused(server, SYNC_DAG, True)
+        try:
+            proc.kill()  # a lost worker: no on_kill, no cancel
+            ti = wait_try_ended(server, run_id)
+            assert (ti["state"], ti["try_number"]) == ("up_for_retry", 1), ti
+            assert exit_record(path) is None and job_processes(path)  # the job trains on
+        finally:
+            set_paused(server, SYNC_DAG, False)
+        wait_for("try 2 to re-attach to the running job", lambda: f"Re-attaching to existing job {key}"
+                 in try_log(server, SYNC_DAG, run_id, 2), 300, 1)
     assert wait_run_end(server, SYNC_DAG, run_id) == "success", server.tail()
     ti = server.ti(SYNC_DAG, run_id, "train")
     assert (ti["state"], ti["try_number"]) == ("success", 2), ti
     assert not job_dir(server.home, SYNC_DAG, run_id, 2).exists()  # no second job
     log = try_log(server, SYNC_DAG, run_id, 2)
-    key = JobIdentity(SYNC_DAG, run_id, "train", 1).key
     assert f"Try 1's job {key} is running: adopting it" in log, log[-3000:]
     assert f"Re-attaching to existing job {key}" in log
     record = exit_record(path)
@@ -146,16 +153,17 @@ def test_sigkilled_task_process_is_retried_and_the_retry_adopts_the_running_job(
 def test_retry_after_the_job_finished_goes_straight_to_its_outputs(airflow_standalone,
                                                                     mlflow_server):
     server = airflow_standalone
-    # Long enough (tens of seconds) that the kill lands before the job ends, short enough to wait
-    # for: the job must still be running when try 1 is killed, and done before try 2 looks.
-    max_steps = 3000
+    max_steps = 1500
     run_id, path, proc = start_waiting(server, max_steps=max_steps)
-    assert exit_record(path) is None, "the job ended before the kill: raise max_steps"
     set_paused(server, SYNC_DAG, True)  # try 2 waits until the job has ended
     try:
-        proc.kill()
-        ti = wait_try_ended(server, run_id)
-        assert (ti["state"], ti["try_number"]) == ("up_for_retry", 1), ti
+        # The ranks are held (SIGSTOP) across the kill: the job is surely running when try 1
+        # is killed, and finishes on its own only after that try has ended.
+        with ranks_held(path):
+            assert exit_record(path) is None, "the job ended before the kill: raise max_steps"
+            proc.kill()
+            ti = wait_try_ended(server, run_id)
+            assert (ti["state"], ti["try_number"]) == ("up_for_retry", 1), ti
         record = wait_for("the job to finish on its own", lambda: exit_record(path), 600, 0.5)
         assert record["exit_code"] == 0 and record["cancelled"] is False
     finally:
