@@ -9,16 +9,19 @@ SPEC ?= dags/pipelines/shakespeare_llm.yaml
 # ENGINE=ray runs the demo on a Ray cluster (a local head on loopback unless RAY_ADDRESS answers).
 ENGINE ?=
 PYTEST_ARGS ?=
+# make test leaves out the heavy tier (pytest marker heavy); make test-all runs every test.
+TEST_MARKERS ?= not heavy
 
 export TRAINFORGE_HOME ?= $(CURDIR)/.trainforge
 export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
 
-.PHONY: help venv corpus demo test airflow mlflow schema clean
+.PHONY: help venv corpus demo test test-all airflow mlflow schema clean
 
 help:
 	@echo "make demo     run the demo pipeline end to end through Airflow (about 10 minutes)"
 	@echo "              (make demo ENGINE=ray: the same on a local Ray head)"
-	@echo "make test     run the test suite"
+	@echo "make test     run the test suite, less its heavy tier (under 50 minutes on 2 cores)"
+	@echo "make test-all the whole suite, heavy tier included"
 	@echo "make airflow  Airflow UI (airflow standalone) and MLflow UI on loopback"
 	@echo "make mlflow   MLflow UI alone on http://127.0.0.1:5000 (the demo's store)"
 	@echo "make clean    remove runtime state ($(TRAINFORGE_HOME)); keeps the venv"
@@ -42,6 +45,9 @@ demo: venv corpus
 		--summary-json "$(TRAINFORGE_HOME)/last-demo-summary.json"
 
 test: venv
+	$(VENV)/bin/pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+
+test-all: venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 airflow: venv

@@ -23,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 BASE = HERE / "tiny_shakespeare.yaml"
 MODEL = "tiny-continued"
 
-pytestmark = [pytest.mark.airflow, pytest.mark.integration, pytest.mark.distributed]
+pytestmark = [pytest.mark.airflow, pytest.mark.integration, pytest.mark.distributed, pytest.mark.heavy]
 
 
 def _spec(tmp: Path, name: str, **changes) -> Path:

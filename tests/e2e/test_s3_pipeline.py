@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.airflow, pytest.mark.integration, pytest.mark.distributed]
+pytestmark = [pytest.mark.airflow, pytest.mark.integration, pytest.mark.distributed, pytest.mark.heavy]
 
 SPEC = """\
 pipeline:

@@ -14,7 +14,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 SPEC = HERE / "tiny_stages.yaml"
 
-pytestmark = [pytest.mark.airflow, pytest.mark.integration, pytest.mark.distributed]
+pytestmark = [pytest.mark.airflow, pytest.mark.integration, pytest.mark.distributed, pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,7 @@ def _cleared_task_waits_on_exactly_one_job(server, run_id: str, first: Path) -> 
     wait_for("no process of the job", lambda: not job_processes(live[0]), 30)
 
 
+@pytest.mark.heavy
 def test_triggerer_restart_keeps_the_job_and_the_run_finishes(airflow_standalone):
     server = airflow_standalone
     max_steps = 1500
@@ -113,6 +114,7 @@ def rank_processes(path: Path) -> list[psutil.Process]:
             and "torch.distributed.run" not in p.cmdline()]
 
 
+@pytest.mark.heavy
 @pytest.mark.distributed
 def test_worker_sigkill_mid_step_is_restarted_by_torchrun_and_resumes(airflow_standalone,
                                                                         mlflow_server):
@@ -136,6 +138,7 @@ def test_worker_sigkill_mid_step_is_restarted_by_torchrun_and_resumes(airflow_st
     assert len(steps) == len(set(steps)) and max(steps) == max_steps  # each step once
 
 
+@pytest.mark.heavy
 def test_lost_job_is_retried_by_a_new_job_that_resumes(airflow_standalone, mlflow_server):
     server = airflow_standalone
     max_steps = 600

@@ -27,7 +27,7 @@ from urllib.parse import quote
 import pytest
 from faultlib import has_dag, wait_for, wait_run_end
 
-pytestmark = [pytest.mark.airflow, pytest.mark.integration]
+pytestmark = [pytest.mark.airflow, pytest.mark.integration, pytest.mark.heavy]
 
 DAG = "approval_tiny"
 MODEL = "approval-tiny"

@@ -125,6 +125,7 @@ def test_validate_and_render(venv: Venv):
     assert rendered["tasks"][0] == "prepare_data" and "train" in rendered["tasks"]
 
 
+@pytest.mark.heavy
 def test_run_end_to_end(venv: Venv):
     summary_path = venv.root / "summary.json"
     venv.run("trainforge", "run", str(venv.spec), "--summary-json", str(summary_path),
