@@ -6,7 +6,7 @@
 
 Two test hosts (tests/hosts.py: network namespaces on a bridge, each link shaped by an HTB rate
 limit in both directions) train the demo's model (dags/pipelines/shakespeare_llm.yaml: hidden
-192, 4 layers, about 3 M parameters, so one fp32 gradient is about 12 MB and takes about a
+192, 4 layers, about 2.56 M parameters, so one fp32 gradient is about 10 MB and takes about a
 second over 100 Mbit/s) on the demo's data (the Shakespeare corpus, prepared by the data step's
 own `prepare_dataset`), with a small batch (4 sequences of 128 tokens per step, one micro-batch
 of 2 per rank) so that communication, not compute, is what changes. For each link rate and each
@@ -14,7 +14,7 @@ compression, one run of the real trainer: on each host torchrun as the engines l
 (`trainforge.engines.launch.torchrun_argv`, one process per host, ``--nnodes=2``, c10d
 rendezvous on host 0's test address, ``--local-addr`` the host's own), DDP over gloo, fixed
 steps, PowerSGD from step 3 (``warmup_steps`` 2), one checkpoint at the end. The link delay is
-not set: this kernel has no netem qdisc (tests/hosts.py ``delay_unavailable``), so the links
+not set where the kernel has no netem qdisc (tests/hosts.py ``delay_unavailable``), so the links
 differ only in rate, and the output says so.
 
 Measured per run, over the steady steps (after step ``WARMUP_STEPS``):
@@ -38,7 +38,7 @@ Measured per run, over the steady steps (after step ``WARMUP_STEPS``):
 
 Every ratio is against ``none`` at the same rate in the same invocation. Needs root, ``ip`` and
 ``tc`` (tests/hosts.py ``unavailable`` says what is missing). The defaults take about 10 minutes
-on two busy cores; ``--quick`` runs fewer steps and evaluates fewer tokens.
+on two shared cores; ``--quick`` runs fewer steps and evaluates fewer tokens.
 """
 
 from __future__ import annotations
@@ -333,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     names = [c.strip() for c in args.compressions.split(",") if c.strip()]
     unknown = [c for c in names if c not in COMPRESSIONS]
     if unknown or args.steps <= WARMUP_STEPS + 1:
-        parser.error(f"unknown compressions {unknown}" if unknown else f"--steps must exceed {WARMUP_STEPS + 1}")
+        parser.error(f"--compressions {args.compressions!r}: unknown {', '.join(unknown)}; expected a "
+                     f"comma-separated list of {', '.join(COMPRESSIONS)}" if unknown
+                     else f"--steps {args.steps}: expected more than {WARMUP_STEPS + 1}")
     import hosts as test_hosts_module
 
     why = test_hosts_module.unavailable()
