@@ -60,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # hosts.py
 
 DEMO_SPEC = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
+RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps|tbps)")  # tc(8) rate units
 COMPRESSIONS = {  # name -> (framework.gradient_compression, framework.powersgd_rank)
     "none": ("none", 1), "bf16": ("bf16", 1), "fp16": ("fp16", 1),
     "powersgd-1": ("powersgd", 1), "powersgd-4": ("powersgd", 4)}
@@ -332,10 +333,25 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.eval_tokens = 14, 8192
     names = [c.strip() for c in args.compressions.split(",") if c.strip()]
     unknown = [c for c in names if c not in COMPRESSIONS]
-    if unknown or args.steps <= WARMUP_STEPS + 1:
-        parser.error(f"--compressions {args.compressions!r}: unknown {', '.join(unknown)}; expected a "
-                     f"comma-separated list of {', '.join(COMPRESSIONS)}" if unknown
-                     else f"--steps {args.steps}: expected more than {WARMUP_STEPS + 1}")
+    expected = f"expected a comma-separated list of distinct names from {', '.join(COMPRESSIONS)}"
+    if unknown or not names or len(set(names)) != len(names):
+        why = f"unknown {', '.join(unknown)}" if unknown else "empty" if not names else "a name repeats"
+        parser.error(f"--compressions {args.compressions!r}: {why}; {expected}")
+    rates = [r.strip() for r in args.rates.split(",") if r.strip()]
+    bad_rates = [r for r in rates if not RATE.fullmatch(r) or float(RATE.fullmatch(r)[1]) <= 0]
+    if bad_rates or not rates or len(set(rates)) != len(rates):
+        why = (f"not a positive tc rate: {', '.join(bad_rates)}" if bad_rates else "empty" if not rates
+               else "a rate repeats")
+        parser.error(f"--rates {args.rates!r}: {why}; expected distinct tc rates such as 1gbit,100mbit "
+                     "(a number and one of bit, kbit, mbit, gbit, bps, kbps, mbps, gbps)")
+    args.rates = ",".join(rates)
+    if args.steps <= WARMUP_STEPS + 1:
+        parser.error(f"--steps {args.steps}: expected more than {WARMUP_STEPS + 1}")
+    if args.eval_tokens < 1:
+        parser.error(f"--eval-tokens {args.eval_tokens}: expected a positive number of tokens")
+    if args.corpus and not (Path(args.corpus) / "SOURCE.json").is_file():
+        parser.error(f"--corpus {args.corpus}: not a fetched Shakespeare corpus (no SOURCE.json in it); "
+                     "expected the folder `python -m trainforge.data.corpus fetch --dest DIR` wrote")
     import hosts as test_hosts_module
 
     why = test_hosts_module.unavailable()
