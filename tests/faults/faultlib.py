@@ -7,7 +7,6 @@ through Airflow's public REST API the way the UI does (mark failed, mark success
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -70,33 +69,6 @@ def job_processes(path: Path) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
-
-
-def rank_processes(path: Path) -> list[psutil.Process]:
-    """The job's rank processes: torchrun's workers running the trainer module (not torchrun
-    itself, not the engine's supervisor)."""
-    return [p for p in job_processes(path)
-            if any("trainforge.trainer.train" in part for part in p.cmdline())
-            and not any("torch.distributed.run" in part or part.endswith("torchrun")
-                        for part in p.cmdline())]
-
-
-@contextlib.contextmanager
-def ranks_held(path: Path):
-    """SIGSTOP the job's ranks for the ``with`` block, SIGCONT them after: the job stays alive
-    (and unfinished) at a known step however fast this machine trains."""
-    ranks = rank_processes(path)
-    assert ranks, f"no rank process of the job in {path}"
-    for proc in ranks:
-        proc.suspend()
-    try:
-        yield ranks
-    finally:
-        for proc in ranks:
-            try:
-                proc.resume()
-            except psutil.NoSuchProcess:
-                pass
 
 
 def steps_logged(path: Path) -> int:

@@ -37,12 +37,12 @@ from faultlib import (
     job_processes,
     mlflow_run,
     mlflow_steps,
-    ranks_held,
     steps_logged,
     task_process,
     wait_for,
     wait_run_end,
 )
+from holds import ranks_held
 
 from trainforge.engines.base import JobIdentity
 
