@@ -15,7 +15,7 @@ TEST_MARKERS ?= not heavy
 export TRAINFORGE_HOME ?= $(CURDIR)/.trainforge
 export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
 
-.PHONY: help venv corpus demo test test-all airflow mlflow schema clean
+.PHONY: help venv corpus demo test test-all airflow mlflow schema clean images stack-up stack-down
 
 help:
 	@echo "make demo     run the demo pipeline end to end through Airflow (about 10 minutes)"
@@ -24,6 +24,8 @@ help:
 	@echo "make test-all the whole suite, heavy tier included"
 	@echo "make airflow  Airflow UI (airflow standalone) and MLflow UI on loopback"
 	@echo "make mlflow   MLflow UI alone on http://127.0.0.1:5000 (the demo's store)"
+	@echo "make images   build the airflow, trainer and mlflow images (docker/build.py)"
+	@echo "make stack-up the compose stack of docker/compose.yaml (docker/.env); stack-down stops it"
 	@echo "make clean    remove runtime state ($(TRAINFORGE_HOME)); keeps the venv"
 
 # The environment: a venv inside the checkout, pinned by pyproject.toml and requirements.lock.
@@ -60,6 +62,22 @@ schema: venv
 
 mlflow: venv
 	$(PY) -m trainforge.mlflow_setup serve --home "$(TRAINFORGE_HOME)/mlflow" --host 127.0.0.1 --port 5000
+
+# The deployment (docker/README.md, README "Deploy"): images from the committed Dockerfiles, then
+# the compose stack with the settings of docker/.env (copied from docker/.env.example).
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+IMAGES_ARGS ?=
+
+images:
+	python3 docker/build.py $(IMAGES_ARGS)
+
+stack-up: corpus
+	@test -f docker/.env || { echo "docker/.env is missing: cp docker/.env.example docker/.env and set its values"; exit 2; }
+	$(COMPOSE) -f docker/compose.yaml up -d
+	@echo "Airflow UI: http://127.0.0.1:$${AIRFLOW_PORT:-8080} (admin / AIRFLOW_ADMIN_PASSWORD of docker/.env); MLflow UI: http://127.0.0.1:$${MLFLOW_PORT:-5000}"
+
+stack-down:
+	$(COMPOSE) -f docker/compose.yaml down
 
 clean:
 	rm -rf "$(TRAINFORGE_HOME)"

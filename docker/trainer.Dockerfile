@@ -1,43 +1,49 @@
-# syntax=docker/dockerfile:1
-# The trainer image: what the kubernetes engine's TrainJob / PyTorchJob pods run.
+# The trainer image: what the kubernetes engine's TrainJob / PyTorchJob pods run
+# (`torchrun -m trainforge.trainer.train`), and any container that trains a trainforge job.
 #
-#   docker build -f docker/trainer.Dockerfile -t registry.example.com/trainforge-trainer:0.1.0 .
+#   docker build -f docker/trainer.Dockerfile -t trainforge-trainer:0.1.0 .                  # CUDA torch
+#   docker build -f docker/trainer.Dockerfile --build-arg TORCH_VARIANT=cpu -t trainforge-trainer:0.1.0-cpu .
 #
-# Contains torchrun and the `trainer` package with the exact versions of requirements.lock
-# (torch, transformers, tokenizers, safetensors, numpy, mlflow, boto3), nothing of Airflow.
-# Runs as the non-root user `trainer` (uid/gid 1000), which is the default
-# training.kubernetes.run_as_user. The pods get the job config at /etc/trainforge/job.json
-# from a ConfigMap; data and checkpoints live in S3 (credentials from Kubernetes Secrets).
-FROM python:3.11-slim
+# (docker/build.py builds every image with the machine's pip configuration; see docker/README.md.)
+# Versions: requirements.lock, with torch ${TORCH_VERSION} as the CUDA build (PyPI's default on
+# linux/amd64, its CUDA libraries inside; the node needs only the NVIDIA driver) or the CPU build.
+# Nothing of Airflow is inside. Runs as the non-root user `trainer` (uid/gid 1000), the default
+# training.kubernetes.run_as_user of the rendered pods' security context.
 
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HOME=/home/trainer
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 
-# torch from PyPI is the CUDA build on linux/amd64 (it brings its own CUDA libraries; the node
-# needs only the NVIDIA driver and device plugin). Point TORCH_INDEX_URL at another PyTorch
-# index (e.g. https://download.pytorch.org/whl/cpu) for a CPU-only image.
-ARG TORCH_INDEX_URL=""
-
-WORKDIR /opt/trainforge
-COPY requirements.lock pyproject.toml README.md ./
-RUN set -eux; \
-    extra=""; if [ -n "$TORCH_INDEX_URL" ]; then extra="--extra-index-url $TORCH_INDEX_URL"; fi; \
-    pip install $extra -c requirements.lock \
-        torch transformers tokenizers safetensors numpy mlflow boto3 pyyaml
-
-COPY trainer ./trainer
+FROM ${BASE_IMAGE} AS build
+ARG TORCH_VARIANT=cuda
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY pyproject.toml requirements.lock README.md ./
 COPY operators ./operators
+COPY trainer ./trainer
 COPY mlflow_setup ./mlflow_setup
-# The package itself without its orchestration dependencies (Airflow is not needed on the cluster).
-RUN pip install --no-deps . \
-    && python -c "import trainer.train, torch.distributed.run" \
-    && groupadd --gid 1000 trainer \
-    && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/trainer --shell /usr/sbin/nologin trainer
+COPY docker/pip-install.sh /usr/local/bin/pip-install
+# The machine's pip configuration and CA bundle arrive as build secrets (never stored in a layer).
+RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=secret,id=pip-constraints.txt \
+    --mount=type=cache,target=/root/.cache/pip,id=trainforge-pip \
+    set -eu; \
+    python3 -m venv /opt/venv; \
+    pip-install /opt/venv --upgrade "pip==26.3"; \
+    pip-install /opt/venv wheel --no-deps --wheel-dir /wheels /src; \
+    pip-install /opt/venv --torch "$TORCH_VARIANT" "$TORCH_VERSION" "$TORCH_CPU_INDEX" \
+        transformers tokenizers safetensors numpy mlflow-skinny boto3 pyyaml psutil pydantic \
+        pyarrow zstandard; \
+    /opt/venv/bin/pip install --no-deps /wheels/trainforge-*.whl; \
+    /opt/venv/bin/python -c "import trainforge.trainer.train, torch.distributed.run"
 
+FROM ${BASE_IMAGE}
+LABEL org.opencontainers.image.title="trainforge-trainer" \
+      org.opencontainers.image.source="https://github.com/trainforge/trainforge"
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/home/trainer
+RUN groupadd --gid 1000 trainer \
+    && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/trainer --shell /usr/sbin/nologin trainer
+COPY --from=build /opt/venv /opt/venv
 USER 1000:1000
 WORKDIR /home/trainer
-# The job's command is set by the manifest: sh -c <launcher> trainforge-launch torchrun ... -m trainer.train --config /etc/trainforge/job.json
+# The pods give their own command (the launch script around torchrun).
 CMD ["torchrun", "--help"]

