@@ -16,17 +16,22 @@ FROM ${BASE_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 COPY pyproject.toml requirements.lock README.md ./
-COPY operators ./operators
-COPY trainer ./trainer
-COPY mlflow_setup ./mlflow_setup
 COPY docker/pip-install.sh /usr/local/bin/pip-install
+# The dependencies first, in a layer of their own (a change to trainforge's code rebuilds only the
+# wheel's layer); the machine's pip configuration arrives as build secrets.
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=secret,id=pip-constraints.txt \
     --mount=type=cache,target=/root/.cache/pip,id=trainforge-pip \
     set -eu; \
     python3 -m venv /opt/venv; \
     pip-install /opt/venv --upgrade "pip==26.3"; \
+    pip-install /opt/venv mlflow psycopg2-binary boto3 psutil
+COPY operators ./operators
+COPY trainer ./trainer
+COPY mlflow_setup ./mlflow_setup
+RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=secret,id=pip-constraints.txt \
+    --mount=type=cache,target=/root/.cache/pip,id=trainforge-pip \
+    set -eu; \
     pip-install /opt/venv wheel --no-deps --wheel-dir /wheels /src; \
-    pip-install /opt/venv mlflow psycopg2-binary boto3 psutil; \
     /opt/venv/bin/pip install --no-deps /wheels/trainforge-*.whl; \
     /opt/venv/bin/python -c "import mlflow.server, psycopg2, boto3, trainforge.mlflow_setup"
 

@@ -19,20 +19,25 @@ ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 COPY pyproject.toml requirements.lock README.md ./
-COPY operators ./operators
-COPY trainer ./trainer
-COPY mlflow_setup ./mlflow_setup
 COPY docker/pip-install.sh /usr/local/bin/pip-install
-# The machine's pip configuration and CA bundle arrive as build secrets (never stored in a layer).
+# The dependencies first, in a layer of their own: a change to trainforge's code rebuilds only the
+# wheel's layer. The machine's pip configuration and CA bundle arrive as build secrets (never
+# stored in a layer).
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=secret,id=pip-constraints.txt \
     --mount=type=cache,target=/root/.cache/pip,id=trainforge-pip \
     set -eu; \
     python3 -m venv /opt/venv; \
     pip-install /opt/venv --upgrade "pip==26.3"; \
-    pip-install /opt/venv wheel --no-deps --wheel-dir /wheels /src; \
     pip-install /opt/venv --torch "$TORCH_VARIANT" "$TORCH_VERSION" "$TORCH_CPU_INDEX" \
         transformers tokenizers safetensors numpy mlflow-skinny boto3 pyyaml psutil pydantic \
-        pyarrow zstandard; \
+        pyarrow zstandard
+COPY operators ./operators
+COPY trainer ./trainer
+COPY mlflow_setup ./mlflow_setup
+RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=secret,id=pip-constraints.txt \
+    --mount=type=cache,target=/root/.cache/pip,id=trainforge-pip \
+    set -eu; \
+    pip-install /opt/venv wheel --no-deps --wheel-dir /wheels /src; \
     /opt/venv/bin/pip install --no-deps /wheels/trainforge-*.whl; \
     /opt/venv/bin/python -c "import trainforge.trainer.train, torch.distributed.run"
 
