@@ -69,7 +69,9 @@ def _wait_for(condition, limit_s: float, what: str, proc: subprocess.Popen) -> N
         time.sleep(0.5)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+# SIGHUP takes SIGTERM's handler: a second route, in the heavy tier.
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.heavy)],
+                         ids=lambda s: s.name)
 def test_a_termination_signal_stops_airflow_and_mlflow(tmp_path, signum):
     home = tmp_path / "home"
     dags = tmp_path / "dags"
