@@ -72,12 +72,14 @@ images:
 	python3 docker/build.py $(IMAGES_ARGS)
 
 stack-up: corpus
-	@test -f docker/.env || { echo "docker/.env is missing: cp docker/.env.example docker/.env and set its values"; exit 2; }
-	$(COMPOSE) -f docker/compose.yaml up -d
-	@echo "Airflow UI: http://127.0.0.1:$${AIRFLOW_PORT:-8080} (admin / AIRFLOW_ADMIN_PASSWORD of docker/.env); MLflow UI: http://127.0.0.1:$${MLFLOW_PORT:-5000}"
+	@test -f docker/.env || { echo "docker/.env is missing: cp docker/.env.example docker/.env and set its values" >&2; exit 2; }
+	@! grep -n '=CHANGE' docker/.env >&2 || { echo "docker/.env: set the values above (they are still the placeholders of .env.example)" >&2; exit 2; }
+	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env up -d
+	@echo "Airflow UI: http://127.0.0.1:$$(sed -n 's/^AIRFLOW_PORT=//p' docker/.env) (user admin, AIRFLOW_ADMIN_PASSWORD of docker/.env)"
+	@echo "MLflow UI:  http://127.0.0.1:$$(sed -n 's/^MLFLOW_PORT=//p' docker/.env)"
 
 stack-down:
-	$(COMPOSE) -f docker/compose.yaml down
+	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env down
 
 clean:
 	rm -rf "$(TRAINFORGE_HOME)"

@@ -288,8 +288,6 @@ for dag_id, broken, tracking_uri in (("teardown_failed", True, None),
 '''
 
 
-# tests/faults/test_teardown_closes_runs.py runs the teardown under Airflow too: a second route.
-@pytest.mark.heavy
 @pytest.mark.airflow
 def test_under_airflow_the_teardown_reads_the_task_states_and_never_decides_the_run(
         tmp_path, mlflow_server):
