@@ -73,7 +73,7 @@ images:
 
 stack-up: corpus
 	@test -f docker/.env || { echo "docker/.env is missing: cp docker/.env.example docker/.env and set its values" >&2; exit 2; }
-	@! grep -n '=CHANGE' docker/.env >&2 || { echo "docker/.env: set the values above (they are still the placeholders of .env.example)" >&2; exit 2; }
+	@! grep -Hn '=CHANGE' docker/.env >&2 || { echo "docker/.env: set the values above (they are still the placeholders of .env.example)" >&2; exit 2; }
 	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env up -d
 	@echo "Airflow UI: http://127.0.0.1:$$(sed -n 's/^AIRFLOW_PORT=//p' docker/.env) (user admin, AIRFLOW_ADMIN_PASSWORD of docker/.env)"
 	@echo "MLflow UI:  http://127.0.0.1:$$(sed -n 's/^MLFLOW_PORT=//p' docker/.env)"
