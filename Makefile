@@ -15,7 +15,7 @@ TEST_MARKERS ?= not heavy
 export TRAINFORGE_HOME ?= $(CURDIR)/.trainforge
 export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
 
-.PHONY: help venv corpus demo test test-all airflow mlflow schema clean images stack-up stack-down
+.PHONY: help venv corpus demo test test-all airflow mlflow schema clean images stack-env stack-up stack-down
 
 help:
 	@echo "make demo     run the demo pipeline end to end through Airflow (about 10 minutes)"
@@ -71,14 +71,17 @@ IMAGES_ARGS ?=
 images:
 	python3 docker/build.py $(IMAGES_ARGS)
 
-stack-up: corpus
+# docker/.env is checked before the corpus (and the venv it needs) is made.
+stack-env:
 	@test -f docker/.env || { echo "docker/.env is missing: cp docker/.env.example docker/.env and set its values" >&2; exit 2; }
 	@! grep -Hn '=CHANGE' docker/.env >&2 || { echo "docker/.env: set the values above (they are still the placeholders of .env.example)" >&2; exit 2; }
+
+stack-up: stack-env corpus
 	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env up -d
 	@echo "Airflow UI: http://127.0.0.1:$$(sed -n 's/^AIRFLOW_PORT=//p' docker/.env) (user admin, AIRFLOW_ADMIN_PASSWORD of docker/.env)"
 	@echo "MLflow UI:  http://127.0.0.1:$$(sed -n 's/^MLFLOW_PORT=//p' docker/.env)"
 
-stack-down:
+stack-down: stack-env
 	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env down
 
 clean:
