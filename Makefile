@@ -74,7 +74,10 @@ images:
 # docker/.env is checked before the corpus (and the venv it needs) is made.
 stack-env:
 	@test -f docker/.env || { echo "docker/.env is missing: cp docker/.env.example docker/.env and set its values" >&2; exit 2; }
-	@! grep -Hn '=CHANGE' docker/.env >&2 || { echo "docker/.env: set the values above (they are still the placeholders of .env.example)" >&2; exit 2; }
+	@awk -F= '/^[A-Za-z_][A-Za-z0-9_]*=/ { v = substr($$0, length($$1) + 2); gsub(/^["'\'']|["'\'']$$/, "", v); \
+	    if (v ~ /^CHANGE-/) { printf "docker/.env:%d: %s is still the placeholder of .env.example\n", NR, $$1; bad = 1 } \
+	    else if (v == "") { printf "docker/.env:%d: %s is empty\n", NR, $$1; bad = 1 } } \
+	    END { if (bad) { print "docker/.env: set the values named above (values are never printed)"; exit 2 } }' docker/.env >&2
 
 stack-up: stack-env corpus
 	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env up -d

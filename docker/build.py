@@ -18,8 +18,8 @@ why builds run with ``--network host``. TLS verification stays on.
 
 Needs a Docker engine with BuildKit: ``docker buildx``, or a Docker 20.10-22.x client (Debian's
 docker.io), whose ``docker build`` has BuildKit built in. Only the standard library is used: this
-runs before any virtual environment exists. Exit codes: 0 built, 1 a build failed, 2 bad usage or
-no usable Docker.
+runs before any virtual environment exists. Exit codes: 0 built, 1 a build failed or no usable Docker, 2 bad
+usage.
 """
 
 from __future__ import annotations
@@ -189,7 +189,8 @@ def build_secrets(tmp: Path, folders: LocalFolders) -> list[str]:
     links = [link for link in links if link]
     if links:
         lines.append("find-links = " + " ".join(links))
-    for key in ("timeout", "default-timeout", "retries", "trusted-host", "proxy"):
+    # trusted-host is never carried over: TLS verification stays on inside the builds.
+    for key in ("timeout", "default-timeout", "retries", "proxy"):
         if key in settings:
             lines.append(f"{key} = {settings[key]}")
     constraints = []

@@ -14,7 +14,12 @@ for bucket in os.environ.get("TRAINFORGE_BUCKETS", "").split():
     try:
         s3.head_bucket(Bucket=bucket)
         print(f"bucket {bucket}: exists")
-    except ClientError:
+    except ClientError as err:
+        code = err.response.get("Error", {}).get("Code", "")
+        if code not in ("404", "NoSuchBucket", "NotFound"):
+            raise SystemExit(
+                f"bucket {bucket}: the S3 store at {os.environ.get('AWS_ENDPOINT_URL', 'AWS')} answered "
+                f"{code}: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in docker/.env") from None
         s3.create_bucket(Bucket=bucket)
         print(f"bucket {bucket}: created")
 PY
