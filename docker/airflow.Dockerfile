@@ -18,7 +18,7 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-COPY pyproject.toml requirements.lock README.md ./
+COPY pyproject.toml requirements.lock ./
 COPY docker/pip-install.sh /usr/local/bin/pip-install
 # The dependencies first (pyproject.toml's, with the deploy extra: Airflow's Celery and PostgreSQL
 # providers), in a layer of their own: a change to trainforge's code rebuilds only the wheel's
@@ -32,6 +32,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
 print("\n".join(d for d in p["dependencies"] + p["optional-dependencies"]["deploy"] if not d.startswith("torch")))' \
         > /tmp/requirements.txt; \
     pip-install /opt/venv --torch "$TORCH_VARIANT" "$TORCH_VERSION" "$TORCH_CPU_INDEX" -r /tmp/requirements.txt
+COPY README.md ./
 COPY operators ./operators
 COPY trainer ./trainer
 COPY mlflow_setup ./mlflow_setup

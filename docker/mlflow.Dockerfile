@@ -15,7 +15,7 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-COPY pyproject.toml requirements.lock README.md ./
+COPY pyproject.toml requirements.lock ./
 COPY docker/pip-install.sh /usr/local/bin/pip-install
 # The dependencies first, in a layer of their own (a change to trainforge's code rebuilds only the
 # wheel's layer); the machine's pip configuration arrives as build secrets.
@@ -25,6 +25,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
     python3 -m venv /opt/venv; \
     pip-install /opt/venv --upgrade "pip==26.3"; \
     pip-install /opt/venv mlflow psycopg2-binary boto3 psutil
+COPY README.md ./
 COPY operators ./operators
 COPY trainer ./trainer
 COPY mlflow_setup ./mlflow_setup

@@ -18,7 +18,7 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
-COPY pyproject.toml requirements.lock README.md ./
+COPY pyproject.toml requirements.lock ./
 COPY docker/pip-install.sh /usr/local/bin/pip-install
 # The dependencies first, in a layer of their own: a change to trainforge's code rebuilds only the
 # wheel's layer. The machine's pip configuration and CA bundle arrive as build secrets (never
@@ -31,6 +31,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
     pip-install /opt/venv --torch "$TORCH_VARIANT" "$TORCH_VERSION" "$TORCH_CPU_INDEX" \
         transformers tokenizers safetensors numpy mlflow-skinny boto3 pyyaml psutil pydantic \
         pyarrow zstandard
+COPY README.md ./
 COPY operators ./operators
 COPY trainer ./trainer
 COPY mlflow_setup ./mlflow_setup

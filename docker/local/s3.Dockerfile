@@ -5,7 +5,7 @@
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE} AS build
 WORKDIR /src
-COPY requirements.lock pyproject.toml README.md ./
+COPY requirements.lock ./
 COPY docker/pip-install.sh /usr/local/bin/pip-install
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=secret,id=pip-constraints.txt \
     --mount=type=cache,target=/root/.cache/pip,id=trainforge-pip \
