@@ -88,6 +88,7 @@ def _render(
             "gradient_compression": spec.training.framework.gradient_compression,
             "powersgd_rank": spec.training.framework.powersgd_rank,
             "activation_checkpointing": spec.training.framework.activation_checkpointing,
+            "compile": spec.training.framework.compile,  # "auto", true or false
         },
         "checkpoint": {
             "dir": checkpoint_dir,

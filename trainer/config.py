@@ -104,6 +104,20 @@ class FrameworkConfig:
     gradient_compression: str = "none"  # DDP communication hook: "none" | "fp16" | "bf16" | "powersgd"
     powersgd_rank: int = 1  # PowerSGD matrix_approximation_rank
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward pass
+    compile: str | bool = "auto"  # torch.compile each decoder layer: "auto" | True | False
+
+    def compile_on(self, device_type: str) -> bool:
+        """Whether to torch.compile the decoder layers when training on ``device_type``.
+
+        ``compile`` itself when it is true or false; for ``"auto"``, on for ``"cuda"`` and off
+        for anything else (``"cpu"``, ...). Pure: whether torch.compile works here is not checked.
+
+        Args:
+            device_type: ``torch.device.type`` of the training device, e.g. ``"cuda"`` or ``"cpu"``.
+        """
+        if self.compile == "auto":
+            return device_type == "cuda"
+        return bool(self.compile)
 
 
 @dataclass(frozen=True)
@@ -241,6 +255,13 @@ class _Section:
             raise ConfigError(f"{self._name(key)}={_show(value)}: expected true or false")
         return value
 
+    def auto_or_bool(self, key: str, default: str | bool) -> str | bool:
+        """``"auto"``, true or false; anything else (the string ``"true"``, the number 1) is refused."""
+        value = self._get(key, default)
+        if not (value is True or value is False or value == "auto"):
+            raise ConfigError(f"{self._name(key)}={_show(value)}: expected 'auto', true or false")
+        return value
+
     def _range(self, key, value, lo, hi, lo_open=False, hi_open=False) -> None:
         below = lo is not None and (value <= lo if lo_open else value < lo)
         above = hi is not None and (value >= hi if hi_open else value > hi)
@@ -351,6 +372,7 @@ def parse_job_config(obj: Any) -> JobConfig:
                                    default=FrameworkConfig.gradient_compression),
         powersgd_rank=s.int("powersgd_rank", lo=1, default=FrameworkConfig.powersgd_rank),
         activation_checkpointing=s.bool("activation_checkpointing", default=FrameworkConfig.activation_checkpointing),
+        compile=s.auto_or_bool("compile", default=FrameworkConfig.compile),
     )
     s.done()
     if framework.parallelism != "ddp" and framework.gradient_compression != "none":

@@ -10,9 +10,16 @@ Units are in field names or descriptions: ``*_s`` seconds (written as durations,
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from trainforge.pipeline.architecture import ModelSection
 from trainforge.pipeline.data import _S3, _SCHEME, DataSection, StorageSection, same_endpoint
@@ -58,6 +65,33 @@ class ResourcesSection(SpecModel):
         return self
 
 
+def _compile_setting(value: Any) -> Any:
+    """``training.framework.compile``: exactly ``auto``, ``true`` or ``false``.
+
+    pydantic's lax mode would read ``"yes"``, ``"true"`` or ``1`` as a boolean; this refuses them
+    here, before the ``Literal["auto"] | bool`` type sees them. None passes through (a stage's
+    override model reads it as "inherit"; the section's own type refuses it).
+    """
+    if value is None or isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
+        return value
+    expected = "expected 'auto', true or false"
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("true", "false"):
+            raise ValueError(f"a quoted boolean is text; write {word} without quotes "
+                             f"(got {value!r}; {expected})")
+        hint = "; did you mean 'auto'?" if word == "auto" else ""
+        raise ValueError(f"unknown value (got {value!r}; {expected}{hint})")
+    if isinstance(value, (int, float)):
+        raise ValueError(f"a number is not a compile setting (got {value!r}; {expected})")
+    shown = "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else repr(value)
+    raise ValueError(f"wrong kind of value (got {shown}; {expected})")
+
+
+#: ``auto`` (torch.compile on CUDA, not on the CPU), or true/false to force it either way.
+CompileSetting = Annotated[Literal["auto"] | bool, BeforeValidator(_compile_setting)]
+
+
 class FrameworkSection(SpecModel):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="Autocast precision of forward and backward (fp16 uses loss scaling)."
@@ -71,6 +105,10 @@ class FrameworkSection(SpecModel):
     powersgd_rank: int = Field(1, ge=1, le=64, description="Rank of PowerSGD's approximation.")
     activation_checkpointing: bool = Field(
         False, description="Recompute activations in the backward pass to save memory."
+    )
+    compile: CompileSetting = Field(
+        "auto", description="Compile each decoder layer with torch.compile: true, false, or "
+        "auto (on when training on CUDA GPUs, off on the CPU)."
     )
 
     @model_validator(mode="after")

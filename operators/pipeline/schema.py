@@ -75,7 +75,10 @@ def _type_name(annotation: Any) -> str:
     if annotation in _SCALARS:
         return _SCALARS[annotation]
     if isinstance(annotation, types.UnionType) or origin is typing.Union:
-        return " or ".join(dict.fromkeys(_type_name(a) for a in args))
+        # A one-value Literal among alternatives reads as the value: 'auto' or boolean.
+        return " or ".join(dict.fromkeys(
+            repr(typing.get_args(a)[0]) if typing.get_origin(a) is typing.Literal
+            and len(typing.get_args(a)) == 1 else _type_name(a) for a in args))
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in args)
     if origin in (list, tuple, set, frozenset):

@@ -38,3 +38,30 @@ def test_an_unknown_world_size_change_is_a_spec_error():
         _spec("    world_size_change: reshard\n")
     assert any(i.path == "training.fault.world_size_change" for i in info.value.issues), \
         [str(i) for i in info.value.issues]
+
+
+@pytest.mark.parametrize(("written", "rendered"), [
+    (None, "auto"),  # not written: the default
+    ("auto", "auto"),
+    ("true", True),
+    ("false", False),
+    ("yes", True),  # a YAML 1.1 boolean, like every other boolean field of the spec
+])
+def test_framework_compile_reaches_the_trainer(written, rendered):
+    framework = "" if written is None else f"  framework:\n    compile: {written}\n"
+    spec = parse_spec_text(MINIMAL.replace("  checkpoint:\n", framework + "  checkpoint:\n"), "ok.yaml")
+    config = render_job_config(spec, "/data/ds", "/ckpt", IDENTITY)
+    compile_ = config["framework"]["compile"]
+    assert compile_ == rendered and type(compile_) is type(rendered)  # True, not 1 or "true"
+    assert parse_job_config(config).framework.compile == rendered
+
+
+def test_a_stage_overrides_framework_compile_and_the_others_inherit_it():
+    from trainforge.pipeline.stages import stage_spec
+
+    text = (MINIMAL.replace("  checkpoint:\n", "  framework:\n    compile: true\n  checkpoint:\n")
+            + "stages:\n  - name: a\n  - name: b\n    training:\n      framework: {compile: false}\n")
+    spec = parse_spec_text(text, "ok.yaml")
+    compiled = {name: render_job_config(stage_spec(spec, name), "/d", "/c", IDENTITY)["framework"]["compile"]
+                for name in ("a", "b")}
+    assert compiled == {"a": True, "b": False}

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trainforge.trainer.config import load_job_config, parse_job_config
+from trainforge.trainer.config import FrameworkConfig, load_job_config, parse_job_config
 from trainforge.trainer.errors import ConfigError
 
 
@@ -164,3 +164,52 @@ def test_s3_locations_are_accepted(valid_job):
     cfg = parse_job_config(job)
     assert cfg.data.dataset_dir == "s3://data-bucket/datasets/abc123"
     assert cfg.checkpoint.dir == "s3://ckpt.bucket/runs/dag/run_1"
+
+
+# --- framework.compile ------------------------------------------------------------------------------
+
+def _with_framework(job: dict, **framework) -> dict:
+    job = copy.deepcopy(job)
+    job["framework"] = framework
+    return job
+
+
+def test_compile_defaults_to_auto_when_absent(valid_job):
+    assert "framework" not in valid_job  # a job config written before the field
+    assert parse_job_config(valid_job).framework.compile == "auto"
+    assert parse_job_config(_with_framework(valid_job, parallelism="ddp")).framework.compile == "auto"
+
+
+@pytest.mark.parametrize("value", ["auto", True, False])
+def test_compile_accepts_auto_true_and_false(valid_job, value):
+    cfg = parse_job_config(_with_framework(valid_job, compile=value))
+    assert cfg.framework.compile == value and type(cfg.framework.compile) is type(value)
+
+
+@pytest.mark.parametrize(("value", "fragment"), [
+    ("yes-please", "framework.compile='yes-please' (str): expected 'auto', true or false"),
+    ("true", "framework.compile='true' (str): expected 'auto', true or false"),
+    ("AUTO", "framework.compile='AUTO' (str): expected 'auto', true or false"),
+    (1, "framework.compile=1 (int): expected 'auto', true or false"),
+    (0, "framework.compile=0 (int): expected 'auto', true or false"),
+    (None, "framework.compile=None (NoneType): expected 'auto', true or false"),
+    ({}, "framework.compile={} (dict): expected 'auto', true or false"),
+])
+def test_compile_errors_name_the_field_the_value_and_the_choices(valid_job, value, fragment):
+    with pytest.raises(ConfigError) as info:
+        parse_job_config(_with_framework(valid_job, compile=value))
+    assert fragment in str(info.value)
+    assert info.value.exit_code == 78
+
+
+@pytest.mark.parametrize(("compile_", "device_type", "on"), [
+    ("auto", "cuda", True),
+    ("auto", "cpu", False),
+    ("auto", "mps", False),
+    (True, "cpu", True),
+    (True, "cuda", True),
+    (False, "cuda", False),
+    (False, "cpu", False),
+])
+def test_compile_on_decides_auto_by_device_type(compile_, device_type, on):
+    assert FrameworkConfig(compile=compile_).compile_on(device_type) is on

@@ -84,6 +84,17 @@ CASES = [
      "training.framework.precision", 7, "expected 'fp32', 'bf16' or 'fp16'"),
     (_under("training:\n", "  framework:\n    parallelism: fsdp\n    gradient_compression: powersgd\n"),
      "training.framework.gradient_compression", 8, "does not apply to FSDP"),
+    # framework.compile: 'auto', true or false, nothing lax pydantic would turn into a boolean
+    (_under("training:\n", "  framework:\n    compile: yes-please\n"), "training.framework.compile", 7,
+     "unknown value (got 'yes-please'; expected 'auto', true or false)"),
+    (_under("training:\n", "  framework:\n    compile: 'true'\n"), "training.framework.compile", 7,
+     "a quoted boolean is text; write true without quotes (got 'true'; expected 'auto', true or false)"),
+    (_under("training:\n", "  framework:\n    compile: 1\n"), "training.framework.compile", 7,
+     "(got 1; expected 'auto', true or false)"),
+    (_under("training:\n", "  framework:\n    compile: Auto\n"), "training.framework.compile", 7,
+     "expected 'auto', true or false; did you mean 'auto'?"),
+    (MINIMAL + "stages:\n  - name: a\n    training:\n      framework: {compile: sometimes}\n",
+     "stages.0.training.framework.compile", 18, "(got 'sometimes'; expected 'auto', true or false)"),
     (_under("training:\n", "  resources:\n    nodes: 2\n"), "training.resources.nodes", 7,
      "the local engine runs one torchrun group on one machine"),
     # a cross-field error about a field left at its default points at the field that clashes

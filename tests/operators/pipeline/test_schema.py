@@ -51,9 +51,23 @@ def test_json_schema_rejects_what_the_model_rejects():
         jsonschema.validate(data, published.json_schema())
 
 
+@pytest.mark.parametrize(("value", "valid"), [
+    ("auto", True), (True, True), (False, True), ("yes-please", False), ("true", False), (1, False),
+])
+def test_json_schema_takes_framework_compile_as_the_model_does(value, valid):
+    data = _load(PIPELINES[0])
+    data["training"].setdefault("framework", {})["compile"] = value
+    if valid:
+        jsonschema.validate(data, published.json_schema())
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(data, published.json_schema())
+
+
 def test_reference_shows_readable_types():
     text = published.reference_markdown()
     assert "trainforge.pipeline" not in text and "Literal[" not in text
     assert "| `training.kubernetes.tolerations` | list of mappings (key, operator, value, effect) |" in text
     assert "| `stages` | list of mappings (name, depends_on, init_from, training) or null |" in text
     assert "| `pipeline.tags` | list of string |" in text
+    assert "| `training.framework.compile` | 'auto' or boolean | \"auto\" |" in text
