@@ -94,9 +94,14 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
         y: (b, T) int64 targets (x shifted left by one).
     Returns:
         scalar float32 tensor (computed in fp32 even under bf16 autocast).
+
+    Large logits are never held whole: the lm_head matmul and the log-softmax run a chunk of
+    tokens at a time, in forward and backward (`trainforge.trainer.loss`, which also says when
+    the plain path is taken). ``model`` may be wrapped in DDP or sharded with FSDP2.
     """
-    logits = model(input_ids=x, use_cache=False).logits  # (b, T, vocab)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    from trainforge.trainer import loss  # here, not at the top: this function is all of model.py that uses it
+
+    return loss.lm_loss(model, x, y)
 
 
 def enable_activation_checkpointing(model: LlamaForCausalLM) -> None:
