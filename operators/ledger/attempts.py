@@ -74,12 +74,14 @@ class TrainerBooks:
     world_size: int | None
     device: str | None
     flops_per_token: float | None
+    background_save_s: float | None = None  # checkpoint writes beside the steps (no bucket); None: not recorded
 
 
 def sum_attempts(records: list[dict[str, Any]]) -> TrainerBooks:
     """The trainer's part of the ledger from its attempt records (oldest first)."""
     buckets = {name: 0.0 for name in (*_SECONDS.values(), "recovery")}
     productive_s, tokens, recoveries = 0.0, 0, []
+    background = [float(r["background_save_s"]) for r in records if "background_save_s" in r]
     for i, rec in enumerate(records):
         seconds = rec["seconds"]
         for short, bucket in _SECONDS.items():
@@ -98,4 +100,4 @@ def sum_attempts(records: list[dict[str, Any]]) -> TrainerBooks:
         first_start=float(records[0]["started_at"]) if records else None,
         last_record=float(last["recorded_at"]) if records else None,
         world_size=last.get("world_size"), device=last.get("device"),
-        flops_per_token=last.get("flops_per_token"))
+        flops_per_token=last.get("flops_per_token"), background_save_s=sum(background) if background else None)

@@ -8,7 +8,8 @@
                                        + job end -> task end
               other:   the remainder                               (trainforge.ledger.books)
 
-Figures: goodput = productive / wall; tokens/s per device (torchtitan's ``tps``) over the
+Figures: goodput = productive / wall; the seconds checkpoints were written in the background
+(beside the steps, so in no bucket); tokens/s per device (torchtitan's ``tps``) over the
 productive step time; TFLOP/s per device and MFU (trainforge.ledger.devices); GPU-hours
 allocated (the engine's wall time x GPUs) and productive; energy (trainforge.ledger.energy); the
 allocated cost (trainforge.ledger.catalog).
@@ -84,6 +85,8 @@ def build_ledger(spec: PipelineSpec, event: dict[str, Any], run_tags: dict[str, 
     m.update({n.badput(k): v for k, v in books.buckets.items()})
     t.update({n.unknown_tag(k): why for k, why in books.unknown.items()})
     m[n.DISRUPTIONS] = float(max(0, len(records) - 1))
+    if trainer.background_save_s is not None:  # a trainer from before background writes records none
+        m[n.CHECKPOINT_BACKGROUND_S] = trainer.background_save_s
     if trainer.recoveries_s:
         m[n.RECOVERY_MEAN_S] = statistics.mean(trainer.recoveries_s)
         m[n.RECOVERY_MAX_S] = max(trainer.recoveries_s)

@@ -28,6 +28,9 @@ MFU_PCT = "mfu_pct"
 DISRUPTIONS = "disruptions/count"
 RECOVERY_MEAN_S = "recovery/mean_s"
 RECOVERY_MAX_S = "recovery/max_s"
+CHECKPOINT_BACKGROUND_S = "checkpoint/background_write_s"
+"""Seconds rank 0's writer thread spent writing checkpoints, summed over attempts; beside the buckets
+(the steps went on meanwhile, except while the final one was awaited), not one of them."""
 
 ARTIFACT = "ledger.json"
 """The ledger as JSON on the run (a stage's ledger: ``ledger/<stage>.json`` on the DAG run's run)."""

@@ -12,7 +12,7 @@ from trainforge.ledger import names as n
 
 FIGURES = (n.GOODPUT, n.WALL_S, n.PRODUCTIVE_S, n.GPU_HOURS_ALLOCATED, n.GPU_HOURS_PRODUCTIVE,
            n.ENERGY_KWH, n.COST_ALLOCATED, n.TPS, n.TFLOPS, n.MFU_PCT, n.DISRUPTIONS,
-           n.RECOVERY_MEAN_S, n.RECOVERY_MAX_S)
+           n.RECOVERY_MEAN_S, n.RECOVERY_MAX_S, n.CHECKPOINT_BACKGROUND_S)
 
 
 def ledger_figures(metrics: dict[str, float], tags: dict[str, str],

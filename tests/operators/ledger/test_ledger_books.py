@@ -107,6 +107,23 @@ def test_a_retry_counts_its_own_start_and_queue_once_not_also_as_recovery():
     assert m[n.badput("other")] >= 0
 
 
+def test_background_checkpoint_writes_are_a_figure_beside_the_buckets():
+    spec = load_spec(DEMO)
+    first = record(1000.0, 1002.5, 1030.0, productive=20.0) | {"background_save_s": 4.0}
+    second = record(1040.0, 1043.0, 1070.0, productive=15.0) | {"background_save_s": 2.5}
+    event = {"handle": {}, "ended_at_epoch_s": 1072.0, "phases": {"queue_wait": 0.5}}
+    ledger = build_ledger(spec, event, tags_of(first, second), choose_price(spec), task_started_s=998.0,
+                          now_s=1075.0, submitted_by_this_try=True)
+    m = ledger.metrics
+    assert m[n.CHECKPOINT_BACKGROUND_S] == pytest.approx(6.5)
+    assert m[n.badput("checkpoint_save")] == pytest.approx(3.0)  # the blocking part only
+    parts = m[n.PRODUCTIVE_S] + sum(m[n.badput(b)] for b in n.BUCKETS if n.badput(b) in m)
+    assert parts == pytest.approx(m[n.WALL_S])  # the background seconds are in no bucket
+    older = build_ledger(spec, event, tags_of(record(1000.0, 1002.5, 1030.0, productive=20.0)),
+                         choose_price(spec), task_started_s=998.0, now_s=1075.0, submitted_by_this_try=True)
+    assert n.CHECKPOINT_BACKGROUND_S not in older.metrics  # a trainer that recorded none: no figure, not 0
+
+
 def test_no_attempt_record_makes_the_trainer_buckets_unknown_not_zero():
     spec = load_spec(DEMO)
     ledger = build_ledger(spec, {"handle": {}}, {}, choose_price(spec), task_started_s=0.0,
