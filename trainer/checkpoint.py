@@ -21,6 +21,8 @@ the step folder (on S3: a local staging folder, then uploaded, multipart and ret
 then is ``manifest.json`` written in one atomic step (a rename on disk, one PutObject on S3): a
 reader that sees the manifest sees every file it lists, and an attempt killed before it leaves
 no checkpoint. Locations come back as the caller gave them: ``Path`` on disk, URI strings on S3.
+The trainer calls `write_checkpoint` and `apply_retention` on its writer thread
+(trainforge.trainer.checkpoint_writer); nothing here runs a collective.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import logging
 import random
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,12 @@ def join(root: str | Path, name: str) -> str:
 def step_dir_name(step: int) -> str:
     """``step-00000100`` for step 100 (eight digits, zero-padded)."""
     return f"step-{step:08d}"
+
+
+def step_dir(root: str | Path, step: int) -> Location:
+    """``root/step-XXXXXXXX`` in the root's own type (``Path`` on disk, a URI string on S3)."""
+    store, root = _located(root)
+    return store.join(root, step_dir_name(step))
 
 
 def list_step_dirs(root: str | Path) -> list[tuple[int, Location]]:
@@ -240,7 +248,8 @@ def world_size_history(resumed_meta: dict[str, Any] | None, world_size: int) -> 
 
 
 def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict,
-                     trainer_state: dict, meta: dict, rank_files: dict[str, Any] | None = None) -> Location:
+                     trainer_state: dict, meta: dict, rank_files: dict[str, Any] | None = None,
+                     commit_guard: Callable[[], AbstractContextManager[Any]] | None = None) -> Location:
     """Write ``root/step-XXXXXXXX/`` with the manifest last (rank 0 only); returns the folder.
 
     An existing folder of the same step is kept when it verifies (nothing is rewritten) and
@@ -253,8 +262,12 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
             files (per-rank state such as `powersgd_file`), published, listed and hashed in the
             manifest like them; plain values and CPU tensors only (they are loaded with
             ``weights_only=True``).
+        commit_guard: entered around the manifest write; it may raise `CheckpointError` to stop
+            the commit (`trainforge.trainer.checkpoint_writer`: nothing is published after the
+            write was abandoned).
     Raises:
-        CheckpointError: a file could not be written (disk full, permissions, S3 after retries).
+        CheckpointError: a file could not be written (disk full, permissions, S3 after retries),
+            or ``commit_guard`` refused the commit.
     """
     store, root = _located(root)
     step_dir = store.join(root, step_dir_name(step))
@@ -279,8 +292,9 @@ def write_checkpoint(root: str | Path, step: int, weights: dict[str, torch.Tenso
             files = {name: {"bytes": (folder / name).stat().st_size, "sha256": digest}
                      for name, digest in _digests(folder, names).items()}  # what was written, after fsync
             manifest = {"format": CHECKPOINT_FORMAT, "step": step, "files": files}
-            store.write_bytes(store.join(step_dir, MANIFEST), (json.dumps(manifest, indent=2) + "\n").encode())
-            _remember_written(store.join(step_dir, MANIFEST))
+            with commit_guard() if commit_guard else nullcontext():
+                store.write_bytes(store.join(step_dir, MANIFEST), (json.dumps(manifest, indent=2) + "\n").encode())
+                _remember_written(store.join(step_dir, MANIFEST))
     except (OSError, StorageError) as err:
         raise CheckpointError(f"writing checkpoint {step_dir} failed: {err}") from err
     return step_dir

@@ -6,12 +6,16 @@ times, with local ``perf_counter`` readings and no collective:
 * ``startup``: process start (the OS's process creation time) to the first step, less restore;
 * ``restore``: loading the newest checkpoint (`trainforge.trainer.train.resume`);
 * ``data_wait``: waiting for the next micro-batch;
-* ``save``: writing a checkpoint (the blocking part, barrier included);
+* ``save``: a checkpoint's blocking part (waiting for the write before, the copy to host
+  memory, the barrier; the final checkpoint's whole write);
 * ``eval``: evaluation inside the training loop (none today: validation is its own stage);
 * ``wasted``: the step time of steps this run had reached before (``reached``: the newest step
   the MLflow run already holds when the attempt starts) and trains again after resuming from
   an older checkpoint;
 * ``productive``: the step time of every other step.
+
+Beside the buckets, not one of them (the step time goes on meanwhile): ``background_save_s``, the
+seconds rank 0's writer thread spent writing checkpoints (trainforge.trainer.checkpoint_writer).
 
 A step's time runs from its start to the next step's start (or the attempt's last record), as
 Google's goodput library and torchtitan count it: the forward and backward passes, the
@@ -69,6 +73,7 @@ class AttemptClock:
         self.resumed_step = self.reached_step = self.step = 0
         self.productive_steps = self.wasted_steps = 0
         self.first_step_at: float | None = None
+        self.background_save_s = 0.0  # not a bucket: it overlaps the steps
         self._step_wait = self._mark = 0.0
         self._open: tuple[str, float] | None = None  # (bucket, perf_counter) of the step running on
 
@@ -147,6 +152,10 @@ class AttemptClock:
             self.seconds[bucket] += max(0.0, time.perf_counter() - since - seconds)
             self._open = (bucket, time.perf_counter())
 
+    def saved_in_background(self, seconds: float) -> None:
+        """A checkpoint write on the writer thread took ``seconds`` (called on that thread)."""
+        self.background_save_s += seconds
+
     def record(self, final: bool = False) -> dict[str, Any]:
         """This attempt's record as of now (docs/contracts.md, "Run ledger")."""
         if self._open is not None:  # the step running on is counted up to now
@@ -164,6 +173,7 @@ class AttemptClock:
             "world_size": self.world_size, "device": self.device,
             "flops_per_token": self.flops_per_token,
             "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
+            "background_save_s": round(self.background_save_s, 4),
         }
         if self.energy is not None and self.energy.sources:
             record["energy_j"] = {k: round(v, 3) for k, v in self.energy.joules().items()}

@@ -1,16 +1,20 @@
 """Saving and resuming a training run's state: the newest valid checkpoint in, a new one out.
 
 Every rank calls these (they hold collectives); rank 0 alone picks, reads and writes the
-checkpoint folder (trainforge.trainer.checkpoint).
+checkpoint folder (trainforge.trainer.checkpoint), writing in the background
+(trainforge.trainer.checkpoint_writer) while training goes on.
 """
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 import safetensors
@@ -18,18 +22,23 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from trainforge.storage import Location
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer import powersgd
 from trainforge.trainer.amp import Precision
+from trainforge.trainer.checkpoint_writer import CheckpointWriter, WriteResult, storage_addresses
 from trainforge.trainer.config import ConfigError, JobConfig
 from trainforge.trainer.dataset import Dataset
 from trainforge.trainer.distributed import Dist
 from trainforge.trainer.errors import DivergedError
+from trainforge.trainer.goodput import AttemptClock
 from trainforge.trainer.parallel import Parallel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["has_own_checkpoint", "resume", "save"]
+__all__ = ["abandon_pending_write", "has_own_checkpoint", "resume", "save"]
+
+_writer: CheckpointWriter | None = None  # rank 0's, from its first save to the final one
 
 
 def has_own_checkpoint(cfg: JobConfig, d: Dist) -> bool:
@@ -54,6 +63,7 @@ def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, 
             another world size with ``distributed.world_size_change`` "refuse".
         CheckpointError: the chosen checkpoint cannot be loaded.
     """
+    abandon_pending_write()
     chosen = [None]
     if d.rank == 0:
         newest = ckpt.newest_valid(cfg.checkpoint.dir)
@@ -144,27 +154,43 @@ def _resume_powersgd(c: ckpt.Checkpoint, cfg: JobConfig, d: Dist, par: Parallel,
 
 
 def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, amp: Precision, step: int,
-         tokens_seen: int, accum: int, metrics: dict, world_sizes: list[dict[str, int]] | None = None
-         ) -> Path | None:
-    """Write step ``step`` (rank 0) after every rank handed over its RNG state; returns the folder.
+         tokens_seen: int, accum: int, metrics: dict, world_sizes: list[dict[str, int]] | None = None, *,
+         outcome: Any = None, clock: AttemptClock | None = None) -> Location | None:
+    """Checkpoint step ``step``: blocks while the state is copied to host memory, then rank 0
+    writes it in the background (trainforge.trainer.checkpoint_writer); returns its folder (rank 0).
 
-    Every rank must call it (finiteness check, RNG gather, FSDP's full-state gather).
+    Every rank must call it (finiteness check, RNG gather, FSDP's full-state gather, and the
+    barrier after staging). Rank 0 first waits for its previous write (its staging buffers are
+    reused; the wait is blocking save time). The final save (``step >= optim.max_steps``) is
+    awaited: it returns once the checkpoint is complete. On rank 0, ``outcome.last_checkpoint``
+    is set once a checkpoint is complete and ``clock.saved_in_background`` gets each write's seconds.
 
     Raises:
         DivergedError: a weight is not finite (a diverged run never writes a checkpoint).
+        CheckpointError: rank 0's previous write failed (raised on every rank), or the final one.
     """
-    bad = torch.tensor([par.nonfinite_parameters()], device=d.device)
+    global _writer
+    t0 = time.perf_counter()
+    if d.rank == 0 and _writer is None:
+        _writer = CheckpointWriter()
+    previous = _writer.wait() if d.rank == 0 else None
+    waited_s = time.perf_counter() - t0
+    failed = previous.step if previous is not None and previous.error is not None else 0
+    flags = torch.tensor([par.nonfinite_parameters(), failed], device=d.device)
     if d.enabled:
-        dist.all_reduce(bad)
-    if bad.item():
-        raise DivergedError(f"step {step}: {bad.item()} parameter tensors hold non-finite values "
+        dist.all_reduce(flags)  # rank 0 alone adds a failed step
+    bad, failed = (int(x) for x in flags.tolist())
+    if bad:
+        raise DivergedError(f"step {step}: {bad} parameter tensors hold non-finite values "
                             f"(lr {metrics.get('learning_rate')}); no checkpoint written")
+    if failed:
+        _raise_failed(d, failed, previous)
     rngs = [None] * d.world_size
     if d.enabled:
         dist.gather_object(ckpt.capture_rng_state(), rngs if d.rank == 0 else None, dst=0)
     else:
         rngs = [ckpt.capture_rng_state()]
-    weights, optimizer_state = par.full_state(optimizer)  # a collective under FSDP; None on ranks > 0
+    weights, optimizer_state = _state_to_stage(par, optimizer)  # a collective under FSDP; None on ranks > 0
     rank_files: dict[str, dict] = {}
     if par.powersgd is not None:  # each rank's own state, written by rank 0 like the RNG states
         states = [None] * d.world_size
@@ -187,13 +213,104 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
         if par.powersgd is not None:
             meta["powersgd"] = {"files": list(rank_files), "iteration": par.powersgd.state.iter,
                                 "restarts": par.powersgd.restarts}
-        t0 = time.perf_counter()
-        path = ckpt.write_checkpoint(cfg.checkpoint.dir, step, weights, optimizer_state, state, meta, rank_files)
-        deleted = ckpt.apply_retention(cfg.checkpoint.dir, cfg.checkpoint.keep_last)
-        log.info("checkpoint %s written in %.2fs (retention deleted %d)", path, time.perf_counter() - t0, len(deleted))
-    if d.enabled:
-        dist.barrier()
+        t_stage = time.perf_counter()
+        # FSDP's gathered full state is a private CPU copy already: only what aliases live state is copied.
+        shared = _live_storages(par, optimizer) if par.kind == "fsdp" else None
+        staged = _writer.stage({"weights": weights, "optimizer": optimizer_state, "state": state,
+                                "rank_files": rank_files}, shared)
+        del weights, optimizer_state
+        path = _writer.submit(cfg.checkpoint.dir, step, staged["weights"], staged["optimizer"], staged["state"],
+                              copy.deepcopy(meta), staged["rank_files"], cfg.checkpoint.keep_last,
+                              on_written=_on_written(outcome), on_ended=_on_ended(clock))
+        staged_s = time.perf_counter() - t_stage
+    final = step >= cfg.optim.max_steps
+    if final:
+        _await_final(d)
+    elif d.enabled:
+        dist.barrier()  # every rank trains on once rank 0 holds its copy
+    if d.rank == 0:
+        blocked_s = time.perf_counter() - t0
+        if final:
+            log.info("checkpoint %s written: training blocked %.2fs (the final save is awaited)", path, blocked_s)
+        else:
+            log.info("checkpoint %s staged: training blocked %.2fs (%.2fs waiting for the write before, %.2fs "
+                     "copying to host memory); writing in the background", path, blocked_s, waited_s, staged_s)
     return path
+
+
+def _state_to_stage(par: Parallel, optimizer) -> tuple[dict | None, dict | None]:
+    """Rank 0's weights and AdamW state as the checkpoint stores them, where they live.
+
+    Under FSDP: `Parallel.full_state`, gathered to the CPU (a collective). Otherwise the live
+    tensors themselves, tied aliases left out (as `Parallel.full_state` leaves them out), on
+    their device: the stager's copy into its pinned buffers is then the only copy made.
+    """
+    if par.kind == "fsdp":
+        return par.full_state(optimizer)
+    if par.rank != 0:
+        return None, None
+    weights = {name: t.detach() for name, t in par.model.state_dict().items() if name not in par.aliases}
+    return weights, optimizer.state_dict()
+
+
+def _live_storages(par: Parallel, optimizer) -> set[int]:
+    """Storages training changes in place: parameters, buffers, AdamW state (local shards)."""
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return storage_addresses(itertools.chain(par.model.parameters(), par.model.buffers(), state))
+
+
+def _on_written(outcome: Any) -> Callable[[Location], None] | None:
+    if outcome is None:
+        return None
+
+    def written(path: Location) -> None:  # on the writer thread: one attribute set
+        outcome.last_checkpoint = str(path)
+    return written
+
+
+def _on_ended(clock: AttemptClock | None) -> Callable[[WriteResult], None] | None:
+    return None if clock is None else (lambda result: clock.saved_in_background(result.seconds))
+
+
+def _await_final(d: Dist) -> None:
+    """Wait for the final write (rank 0) and tell every rank how it went.
+
+    Raises:
+        CheckpointError: the final write failed (on every rank).
+    """
+    global _writer
+    done = _writer.wait() if d.rank == 0 else None
+    failed = done.step if done is not None and done.error is not None else 0
+    if d.enabled:
+        flag = torch.tensor([failed], device=d.device)
+        dist.all_reduce(flag)  # the peers wait here for rank 0's write, as they waited at its barrier before
+        failed = int(flag.item())
+    if d.rank == 0:
+        _writer.stager.clear()
+        _writer = None
+    if failed:
+        _raise_failed(d, failed, done)
+
+
+def _raise_failed(d: Dist, step: int, result: WriteResult | None) -> None:
+    if d.rank == 0 and result is not None:
+        raise ckpt.CheckpointError(f"writing checkpoint step {step} in the background failed: "
+                                   f"{type(result.error).__name__}: {result.error}") from result.error
+    raise ckpt.CheckpointError(f"rank 0's background write of checkpoint step {step} failed (rank 0 logs why)")
+
+
+def abandon_pending_write() -> None:
+    """Abandon a write left in flight by an earlier training in this process and wait for its
+    thread: it must not publish into (or race with) the run resumed now. For in-process callers
+    after a failure; a new trainer process has none."""
+    global _writer
+    if _writer is not None:
+        _writer.abandon()
+        result = _writer.wait()
+        if result is not None:
+            log.warning("abandoned the background write of checkpoint step %d left by an earlier training in "
+                        "this process (%s)", result.step, "complete" if result.error is None else result.error)
+        _writer = None
 
 
 def _versions() -> dict[str, str]:

@@ -202,11 +202,9 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                 t_window, steps_in_window = time.perf_counter(), 0
             if step % cfg.checkpoint.interval_steps == 0 or step == o.max_steps:
                 t_save = time.perf_counter()
-                with sigterm_deferred():  # a checkpoint and its mention in the result file go together
-                    path = save(cfg, d, dataset, par, optimizer, amp, step, tokens_seen, accum, metrics,
-                                world_sizes)
-                    if path is not None:
-                        out.last_checkpoint = str(path)
+                with sigterm_deferred():  # the blocking part: the write goes on in the background
+                    save(cfg, d, dataset, par, optimizer, amp, step, tokens_seen, accum, metrics, world_sizes,
+                         outcome=out, clock=clock)  # out.last_checkpoint: set once the checkpoint is complete
                 if clock:
                     clock.saved(time.perf_counter() - t_save)
                 t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
