@@ -61,6 +61,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trainforge.trainer.compile import compile_layers
 from trainforge.trainer.config import JobConfig
 from trainforge.trainer.distributed import Dist
 from trainforge.trainer.model import check_weights, enable_activation_checkpointing, load_weights, tied_aliases, weights_state_dict
@@ -170,14 +171,18 @@ def optimizer_state_by_name(state: dict[str, Any], names: list[str]) -> dict[str
 def parallelize(model: torch.nn.Module, cfg: JobConfig, d: Dist) -> Parallel:
     """Apply ``cfg.framework`` to ``model`` (on ``d.device``, not yet wrapped); build the optimizer after this.
 
-    Order: activation checkpointing, then FSDP2 sharding (decoder layers first, then the root)
-    or the DDP wrapper and its communication hook.
+    Order: activation checkpointing, compiling each decoder layer (``framework.compile``:
+    trainer/compile.py), then FSDP2 sharding (each compiled layer first, then the root) or the DDP
+    wrapper and its communication hook.
     """
     fw = cfg.framework
     aliases = tied_aliases(model)
     shapes = {n: t.shape for n, t in model.state_dict().items()}
     if fw.activation_checkpointing:
         enable_activation_checkpointing(model)
+    if fw.compile_on(d.device.type):
+        log.info("torch.compile: %d decoder layers compiled in place (framework.compile=%r on %s)",
+                 compile_layers(model), fw.compile, d.device.type)
     if not d.enabled:
         if fw.parallelism != "ddp" or fw.gradient_compression != "none":
             log.info("one process without torchrun: framework.parallelism=%r and gradient_compression=%r "

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -48,6 +49,7 @@ from trainforge.contract import (EXIT_ERROR, EXIT_OK, JOB_DIR_ENV, RESULT_FILE_E
 from trainforge.storage.files import atomic_write_json
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.amp import MIN_LOSS_SCALE, Precision
+from trainforge.trainer.compile import RecompileWatch
 from trainforge.trainer.config import ConfigError, JobConfig, OptimConfig, load_job_config
 from trainforge.trainer.data import BatchSampler, TokenStream, open_dataset
 from trainforge.trainer.distributed import Dist, setup_distributed, shut_down
@@ -57,7 +59,7 @@ from trainforge.trainer.goodput import AttemptClock, flops_per_token
 from trainforge.trainer.model import build_model, llama_config, lm_loss, load_initial_weights
 from trainforge.trainer.parallel import parallelize
 from trainforge.trainer.schedule import lr_at
-from trainforge.trainer.state import has_own_checkpoint, resume, save
+from trainforge.trainer.state import has_own_checkpoint, reserve_staging, resume, save
 from trainforge.trainer.tracking import MlflowTracker
 
 log = logging.getLogger("trainforge.trainer.train")
@@ -75,12 +77,30 @@ class Outcome:
     last_checkpoint: str | None = None
 
 
-def make_optimizer(model: torch.nn.Module, o: OptimConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on 2-D+ parameters (matmuls, embeddings) only, not on norms."""
+def make_optimizer(model: torch.nn.Module, o: OptimConfig, fused: bool | None = None) -> torch.optim.AdamW:
+    """AdamW with weight decay on 2-D+ parameters (matmuls, embeddings) only, not on norms.
+
+    ``fused``: one fused kernel for the whole update (`fused_adamw_supported` decides when None);
+    else torch's default (foreach). Both keep the same state_dict, so a checkpoint written by one
+    resumes in the other.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=1e-8)
+    if fused is None:
+        fused = fused_adamw_supported(params)
+    return torch.optim.AdamW(groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=1e-8,
+                             fused=fused or None)
+
+
+def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW kernel takes these parameters: floating point, all on one device
+    type that has the kernel (CUDA; also the CPU in torch >= 2.4)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # the list torch checks
+
+    kinds = {p.device.type for p in params}
+    return (len(kinds) == 1 and kinds <= set(_get_fused_kernels_supported_devices())
+            and all(torch.is_floating_point(p) for p in params))
 
 
 def should_step(step: int, loss: float, grad_norm: float, lr: float, loss_scale: float | None) -> bool:
@@ -111,18 +131,26 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     np.random.seed(o.seed % 2**32)
     torch.manual_seed(o.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's; FSDP2 relies on it)
 
+    # Startup phases, logged before the first step; imports and the process group come before train().
+    since_start_s, marks = time.time() - psutil.Process().create_time(), [("setup", time.perf_counter())]
     dataset = open_dataset(cfg.data.dataset_dir)
+    marks.append(("dataset", time.perf_counter()))
     sampler = BatchSampler(TokenStream(dataset, "train"), T, o.micro_batch_size, accum, d.world_size, o.seed)
-    model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, T)).to(d.device)
+    model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, T), device=d.device)
     n_params = sum(p.numel() for p in model.parameters())  # before sharding; tied weights counted once
+    marks.append(("model", time.perf_counter()))
     if cfg.init is not None and not has_own_checkpoint(cfg, d):  # its own checkpoint wins on a retry
         load_initial_weights(model, cfg.init.checkpoint, dataset.tokenizer_path, dataset.tokenizer_sha256)
     par = parallelize(model, cfg, d)  # DDP or FSDP2 (+ compression hook, activation checkpointing)
-    optimizer = make_optimizer(par.model, o)  # after sharding: FSDP2 replaces the parameters
+    # After sharding: FSDP2 replaces the parameters. The fused kernel cannot take the (1,) overflow
+    # flag of FSDP's ShardedGradScaler (torch 2.13): fp16 under FSDP steps with foreach AdamW.
+    optimizer = make_optimizer(par.model, o, fused=False if par.kind == "fsdp" and cfg.precision == "fp16" else None)
     amp = Precision(cfg.precision, d.device, sharded=par.kind == "fsdp")
+    marks.append(("parallelize", time.perf_counter()))
     t_restore = time.perf_counter()
     step, tokens_seen, metrics, world_sizes = resume(cfg, d, dataset, par, optimizer, amp)
     restore_s = time.perf_counter() - t_restore
+    marks.append(("restore", time.perf_counter()))
     out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, metrics.get("train_loss")
     if step and d.rank == 0:
         out.last_checkpoint = ckpt.join(cfg.checkpoint.dir, ckpt.step_dir_name(step))  # local path or s3:// URI
@@ -145,23 +173,32 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
         # Params keep the first attempt's world_size; the tag holds every change.
         tracker.set_tags({"trainforge.world_size_history": json.dumps(world_sizes, separators=(",", ":"))})
     log.info("model: %d parameters; %d steps of %d sequences x %d tokens (micro %d x world %d x accum %d); "
-             "%s, %s, %s schedule", n_params, o.max_steps, o.global_batch_size, T, o.micro_batch_size,
-             d.world_size, accum, par.kind, cfg.precision, o.lr_schedule)
+             "%s, %s, %s schedule, %s AdamW", n_params, o.max_steps, o.global_batch_size, T, o.micro_batch_size,
+             d.world_size, accum, par.kind, cfg.precision, o.lr_schedule,
+             "fused" if optimizer.defaults.get("fused") else "foreach")
+    log.info("startup: %.1fs from process start to train() (imports, process group), then %s", since_start_s,
+             ", ".join(f"{name} {t - prev:.1f}s" for (_, prev), (name, t) in zip(marks, marks[1:])))
 
     # system/* metrics of rank 0's machine while the steps run (trainforge.trainer.tracking)
-    with tracker.system_metrics() if tracker else nullcontext():
-        t_window, steps_in_window = time.perf_counter(), 0
+    compiled = cfg.framework.compile_on(d.device.type)
+    with (tracker.system_metrics() if tracker else nullcontext(),
+          RecompileWatch() if compiled else nullcontext() as watch):
+        t_window, steps_in_window, steps_trained = time.perf_counter(), 0, 0
         if clock:
             clock.loop_started()
         while step < o.max_steps:
             if clock:
                 clock.step_started()
+            if watch:
+                watch.step = step + 1
             lr = lr_at(step, o)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             loss_sum = torch.zeros((), device=d.device)  # mean loss of this rank's micro-batches
             batches = sampler.micro_batches(step, d.rank)
             for a, (x, y) in enumerate(clock.batches(batches) if clock else batches):  # (micro_batch, T) int64
+                if d.device.type == "cuda":  # pinned: the copy does not wait for the GPU to drain
+                    x, y = x.pin_memory(), y.pin_memory()
                 x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
                 with par.grad_sync(a == accum - 1):  # reduce across ranks on the last micro-batch only
                     with amp.autocast():
@@ -183,6 +220,9 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += tokens_per_step
+            if steps_trained == 0:  # AdamW's state exists now: pin the saves' host buffers on a thread
+                reserve_staging(d, par, optimizer)
+            steps_trained += 1
             steps_in_window += 1
             if clock:
                 clock.step_done(step)
@@ -210,6 +250,11 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                 t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
     if step > o.max_steps:
         log.warning("resumed at step %d, past optim.max_steps=%d: nothing to train", step, o.max_steps)
+    if watch:
+        log.info("torch.compile: %d recompilation(s), %d after warm-up", watch.recompiles, watch.after_warmup)
+    if d.device.type == "cuda":
+        log.info("peak CUDA memory %.2f GiB allocated, %.2f GiB reserved", torch.cuda.max_memory_allocated(d.device) / 2**30,
+                 torch.cuda.max_memory_reserved(d.device) / 2**30)
     if clock:
         ledger_tags = clock.snapshot(final=True)
         if tracker:
