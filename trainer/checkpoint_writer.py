@@ -86,6 +86,30 @@ class HostStager:
             del self._pinned[key]
         return staged
 
+    def reserve(self, tree: Any) -> int:
+        """Allocate (without copying) the pinned buffers `stage` will need for ``tree``'s CUDA
+        tensors; returns the bytes allocated. Pinning host memory runs at a few GB/s, so the first
+        save of a large model would block for seconds: the trainer calls this on a thread early
+        instead (`CheckpointWriter.reserve_in_background`)."""
+        allocated = 0
+
+        def walk(path: str, value: Any) -> None:
+            nonlocal allocated
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                key = (path, tuple(value.shape), value.dtype)
+                if key not in self._pinned:
+                    self._pinned[key] = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                    allocated += value.numel() * value.element_size()
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    walk(f"{path}/{k}", v)
+            elif isinstance(value, (list, tuple)):
+                for i, v in enumerate(value):
+                    walk(f"{path}/{i}", v)
+
+        walk("", tree)
+        return allocated
+
     def _pinned_copy(self, path: str, value: torch.Tensor, used: set) -> torch.Tensor:
         key = (path, tuple(value.shape), value.dtype)
         buffer = self._pinned.get(key)
@@ -166,6 +190,7 @@ class CheckpointWriter:
         self.stager = HostStager()
         self._gate = _Gate()
         self._thread: threading.Thread | None = None
+        self._reserving: threading.Thread | None = None
         self._result: WriteResult | None = None
         self._step: int | None = None
         _WRITERS.add(self)
@@ -175,6 +200,22 @@ class CheckpointWriter:
         """A write is in flight or its result has not been taken by `wait` yet."""
         return self._thread is not None
 
+    def reserve_in_background(self, tree: Any) -> None:
+        """`HostStager.reserve` on a thread (``checkpoint-pinning``); `stage` waits for it."""
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                allocated = self.stager.reserve(tree)
+            except Exception as err:  # noqa: BLE001 - the first save then allocates as it copies
+                log.warning("could not pin host memory for checkpoints ahead of time (%s: %s); the first save "
+                            "allocates it", type(err).__name__, err)
+                return
+            log.info("pinned %.1f GiB of host memory for checkpoint staging in %.1fs, in the background",
+                     allocated / 2**30, time.perf_counter() - t0)
+
+        self._reserving = threading.Thread(target=run, name="checkpoint-pinning", daemon=True)
+        self._reserving.start()
+
     def stage(self, tree: Any, shared: set[int] | None = None) -> Any:
         """`HostStager.stage` into this writer's buffers.
 
@@ -183,6 +224,9 @@ class CheckpointWriter:
         """
         if self.busy:
             raise RuntimeError(f"the write of step {self._step} still holds the staging buffers: wait() first")
+        if self._reserving is not None:
+            self._reserving.join()
+            self._reserving = None
         return self.stager.stage(tree, shared)
 
     def submit(self, root: str | Path, step: int, weights: dict[str, torch.Tensor], optimizer_state: dict,
@@ -228,7 +272,7 @@ class CheckpointWriter:
                                          commit_guard=self._gate.commit)
             written_s = time.perf_counter() - t0
             _call(on_written, path)
-            deleted = ckpt.apply_retention(root, keep_last)
+            deleted = ckpt.apply_retention(root, keep_last, trusted=path)  # path: hashed as written
             result = WriteResult(step, path, time.perf_counter() - t0, len(deleted))
             log.info("checkpoint %s written in the background in %.2fs (files, hashes and manifest %.2fs; "
                      "retention deleted %d)", path, result.seconds, written_s, result.deleted)

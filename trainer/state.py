@@ -36,7 +36,7 @@ from trainforge.trainer.parallel import Parallel
 
 log = logging.getLogger(__name__)
 
-__all__ = ["abandon_pending_write", "has_own_checkpoint", "resume", "save"]
+__all__ = ["abandon_pending_write", "has_own_checkpoint", "reserve_staging", "resume", "save"]
 
 _writer: CheckpointWriter | None = None  # rank 0's, from its first save to the final one
 
@@ -236,6 +236,18 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
             log.info("checkpoint %s staged: training blocked %.2fs (%.2fs waiting for the write before, %.2fs "
                      "copying to host memory); writing in the background", path, blocked_s, waited_s, staged_s)
     return path
+
+
+def reserve_staging(d: Dist, par: Parallel, optimizer) -> None:
+    """Rank 0 on CUDA, outside FSDP: pin the host buffers of the coming saves on a thread now
+    (after the first optimizer step, once AdamW's state exists), so no save blocks for it."""
+    global _writer
+    if d.rank != 0 or d.device.type != "cuda" or par.kind == "fsdp":
+        return
+    if _writer is None:
+        _writer = CheckpointWriter()
+    weights, optimizer_state = _state_to_stage(par, optimizer)
+    _writer.reserve_in_background({"weights": weights, "optimizer": optimizer_state})
 
 
 def _state_to_stage(par: Parallel, optimizer) -> tuple[dict | None, dict | None]:

@@ -160,3 +160,14 @@ def test_load_refuses_pickled_objects(tmp_path):
         ckpt.CheckpointError, match="trainer_state|Weights only load failed|weights_only"
     ):
         ckpt.load_checkpoint(path)
+
+
+def test_retention_checks_the_trusted_folder_by_size_and_the_others_by_hash(tmp_path, monkeypatch):
+    for step in (10, 20, 30):
+        _write(tmp_path, step)
+    hashed = []
+    real = ckpt.verify
+    monkeypatch.setattr(ckpt, "verify", lambda p, hashes=True, **kw: hashed.append((p.name, hashes)) or real(p, hashes, **kw))
+    deleted = ckpt.apply_retention(tmp_path, keep_last=2, trusted=tmp_path / "step-00000030")
+    assert [p.name for p in deleted] == ["step-00000010"]
+    assert dict(hashed) == {"step-00000030": False, "step-00000020": True, "step-00000010": True}
