@@ -2,13 +2,14 @@
 
     .venv/bin/python bench/loss_memory.py [--vocabs 32000,128256] [--hidden-size H] [--micro-batch B]
                                           [--seq-len T] [--precision fp32|bf16] [--repeat 2]
-                                          [--device auto|cpu|cuda] [--json]
+                                          [--chunk-mib 256] [--device auto|cpu|cuda] [--json]
 
 For each vocabulary, final hidden states ``(B*T, H)`` that require grad and an lm_head weight
 ``(vocab, H)`` go through one forward and backward of the loss, in alternating order:
 
 * plain: ``F.cross_entropy(F.linear(h, w).float(), y)``, what `plain_lm_loss` does after the decoder;
-* chunked: ``trainforge.trainer.loss.linear_cross_entropy`` at ``chunk_tokens_for(vocab)`` tokens.
+* chunked: ``trainforge.trainer.loss.linear_cross_entropy`` at ``chunk_tokens_for(vocab, --chunk-mib)``
+  tokens (default `CHUNK_LOGITS_MIB`; ``lm_loss`` itself takes the plain path when one chunk holds all).
 
 Peak memory is the most held above what was allocated before the call, gradients included: on
 CUDA ``torch.cuda.max_memory_allocated``; on CPU the process's peak resident set (``VmHWM``, reset
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
         h = torch.randn(tokens, hidden, device=device, generator=g).requires_grad_()
         w = (torch.randn(vocab, hidden, device=device, generator=g) * hidden**-0.5).requires_grad_()
         y = torch.randint(0, vocab, (tokens,), device=device, generator=g)
-        chunk = loss.chunk_tokens_for(vocab)
+        chunk = loss.chunk_tokens_for(vocab, args.chunk_mib)
         runs: dict[str, list[tuple[int, float]]] = {"plain": [], "chunked": []}
         for i in range(args.repeat + 1):  # the first round warms up; alternate the order
             order = (("plain", plain), ("chunked", chunked)) if i % 2 == 0 else (("chunked", chunked), ("plain", plain))
@@ -115,12 +116,13 @@ def run(args: argparse.Namespace) -> dict:
                 runs[name].append(measure(fn, h, w, y, chunk, precision, memory))
         row = {name: {"peak_mib": max(p for p, _ in r) / MIB, "seconds": statistics.median(s for _, s in r[1:])}
                for name, r in runs.items()}
-        row["chunk_tokens"] = chunk
+        row["chunk_tokens"], row["chunk_mib"] = chunk, args.chunk_mib
         row["logits_fp32_mib"] = tokens * vocab * 4 / MIB
         row["peak_ratio"] = row["chunked"]["peak_mib"] / row["plain"]["peak_mib"]
         row["time_ratio"] = row["chunked"]["seconds"] / row["plain"]["seconds"]
         results["vocabs"][vocab] = row
-        print(f"vocab {vocab} (fp32 logits {row['logits_fp32_mib']:.0f} MiB; chunks of {chunk} tokens):")
+        plain_path = " (lm_loss would take the plain path)" if tokens <= chunk else ""
+        print(f"vocab {vocab} (fp32 logits {row['logits_fp32_mib']:.0f} MiB; chunks of {chunk} tokens{plain_path}):")
         for name in ("plain", "chunked"):
             print(f"  {name:<8} peak {row[name]['peak_mib']:9.1f} MiB  time {row[name]['seconds'] * 1e3:9.1f} ms")
         print(f"  chunked/plain: peak memory {row['peak_ratio']:.3f}, time {row['time_ratio']:.3f}")
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default 4096)")
     p.add_argument("--precision", choices=["fp32", "bf16"], help="default: CPU fp32, CUDA bf16 autocast")
     p.add_argument("--repeat", type=int, default=2, help="timed calls per method after one warm-up (default 2)")
+    p.add_argument("--chunk-mib", type=int, default=loss.CHUNK_LOGITS_MIB,
+                   help=f"fp32 logits MiB per chunk (default {loss.CHUNK_LOGITS_MIB})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when there is one")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON object")
     args = p.parse_args(argv)
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
-    for name in ("hidden_size", "micro_batch", "seq_len", "repeat"):
+    for name in ("hidden_size", "micro_batch", "seq_len", "repeat", "chunk_mib"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: expected a positive number")
     results = run(args)

@@ -2,8 +2,8 @@
 
 `lm_loss` runs the model's root forward with no logits (``logits_to_keep``: an empty index), takes
 the final normed hidden states from a forward hook on the decoder stack, and applies
-`linear_cross_entropy`: the lm_head matmul and an fp32 log-softmax one chunk of tokens at a time,
-in the forward and again in the backward. Torch and transformers only. Never call the decoder
+`linear_cross_entropy`: the lm_head matmul and an fp32 log-softmax one chunk of tokens at a time
+in the forward, one slice of the vocabulary at a time in the backward. Torch and transformers only. Never call the decoder
 (``model.model``) directly: under FSDP2 that bypasses the root's hooks. Why recompute, not
 precompute, gradients: `_LinearCrossEntropy`; memory and time: bench/loss_memory.py.
 """
@@ -19,7 +19,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 #: MiB of fp32 logits per chunk: sets the chunk to ``CHUNK_LOGITS_MIB * 2**18 // vocab`` tokens
-#: (rounded down to a multiple of 64), e.g. 2048 tokens at a 32k vocabulary, 512 at 128k. A
+#: (rounded down to a multiple of 64), e.g. 2048 tokens at a 32k vocabulary, 512 at 128k; a chunk
+#: holds about 1.5x this under bf16 autocast, 2x in fp32 (logits and log-probabilities). A
 #: micro-batch whose logits fit in one chunk takes the plain path (chunking it would only add the
 #: backward's recomputation); ``0`` sends every micro-batch down the plain path.
 CHUNK_LOGITS_MIB = 256
@@ -116,39 +117,40 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(c, vocab) fp32 logits of (c, hidden) ``hidden`` and a (vocab, hidden) weight in ``dtype``."""
-    return F.linear(hidden.to(dtype), weight).float()  # .float(): a new tensor only when dtype is not fp32
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Per-chunk recomputation: the forward keeps each token's logsumexp, not its logits; the
-    backward recomputes one chunk's logits at a time and turns them into softmax - onehot.
+    """Per-chunk recomputation. The forward goes through the tokens ``chunk_tokens`` rows at a
+    time and keeps each token's logsumexp, not its logits. The backward recomputes the logits a
+    slice of the vocabulary at a time (as many elements as a chunk: all N rows, chunk_tokens * vocab
+    / N columns), turns them into (softmax - onehot) * dloss, writes that slice's rows of the
+    weight gradient in one matmul over all tokens (as F.linear's backward does: one rounding to
+    the matmul dtype) and adds its share of the hidden gradient into an fp32 (N, hidden) buffer
+    (slicing the vocabulary, not the tokens, for the backward: that buffer is N x hidden rather
+    than vocab x hidden, read and written once per slice).
 
     Why recompute rather than compute the gradients in the forward (as Liger-Kernel does): the
     backward then knows the incoming gradient (the fp16 loss scale, 1/accumulation steps) and
     applies it before casting to the matmul dtype, exactly as autograd does for the plain loss,
     so fp16 gradients neither underflow nor overflow differently; and nothing of size
-    (vocab, hidden) waits from forward to backward. The price: one more lm_head matmul per chunk.
-    Why not ``torch.utils.checkpoint`` per chunk: its per-chunk weight gradients would be summed
-    by autograd in the matmul dtype (bf16); here they are summed in fp32.
+    (vocab, hidden) waits from forward to backward. The price: one more lm_head matmul (4 instead
+    of 3). Why not ``torch.utils.checkpoint`` per chunk: autograd would sum the chunks' weight
+    gradients in the matmul dtype (bf16), each chunk a (vocab, hidden) read and write.
     """
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 chunk_tokens: int, dtype: torch.dtype) -> torch.Tensor:
         valid = targets != IGNORE_INDEX  # (N,)
+        index = targets.clamp(min=0).unsqueeze(1)  # (N, 1); ignored rows read column 0, counted 0
         lse = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)  # (N,) logsumexp
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)  # (vocab, hidden), one cast for all chunks
             for start in range(0, targets.numel(), chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                logits = _logits(hidden[rows], w, dtype)  # (c, vocab) fp32
-                picked = logits.gather(1, targets[rows].clamp(min=0).unsqueeze(1)).squeeze(1)  # (c,)
-                top = logits.amax(dim=1)  # logsumexp in place: torch.logsumexp would need a second (c, vocab)
-                lse[rows] = logits.sub_(top.unsqueeze(1)).exp_().sum(dim=1).log_().add_(top)
-                total += torch.where(valid[rows], lse[rows] - picked, 0.0).sum()
+                logits = F.linear(hidden[rows].to(dtype), w)  # (c, vocab) in dtype
+                logp = torch.log_softmax(logits, dim=1, dtype=torch.float32).gather(1, index[rows]).squeeze(1)
+                lse[rows] = logits.gather(1, index[rows]).squeeze(1).float() - logp  # x_t - log p_t
+                total -= torch.where(valid[rows], logp, 0.0).sum()
                 del logits
         count = valid.sum()
         ctx.save_for_backward(hidden, weight, targets, lse, count)
@@ -163,26 +165,34 @@ class _LinearCrossEntropy(torch.autograd.Function):
             raise RuntimeError("lm_loss backward: the lm_head weight was freed after the forward (an FSDP2 "
                                "root resharded after forward?); keep fully_shard's default for the root")
         need_hidden, need_weight = ctx.needs_input_grad[:2]
-        chunk, dtype = ctx.chunk_tokens, ctx.dtype
-        scale = torch.where(targets != IGNORE_INDEX, grad_loss.float() / count, 0.0)  # (N,) dloss/dlogit row
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        dtype = ctx.dtype
+        n, vocab = targets.numel(), weight.shape[0]
+        # vocabulary slice: (N, columns) logits, a multiple of 64 columns so that their rows stay aligned
+        columns = max(64, ctx.chunk_tokens * vocab // n // 64 * 64)
+        scale = torch.where(targets != IGNORE_INDEX, grad_loss.float() / count, 0.0).unsqueeze(1)  # (N, 1)
+        lse = lse.unsqueeze(1)  # (N, 1)
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            for start in range(0, targets.numel(), chunk):
-                rows = slice(start, start + chunk)
-                h = hidden[rows].to(dtype)  # (c, hidden)
-                g = _logits(h, w, dtype).sub_(lse[rows].unsqueeze(1)).exp_()  # (c, vocab) softmax
-                g.scatter_add_(1, targets[rows].clamp(min=0).unsqueeze(1),
-                               torch.full((g.shape[0], 1), -1.0, dtype=g.dtype, device=g.device))
-                g = g.mul_(scale[rows].unsqueeze(1)).to(dtype)  # dloss/dlogits, then as the matmul's dtype
-                if need_hidden:
-                    grad_hidden[rows] = g @ w  # cast to hidden's dtype as autocast's backward would
-                if need_weight and dtype == torch.float32:
-                    grad_weight.addmm_(g.t(), h)  # (vocab, hidden)
-                elif need_weight:
-                    grad_weight += (g.t() @ h).float()  # each chunk rounded to dtype as F.linear's would be; summed in fp32
-                del g  # before the next chunk's logits
-        if need_weight and grad_weight.dtype != weight.dtype:
-            grad_weight = grad_weight.to(weight.dtype)
+            h = hidden.to(dtype)  # (N, hidden), one cast for all slices
+            for start in range(0, vocab, columns):
+                cols = slice(start, start + columns)
+                w = weight[cols].to(dtype)  # (v, hidden)
+                logits = F.linear(h, w)  # (N, v) in dtype
+                g = logits.sub_(lse) if logits.dtype == torch.float32 else torch.sub(logits, lse)  # fp32
+                del logits
+                g.exp_()  # softmax
+                hit = (targets >= start) & (targets < start + w.shape[0])  # the target is in this slice
+                g.scatter_add_(1, (targets - start).clamp(0, w.shape[0] - 1).unsqueeze(1),
+                               torch.where(hit, -1.0, 0.0).unsqueeze(1))  # softmax - onehot, in fp32
+                g = torch.mul(g, scale, out=g if dtype == torch.float32 else torch.empty_like(g, dtype=dtype))
+                if need_weight:
+                    grad_weight[cols] = g.t() @ h  # (v, hidden): one matmul over all tokens
+                if need_hidden and dtype == torch.float32:
+                    grad_hidden.addmm_(g, w)
+                elif need_hidden:
+                    grad_hidden += g @ w  # each slice rounded to dtype, summed in fp32
+                del g  # before the next slice's logits
+        if need_hidden:
+            grad_hidden = grad_hidden.to(hidden.dtype)
         return grad_hidden, grad_weight, None, None, None
