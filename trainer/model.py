@@ -18,7 +18,6 @@ from typing import Any
 import safetensors.torch
 import torch
 from tokenizers import Tokenizer
-from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trainforge.storage import Storage, storage_for
@@ -80,10 +79,22 @@ def llama_config(model: ModelConfig, vocab_size: int, eos_id: int, max_positions
     )
 
 
-def build_model(config: LlamaConfig) -> LlamaForCausalLM:
-    """A freshly initialised `LlamaForCausalLM` in fp32 on the CPU (move it afterwards)."""
+def build_model(config: LlamaConfig, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+    """A freshly initialised fp32 `LlamaForCausalLM` on ``device``, initialised there.
+
+    Built on the meta device (no memory), materialised on ``device`` and initialised in place by
+    transformers' own ``init_weights`` (normal(0, initializer_range) matrices, unit norms, the
+    rotary frequencies recomputed, tied embeddings tied again): no copy of the weights on the host
+    and no single-threaded CPU initialisation. The values come from ``device``'s generator, so
+    seed it first; the same seed gives the same weights on every rank (docs/model.md, "Initial
+    weights").
+    """
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device=device)
+    model.init_weights()  # initialise every parameter and buffer, then tie the embeddings again
+    return model
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

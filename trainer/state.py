@@ -239,15 +239,33 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
 
 
 def reserve_staging(d: Dist, par: Parallel, optimizer) -> None:
-    """Rank 0 on CUDA, outside FSDP: pin the host buffers of the coming saves on a thread now
-    (after the first optimizer step, once AdamW's state exists), so no save blocks for it."""
+    """Rank 0 on CUDA, outside FSDP: pin the host buffers of the coming saves on a thread, so
+    that no save blocks for it. Called before the first step, whose compilation (seconds of CPU
+    work) the pinning overlaps; AdamW's state, not made before the first step, is reserved by
+    the shapes it will have (`_adamw_state_to_come`)."""
     global _writer
     if d.rank != 0 or d.device.type != "cuda" or par.kind == "fsdp":
         return
     if _writer is None:
         _writer = CheckpointWriter()
     weights, optimizer_state = _state_to_stage(par, optimizer)
+    if not optimizer.state:
+        optimizer_state = _adamw_state_to_come(optimizer)
     _writer.reserve_in_background({"weights": weights, "optimizer": optimizer_state})
+
+
+def _adamw_state_to_come(optimizer) -> dict:
+    """Tensors shaped as ``optimizer.state_dict()``'s state will be after its first step
+    (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter, numbered in param-group order; the
+    fused and capturable kernels keep ``step`` on the parameter's device). Shapes only."""
+    state, index = {}, 0
+    for group in optimizer.param_groups:
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            state[index] = {"step": step, "exp_avg": p.detach(), "exp_avg_sq": p.detach()}
+            index += 1
+    return {"state": state}
 
 
 def _state_to_stage(par: Parallel, optimizer) -> tuple[dict | None, dict | None]:

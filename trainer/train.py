@@ -179,11 +179,13 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     log.info("startup: %.1fs from process start to train() (imports, process group), then %s", since_start_s,
              ", ".join(f"{name} {t - prev:.1f}s" for (_, prev), (name, t) in zip(marks, marks[1:])))
 
+    # Pin the saves' host buffers on a thread while the first step compiles (trainer/state.py).
+    reserve_staging(d, par, optimizer)
     # system/* metrics of rank 0's machine while the steps run (trainforge.trainer.tracking)
     compiled = cfg.framework.compile_on(d.device.type)
     with (tracker.system_metrics() if tracker else nullcontext(),
           RecompileWatch() if compiled else nullcontext() as watch):
-        t_window, steps_in_window, steps_trained = time.perf_counter(), 0, 0
+        t_window, steps_in_window = time.perf_counter(), 0
         if clock:
             clock.loop_started()
         while step < o.max_steps:
@@ -220,9 +222,6 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += tokens_per_step
-            if steps_trained == 0:  # AdamW's state exists now: pin the saves' host buffers on a thread
-                reserve_staging(d, par, optimizer)
-            steps_trained += 1
             steps_in_window += 1
             if clock:
                 clock.step_done(step)

@@ -256,3 +256,23 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
     assert result["final_step"] == 12 and result["last_checkpoint"] == str(root / "step-00000012")
     assert [s for s, _ in ckpt.list_step_dirs(root)] == [8, 12]
     assert all(not ckpt.verify(p) for _, p in ckpt.list_step_dirs(root))  # the partial one was rewritten
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_the_adamw_state_reserved_before_the_first_step_has_the_paths_and_shapes_it_will_have(fused):
+    """The saves' buffers are reserved before AdamW has any state: by the shapes it will have."""
+    from trainforge.trainer.state import _adamw_state_to_come
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.AdamW([{"params": [model[0].weight]},
+                                   {"params": [model[0].bias, model[1].weight, model[1].bias]}], fused=fused or None)
+    expected = _adamw_state_to_come(optimizer)["state"]
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    real = optimizer.state_dict()["state"]
+    assert set(real) == set(expected) == {0, 1, 2, 3}
+    for index, entry in real.items():
+        assert set(entry) == set(expected[index])
+        for key, tensor in entry.items():
+            want = expected[index][key]
+            assert (tensor.shape, tensor.dtype, tensor.device) == (want.shape, want.dtype, want.device), (index, key)
