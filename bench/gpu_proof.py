@@ -1,8 +1,10 @@
 """The trainer on one CUDA GPU, against the chip's matmul ceiling and two bare loops, in one run.
 
+    # trainforge installed without its dependencies, e.g. on a machine with only torch and transformers:
+    pip install --no-deps --no-build-isolation --target DIR . && export PYTHONPATH=DIR
     python bench/gpu_proof.py [--steps 32] [--checkpoint-every 16] [--bare-steps 10]
                               [--out docs/gpu-proof.md] [--log-dir DIR] [--work DIR] [--keep]
-    python bench/gpu_proof.py --rehearse-on-cpu --out /tmp/gpu-proof.md   # a tiny model, no GPU
+    python bench/gpu_proof.py --rehearse-on-cpu    # a tiny model on the CPU: checks the script itself
 
 Measures, in this order, each in a process of its own so none inherits another's memory:
 
@@ -20,7 +22,7 @@ Measures, in this order, each in a process of its own so none inherits another's
 4. the same bare loop eager, with torch's default AdamW;
 
 then prints the ratios trainer / each bare loop and writes them, with the date, device and
-versions, to ``--out``; ``--log-dir`` also gets the trainer's log and the figures as JSON after
+versions, to ``--out`` (printed only, without it); ``--log-dir`` also gets the trainer's log and the figures as JSON after
 each part, so a run cut short still tells what it measured. A part that fails is reported and the
 others still run. Needs only torch and transformers (and trainforge on ``PYTHONPATH``); no CUDA
 device: it says so and exits 0. About 4 minutes on an H200.
@@ -36,6 +38,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -94,7 +97,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def job_config(shape: dict, dataset: Path, checkpoints: Path, steps: int, every: int, precision: str) -> dict:
+def job_config(shape: dict, dataset: Path, checkpoints: Path, steps: int, every: int, precision: str,
+               compile_: bool | str = "auto") -> dict:
     """The trainer's job config (trainforge.job/v1) for ``shape``."""
     return {
         "format": "trainforge.job/v1",
@@ -112,7 +116,7 @@ def job_config(shape: dict, dataset: Path, checkpoints: Path, steps: int, every:
         "checkpoint": {"dir": str(checkpoints), "interval_steps": every, "keep_last": 1},
         "logging": {"log_every_steps": 1},
         "distributed": {"backend": "auto", "collective_timeout_s": 600},
-        "framework": {"parallelism": "ddp", "compile": "auto"},
+        "framework": {"parallelism": "ddp", "compile": compile_},
     }
 
 
@@ -173,13 +177,12 @@ def run_trainer(job: Path, work: Path, timeout_s: float, log_dir: Path | None) -
     energy_before, t0 = nvml_energy_mj(), time.time()
     log_file = (log_dir or work) / "trainer.log"
     with open(log_file, "w") as sink:  # written as it runs: a run cut short still leaves its log
-        proc = subprocess.run(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True, env=env, timeout=timeout_s,
-                              check=False)
+        code = _run_group(cmd, sink, env, timeout_s)
     wall = time.time() - t0
     energy_after = nvml_energy_mj()
     out = log_file.read_text()
-    if proc.returncode:
-        raise RuntimeError(f"the trainer failed (exit {proc.returncode}):\n{out[-4000:]}")
+    if code:
+        raise RuntimeError(f"the trainer failed (exit {code}):\n{out[-4000:]}")
     stamps = {int(m[2]): dt.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() for m in STEP_LINE.finditer(out)}
     records = sorted((job_dir / "ledger").glob("attempt-*.json"))
     record = json.loads(records[-1].read_text()) if records else {}
@@ -199,6 +202,24 @@ def run_trainer(job: Path, work: Path, timeout_s: float, log_dir: Path | None) -
     if energy_before is not None and energy_after is not None:
         figures["nvml_energy_j"] = (energy_after - energy_before) / 1000
     return figures
+
+
+def _run_group(cmd: list[str], sink, env: dict[str, str] | None, timeout_s: float) -> int:
+    """Run ``cmd`` in a process group of its own; on timeout SIGTERM the whole group (torchrun and
+    its workers), SIGKILL 30 s later, and raise TimeoutError: no orphan keeps the GPU."""
+    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=grace)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                continue
+        raise TimeoutError(f"{' '.join(cmd[:6])} ... did not finish in {timeout_s:.0f} s; its process group "
+                           f"was stopped") from None
 
 
 def _background_seconds(record: dict) -> float | None:
@@ -233,11 +254,14 @@ def tokens_per_s(stamps: dict[int, float], tokens_per_step: int, first: int) -> 
 
 def run_bare(kind: str, job: Path, steps: int, timeout_s: float, device: str) -> dict:
     """The bare loop (``eager`` or ``compiled``) in a child process; returns its figures."""
-    proc = subprocess.run([sys.executable, __file__, "--bare-loop", kind, str(job), str(steps), device],
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
-    if proc.returncode:
-        raise RuntimeError(f"the {kind} bare loop failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryFile("w+") as sink:
+        code = _run_group([sys.executable, __file__, "--bare-loop", kind, str(job), str(steps), device], sink, None,
+                          timeout_s)
+        sink.seek(0)
+        out = sink.read()
+    if code:
+        raise RuntimeError(f"the {kind} bare loop failed (exit {code}):\n{out[-4000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def bare_loop(kind: str, job_path: str, steps: int, device: str) -> None:
@@ -399,7 +423,8 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=16, help="trainer checkpoint interval (default 16)")
     parser.add_argument("--bare-steps", type=int, default=10, help="steps of each bare loop (default 10)")
     parser.add_argument("--matmul-n", type=int, default=8192)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "gpu-proof.md")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the page here (the repository keeps it as docs/gpu-proof.md); default: print it")
     parser.add_argument("--log-dir", type=Path, default=None,
                         help="also write the trainer's log and the figures (JSON, after each part) here")
     parser.add_argument("--work", type=Path, default=None, help="work folder (default: a temporary one)")
@@ -407,10 +432,16 @@ def main() -> int:
     parser.add_argument("--rehearse-on-cpu", action="store_true",
                         help="no GPU: run every step with a tiny model on the CPU (a rehearsal, not a measurement)")
     args = parser.parse_args()
-    if args.steps <= WARMUP_STEPS + 1 or args.bare_steps <= BARE_WARMUP + 1:
-        parser.error(f"--steps must exceed {WARMUP_STEPS + 1} and --bare-steps {BARE_WARMUP + 1}")
-    if not 1 <= args.checkpoint_every <= args.steps:
-        parser.error(f"--checkpoint-every must be in [1, --steps={args.steps}], got {args.checkpoint_every}")
+    if args.steps <= WARMUP_STEPS + 1:
+        parser.error(f"--steps={args.steps}: expected more than {WARMUP_STEPS + 1} (steps up to {WARMUP_STEPS} warm up)")
+    if args.bare_steps <= BARE_WARMUP + 1:
+        parser.error(f"--bare-steps={args.bare_steps}: expected more than {BARE_WARMUP + 1} (steps up to "
+                     f"{BARE_WARMUP} warm up)")
+    if not 1 <= args.checkpoint_every < args.steps:
+        parser.error(f"--checkpoint-every={args.checkpoint_every}: expected 1 to {args.steps - 1} (below --steps="
+                     f"{args.steps}: the blocking figure is a save during training)")
+    if args.matmul_n < 1:
+        parser.error(f"--matmul-n={args.matmul_n}: expected a positive matrix size")
     import torch
 
     if not torch.cuda.is_available() and not args.rehearse_on_cpu:
@@ -446,7 +477,7 @@ def main() -> int:
                                train_tokens=max(1 << 20, tokens_per_step * args.steps // 2))
         job = work / "job.json"
         job.write_text(json.dumps(job_config(shape, dataset, work / "checkpoints", args.steps, args.checkpoint_every,
-                                             "bf16")))
+                                             "bf16", compile_=True if args.rehearse_on_cpu else "auto")))
         part("trainer", lambda: run_trainer(job, work, timeout_s=600, log_dir=args.log_dir))
         print(f"trainer: {args.steps} steps in {(facts.get('trainer') or {}).get('wall_s', 0):.0f} s", flush=True)
         shutil.rmtree(work / "checkpoints", ignore_errors=True)
@@ -454,10 +485,12 @@ def main() -> int:
             part(kind, lambda: run_bare(kind, job, args.bare_steps, timeout_s=600, device=device))
             print(f"bare {kind} loop: {(facts.get(kind) or {}).get('tokens_per_s', 0):,.0f} tokens/s", flush=True)
         page, checks = report(facts, shape, args)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(page)
         print(page)
-        print(f"wrote {args.out}; total {time.monotonic() - started:.0f} s")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(page)
+            print(f"wrote {args.out}")
+        print(f"total {time.monotonic() - started:.0f} s")
         print("goals: " + ", ".join(f"{k} {'met' if ok else 'NOT met'}" for k, (_, ok) in checks.items()))
     finally:
         if not args.keep and args.work is None:

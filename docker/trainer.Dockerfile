@@ -48,6 +48,14 @@ LABEL org.opencontainers.image.title="trainforge-trainer" \
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/home/trainer
 RUN groupadd --gid 1000 trainer \
     && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/trainer --shell /usr/sbin/nologin trainer
+# Compilers for torch.compile (framework.compile, docs/trainer.md): Triton builds its CUDA kernel
+# launchers with a C compiler and the Python headers at run time, Inductor's CPU kernels need C++.
+# Without them `compile: auto` trains eager and `compile: true` is refused (exit 78).
+RUN set -eu; \
+    headers="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h"; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends gcc g++ libc6-dev $([ -e "$headers" ] || echo python3-dev); \
+    rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
 USER 1000:1000
 WORKDIR /home/trainer

@@ -3,8 +3,9 @@
 Training blocks only while `CheckpointWriter.stage` copies the state; the files, their hashes, the
 manifest (last) and retention are written on the writer's thread. The writer never runs a
 collective (its peers are training on), writes one checkpoint at a time, and never publishes a
-manifest once `CheckpointWriter.abandon` returned. Why a thread, and what happens on SIGTERM:
-docs/contracts.md, "Checkpoint layout".
+manifest once `CheckpointWriter.abandon` returned. Why a thread: docs/contracts.md, "Checkpoint
+writes" (under "Trainer details"); what happens on SIGTERM: docs/faults.md; the whole story:
+docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -160,6 +162,10 @@ class _Gate:
         with self._lock:  # waits for a manifest being written: after this, none is
             self._open = False
 
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
     @contextmanager
     def commit(self) -> Iterator[None]:
         with self._lock:
@@ -278,8 +284,12 @@ class CheckpointWriter:
                      "retention deleted %d)", path, result.seconds, written_s, result.deleted)
         except Exception as err:  # noqa: BLE001 - kept for the caller, who raises it (a thread cannot)
             result = WriteResult(step, None, time.perf_counter() - t0, error=err)
-            log.warning("background write of checkpoint step %d failed after %.2fs: %s: %s", step,
-                        result.seconds, type(err).__name__, err)
+            if self._gate.closed or sys.is_finalizing():  # the process is exiting: not a storage fault
+                log.info("background write of checkpoint step %d abandoned after %.2fs (the process is exiting; "
+                         "no manifest written)", step, result.seconds)
+            else:
+                log.warning("background write of checkpoint step %d failed after %.2fs: %s: %s", step,
+                            result.seconds, type(err).__name__, err)
         self._result = result
         _call(on_ended, result)
 

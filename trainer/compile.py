@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 import torch
 
@@ -24,6 +25,25 @@ log = logging.getLogger(__name__)
 #: Steps in which compiling (and recompiling) is expected: the first forward/backward compiles.
 WARMUP_STEPS = 2
 _RECOMPILES_LOGGER = "torch._dynamo.guards.__recompiles"
+
+
+def missing_compiler(device_type: str) -> str | None:
+    """What torch.compile lacks on this machine to build its kernels, or None.
+
+    Inductor writes C++ for the CPU (``CXX``, else ``g++``, ``c++`` or ``clang++``) and Triton
+    kernels for CUDA, whose launcher Triton builds with a C compiler (``CC``, else ``cc``, ``gcc``
+    or ``clang``). A slim container image often has neither.
+    """
+    if device_type == "cuda":
+        variable, names, what = "CC", ("cc", "gcc", "clang"), "a C compiler (Triton builds its kernel launchers)"
+    else:
+        variable, names, what = "CXX", ("g++", "c++", "clang++"), "a C++ compiler (Inductor builds its CPU kernels)"
+    given = os.environ.get(variable)
+    if given:
+        return None if shutil.which(given) else f"{what}: {variable}={given!r} is not an executable"
+    if any(shutil.which(name) for name in names):
+        return None
+    return f"{what}: none of {', '.join(names)} is on PATH and {variable} is unset"
 
 
 def compile_layers(model: torch.nn.Module) -> int:

@@ -107,8 +107,9 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
         scalar float32 tensor (computed in fp32 even under bf16 autocast).
 
     Large logits are never held whole: the lm_head matmul and the log-softmax run a chunk of
-    tokens at a time, in forward and backward (`trainforge.trainer.loss`, which also says when
-    the plain path is taken). ``model`` may be wrapped in DDP or sharded with FSDP2.
+    tokens at a time in the forward and a slice of the vocabulary at a time in the backward
+    (`trainforge.trainer.loss`, which also says when the plain path is taken). ``model`` may be
+    wrapped in DDP or sharded with FSDP2.
     """
     from trainforge.trainer import loss  # here, not at the top: this function is all of model.py that uses it
 

@@ -61,8 +61,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainforge.trainer.compile import compile_layers
-from trainforge.trainer.config import JobConfig
+from trainforge.trainer.compile import compile_layers, missing_compiler
+from trainforge.trainer.config import ConfigError, JobConfig
 from trainforge.trainer.distributed import Dist
 from trainforge.trainer.model import check_weights, enable_activation_checkpointing, load_weights, tied_aliases, weights_state_dict
 from trainforge.trainer.powersgd import PowerSGDHook, powersgd_hook
@@ -84,6 +84,7 @@ class Parallel:
     aliases: dict[str, str]  # tied state-dict names -> the name stored in checkpoints
     rank: int
     powersgd: PowerSGDHook | None = None  # the DDP hook's state under gradient_compression "powersgd"
+    compiled: bool = False  # the decoder layers are torch.compile'd (framework.compile, a compiler found)
 
     @contextmanager
     def grad_sync(self, sync: bool) -> Iterator[None]:
@@ -180,14 +181,22 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, d: Dist) -> Parallel:
     shapes = {n: t.shape for n, t in model.state_dict().items()}
     if fw.activation_checkpointing:
         enable_activation_checkpointing(model)
-    if fw.compile_on(d.device.type):
+    compiled = fw.compile_on(d.device.type)
+    missing = missing_compiler(d.device.type) if compiled else None
+    if missing and fw.compile is True:
+        raise ConfigError(f"framework.compile=true needs {missing}; install one where the trainer runs (the "
+                          f"image), or set training.framework.compile to false or auto")
+    if missing:
+        compiled = False
+        log.warning("framework.compile=auto: training eager, torch.compile needs %s", missing)
+    if compiled:
         log.info("torch.compile: %d decoder layers compiled in place (framework.compile=%r on %s)",
                  compile_layers(model), fw.compile, d.device.type)
     if not d.enabled:
         if fw.parallelism != "ddp" or fw.gradient_compression != "none":
             log.info("one process without torchrun: framework.parallelism=%r and gradient_compression=%r "
                      "have nothing to shard or compress", fw.parallelism, fw.gradient_compression)
-        return Parallel("single", model, model, shapes, aliases, d.rank)
+        return Parallel("single", model, model, shapes, aliases, d.rank, compiled=compiled)
     if fw.parallelism == "fsdp":
         mesh = init_device_mesh(d.device.type, (d.world_size,))
         for layer in model.model.layers:
@@ -195,10 +204,10 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, d: Dist) -> Parallel:
         fully_shard(model, mesh=mesh)
         log.info("FSDP2: %d decoder layers and the root sharded over %d ranks", len(model.model.layers),
                  d.world_size)
-        return Parallel("fsdp", model, model, shapes, aliases, d.rank)
+        return Parallel("fsdp", model, model, shapes, aliases, d.rank, compiled=compiled)
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     powersgd = register_compression(ddp, cfg)
-    return Parallel("ddp", model, ddp, shapes, aliases, d.rank, powersgd)
+    return Parallel("ddp", model, ddp, shapes, aliases, d.rank, powersgd, compiled=compiled)
 
 
 def register_compression(ddp: DDP, cfg: JobConfig) -> PowerSGDHook | None:

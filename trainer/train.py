@@ -182,9 +182,8 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     # Pin the saves' host buffers on a thread while the first step compiles (trainer/state.py).
     reserve_staging(d, par, optimizer)
     # system/* metrics of rank 0's machine while the steps run (trainforge.trainer.tracking)
-    compiled = cfg.framework.compile_on(d.device.type)
     with (tracker.system_metrics() if tracker else nullcontext(),
-          RecompileWatch() if compiled else nullcontext() as watch):
+          RecompileWatch() if par.compiled else nullcontext() as watch):
         t_window, steps_in_window = time.perf_counter(), 0
         if clock:
             clock.loop_started()
@@ -277,18 +276,36 @@ def _attempt_clock(cfg: JobConfig, d: Dist, model: torch.nn.Module, n_params: in
                         job_dir=os.environ.get(JOB_DIR_ENV))
 
 
+_SIGTERM_MESSAGE = "received SIGTERM (torchrun stopping the worker group, or the task being killed)"
+# Inside `sigterm_deferred`: [deferring, a SIGTERM arrived meanwhile].
+_deferred = [False, False]
+
+
 def _on_sigterm(signum, frame) -> None:
-    raise TerminatedError("received SIGTERM (torchrun stopping the worker group, or the task being killed)")
+    if _deferred[0]:
+        _deferred[1] = True  # raised when the deferred block ends
+        return
+    raise TerminatedError(_SIGTERM_MESSAGE)
 
 
 @contextmanager
 def sigterm_deferred() -> Iterator[None]:
-    """Hold SIGTERM back (blocked, not lost) for the duration of the block; it lands right after."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    """Hold SIGTERM back for the duration of the block (not lost: it is raised as the block ends).
+
+    A flag, not a signal mask: the handler runs on the main thread whichever thread the kernel
+    delivered the signal to (NCCL's, gloo's, the checkpoint writer's), so masking the main thread
+    alone would not hold it.
+    """
+    _deferred[:] = [True, False]
     try:
         yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    except BaseException:
+        _deferred[:] = [False, False]  # the block's own failure goes on
+        raise
+    arrived = _deferred[1]
+    _deferred[:] = [False, False]
+    if arrived:
+        raise TerminatedError(_SIGTERM_MESSAGE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,17 +22,19 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
-    proc = _run("--out", str(tmp_path / "page.md"))
+    proc = _run("--out", str(tmp_path / "page.md"))  # never writes without measuring
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device: nothing measured" in proc.stdout
     assert not (tmp_path / "page.md").exists()
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--steps", "8"], "--steps must exceed 9"),
-    (["--bare-steps", "4"], "--bare-steps 4"),
-    (["--checkpoint-every", "0"], "--checkpoint-every must be in [1, --steps=32], got 0"),
-    (["--checkpoint-every", "40"], "got 40"),
+    (["--steps", "8"], "--steps=8: expected more than 9"),
+    (["--bare-steps", "4"], "--bare-steps=4: expected more than 4"),
+    (["--checkpoint-every", "0"], "--checkpoint-every=0: expected 1 to 31"),
+    (["--checkpoint-every", "32"], "--checkpoint-every=32: expected 1 to 31"),
+    (["--matmul-n", "0"], "--matmul-n=0: expected a positive matrix size"),
+    (["--steps", "ten"], "invalid int value: 'ten'"),
 ])
 def test_bad_arguments_are_refused_with_what_was_expected(args, message):
     proc = _run(*args)
@@ -74,4 +76,5 @@ def test_a_cpu_rehearsal_runs_every_part_and_writes_the_page(tmp_path):
     assert "A CPU rehearsal with a tiny model" in page and "failed" not in page
     figures = json.loads((tmp_path / "logs" / "figures.json").read_text())
     assert figures["errors"] == {} and figures["trainer"]["mid_run_blocked_s"]
+    assert "0 after warm-up" in figures["trainer"]["recompile_line"]  # the rehearsal compiles the trainer too
     assert figures["compiled"]["tokens_per_s"] > 0 and figures["eager"]["tokens_per_s"] > 0

@@ -116,3 +116,73 @@ def test_a_recompilation_after_warm_up_is_warned_about_with_its_cause(caplog):
     assert watch.recompiles == 1 and watch.after_warmup == 1
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "during step 3" in warned[0] and "size mismatch" in warned[0], warned
+
+
+def test_sigterm_from_another_thread_is_held_until_the_deferred_block_ends():
+    """The handler runs on the main thread whichever thread the signal reaches: the block holds it
+    with a flag, and raises it as the block ends."""
+    import os
+    import signal
+    import threading
+
+    from trainforge.trainer.errors import TerminatedError
+    from trainforge.trainer.train import _on_sigterm, sigterm_deferred
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        reached_end = False
+        with pytest.raises(TerminatedError, match="received SIGTERM"):
+            with sigterm_deferred():
+                sender = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM))
+                sender.start()
+                sender.join()
+                for _ in range(1000):  # bytecodes: the handler has run by now, and held it
+                    pass
+                reached_end = True
+        assert reached_end
+        with pytest.raises(TerminatedError):  # outside a block it lands at once
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize(("device_type", "variable"), [("cuda", "CC"), ("cpu", "CXX")])
+def test_a_missing_compiler_is_named(monkeypatch, device_type, variable):
+    from trainforge.trainer.compile import missing_compiler
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert f"{variable} is unset" in missing_compiler(device_type)
+    monkeypatch.setenv(variable, "/nonexistent/cc")
+    assert f"{variable}='/nonexistent/cc' is not an executable" in missing_compiler(device_type)
+
+
+@pytest.mark.parametrize("setting", ["auto", True])
+def test_without_a_compiler_auto_trains_eager_and_true_is_a_config_error(monkeypatch, tmp_path, setting, caplog):
+    """framework.compile on a machine without the compiler torch.compile needs."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from conftest import make_job
+
+    from trainforge.trainer import parallel
+    from trainforge.trainer.config import ConfigError, parse_job_config
+    from trainforge.trainer.distributed import Dist
+
+    job = make_job(tmp_path / "d", tmp_path / "c")
+    job["framework"] = {"compile": setting}
+    cfg = parse_job_config(job)
+    monkeypatch.setattr(parallel, "missing_compiler", lambda device_type: "a C++ compiler (test)")
+    model = _built(8)
+    d = Dist(False, 0, 0, 1, torch.device("cpu"))
+    if setting is True:
+        with pytest.raises(ConfigError, match="framework.compile=true needs a C\\+\\+ compiler"):
+            parallel.parallelize(model, cfg, d)
+    else:  # auto is off on the CPU anyway: pretend a CUDA device type for the decision
+        monkeypatch.setattr(type(cfg.framework), "compile_on", lambda self, device_type: True)
+        with caplog.at_level(logging.WARNING, logger="trainforge.trainer.parallel"):
+            par = parallel.parallelize(model, cfg, d)
+        assert not par.compiled and "training eager" in caplog.text
