@@ -92,7 +92,7 @@ def test_staging_copies_what_training_changes_and_keeps_private_copies():
 @pytest.mark.gpu
 def test_cuda_state_is_staged_into_pinned_buffers_reused_across_saves():
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+        pytest.skip("needs a CUDA GPU (install a CUDA build of torch and the NVIDIA driver)")
     stager = HostStager()
     w = torch.randn(1024, 1024, device="cuda")
     step = torch.tensor(3.0, device="cuda")  # fused AdamW keeps its step on the device

@@ -190,7 +190,7 @@ def test_compiled_decoder_layers():
 def test_on_cuda_the_default_chunks_hold_less_memory_for_the_same_result():
     """bf16 autocast, vocabulary 32000, 4 x 1024 tokens: two chunks of 2048 at the defaults."""
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+        pytest.skip("needs a CUDA GPU (install a CUDA build of torch and the NVIDIA driver)")
     config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, use_cache=False)
     config._attn_implementation = "sdpa"
