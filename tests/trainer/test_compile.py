@@ -95,7 +95,7 @@ def test_a_checkpoint_resumes_across_compiled_and_eager(runs, dataset_dir, tools
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallelism", [pytest.param("ddp", marks=pytest.mark.heavy), "fsdp"])
 def test_compiled_layers_train_under_ddp_and_fsdp2_with_activation_checkpointing(tmp_path, dataset_dir, tools,
                                                                                parallelism):
     """Two gloo ranks: compiled decoder layers inside DDP or FSDP2's fully_shard, recomputed by
