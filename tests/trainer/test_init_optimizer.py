@@ -161,18 +161,14 @@ def test_a_missing_compiler_is_named(monkeypatch, device_type, variable):
 
 
 @pytest.mark.parametrize("setting", ["auto", True])
-def test_without_a_compiler_auto_trains_eager_and_true_is_a_config_error(monkeypatch, tmp_path, setting, caplog):
+def test_without_a_compiler_auto_trains_eager_and_true_is_a_config_error(monkeypatch, tmp_path, setting, caplog,
+                                                                        tools):
     """framework.compile on a machine without the compiler torch.compile needs."""
-    import sys
-
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from conftest import make_job
-
     from trainforge.trainer import parallel
     from trainforge.trainer.config import ConfigError, parse_job_config
     from trainforge.trainer.distributed import Dist
 
-    job = make_job(tmp_path / "d", tmp_path / "c")
+    job = tools.make_job(tmp_path / "d", tmp_path / "c")
     job["framework"] = {"compile": setting}
     cfg = parse_job_config(job)
     monkeypatch.setattr(parallel, "missing_compiler", lambda device_type: "a C++ compiler (test)")
