@@ -12,8 +12,9 @@ class BackendError(TrainforgeError):
 
 
 class JobRefusedError(BackendError):
-    """The engine refused the job as invalid (Kubernetes: HTTP 422 or an admission webhook's
-    denial): sending the same request again is refused again, so the task fails without retries.
+    """The engine refused the job for good (Kubernetes: HTTP 422, an admission webhook's denial,
+    a field the installed CRD lacks, or RBAC denying a verb): sending the same request again is
+    refused again, so the task fails without retries.
     """
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.ray_head import ray_head  # noqa: F401 - the real Ray head on loopback (session)
+from tests.kube_apiserver import kube_apiserver  # noqa: F401 - a real kube-apiserver (session)
 
 #: What some tests need beyond the venv, and how to get it on Debian/Ubuntu (`.ci/run` installs
 #: the packages). A test that cannot have one skips through :func:`skip_without`, so that its
@@ -23,6 +24,11 @@ PREREQUISITES = {
     "docker": ("a Docker engine (Debian's docker.io, dockerd started as root), docker-compose and debootstrap",
                "sudo apt-get install -y --no-install-recommends docker.io docker-compose debootstrap, "
                "then run as root, e.g. sudo -E .venv/bin/pytest -m docker"),
+    "envtest": ("a real Kubernetes API server: etcd and kube-apiserver in the folder KUBEBUILDER_ASSETS "
+                "names, the upstream CRDs in the folder TRAINFORGE_ENVTEST_CRDS names",
+                "sudo apt-get install -y --no-install-recommends etcd-server, put kube-apiserver "
+                "(v1.30 or later) beside a link to etcd and export KUBEBUILDER_ASSETS=that folder; "
+                "export TRAINFORGE_ENVTEST_CRDS=a folder of the CRD files docs/kubernetes.md#tests lists"),
     "hosts": ("root and iproute2 for test hosts (network namespaces, veth pairs, tc)",
               "sudo apt-get install -y --no-install-recommends iproute2, then run as root, "
               "e.g. sudo -E .venv/bin/pytest -m multihost"),

@@ -45,6 +45,23 @@ from trainforge.errors import BackendError, JobNotFoundError
 
 log = logging.getLogger(__name__)
 
+#: Every create and patch: a field the installed CRD lacks is an error, not silently dropped.
+STRICT = "Strict"
+#: Annotation recording why the backend deleted a failed job (JSON: message, failure, exit code).
+ANN_FAILED = n.LABEL_PREFIX + "failed"
+
+
+def _ended(meta: dict[str, Any]) -> JobStatus | None:
+    """The FAILED status recorded on a job the backend deleted because it failed, or None."""
+    raw = (meta.get("annotations") or {}).get(ANN_FAILED)
+    if not raw:
+        return None
+    try:
+        record = json.loads(raw)
+        failure = FailureKind(record["failure"]) if record.get("failure") else None
+        return JobStatus(JobState.FAILED, str(record["message"]), record.get("exit_code"), failure)
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 class KubernetesBackend(Backend):
@@ -127,13 +144,29 @@ class KubernetesBackend(Backend):
                      existing["api"], existing["namespace"], existing["name"])
             return existing
         api, cm, obj = request["api"], request["configmap"], request["job"]
+        # The API's whole validation (schema, CEL rules, fields the installed CRD lacks, RBAC's
+        # create) before anything exists: a refused job leaves nothing behind.
+        self._create_job(api, obj, job.identity, dry_run=True)
         self._create_configmap(cm, job.identity)
         try:
             created = self._create_job(api, obj, job.identity)
         except BaseException:
             self._delete_configmap(cm["metadata"]["name"])  # no orphan when the job is refused
             raise
-        self._own_configmap(cm["metadata"]["name"], obj, created)
+        try:
+            self._own_configmap(cm["metadata"]["name"], obj, created)
+        except BaseException as err:
+            # Refused (e.g. RBAC) after the job exists: remove what this submit created, so a
+            # retry starts clean instead of adopting a job whose ConfigMap has no owner.
+            log.warning("Removing %s %s/%s again: %s", obj["kind"], self.namespace,
+                        obj["metadata"]["name"], err)
+            try:
+                self._delete({"api": api, "name": obj["metadata"]["name"],
+                              "namespace": self.namespace}, propagation="Background")
+            except BackendError as cleanup:
+                log.error("Could not remove %s %s/%s, delete it by hand: %s", obj["kind"],
+                          self.namespace, obj["metadata"]["name"], cleanup)
+            raise
         handle = self._handle(api, created)
         log.info("Submitted %s %s/%s for %s (uid %s)", obj["kind"], self.namespace,
                  handle["name"], job.identity.key, handle["uid"])
@@ -144,7 +177,7 @@ class KubernetesBackend(Backend):
 
         name = cm["metadata"]["name"]
         try:
-            self._core.create_namespaced_config_map(self.namespace, cm,
+            self._core.create_namespaced_config_map(self.namespace, cm, field_validation=STRICT,
                                                     _request_timeout=self.request_timeout_s)
             return
         except ApiException as err:
@@ -158,20 +191,31 @@ class KubernetesBackend(Backend):
         self._check_identity(current, identity, "ConfigMap")
         # Left by an earlier submission of this identity whose job was not created: refresh it.
         self._call(f"update ConfigMap {self.namespace}/{name}",
-                   self._core.patch_namespaced_config_map, name, self.namespace, {"data": cm["data"]})
+                   self._core.patch_namespaced_config_map, name, self.namespace, {"data": cm["data"]},
+                   field_validation=STRICT)
 
-    def _create_job(self, api: str, obj: dict[str, Any], identity: JobIdentity) -> dict[str, Any]:
+    def _create_job(self, api: str, obj: dict[str, Any], identity: JobIdentity,
+                    dry_run: bool = False) -> dict[str, Any]:
+        """Create the job with strict field validation (``dry_run``: validate only)."""
         from kubernetes.client.exceptions import ApiException
 
         group, version, plural, kind = r.APIS[api]
         name = obj["metadata"]["name"]
+        extra = {"dry_run": "All"} if dry_run else {}
         try:
             return self._custom.create_namespaced_custom_object(
-                group, version, self.namespace, plural, obj, _request_timeout=self.request_timeout_s)
+                group, version, self.namespace, plural, obj, field_validation=STRICT,
+                _request_timeout=self.request_timeout_s, **extra)
         except ApiException as err:
-            if err.status != 409:
-                raise api_error(f"create {kind} {self.namespace}/{name}", err) from err
+            if err.status == 409 and dry_run:
+                return {}  # exists already (a lagging read missed it): the create adopts it
+            if err.status != 409 or dry_run:
+                what = f"{'validate (dry run) ' if dry_run else ''}create {kind} {self.namespace}/{name}"
+                raise api_error(what, err, kind) from err
         except network_errors() as err:
+            if dry_run:
+                raise BackendError(f"could not reach the Kubernetes API to validate {kind} "
+                                   f"{self.namespace}/{name}: {err}") from err
             # The request may have reached the server: a job may exist now. Look before failing.
             current = self._get(api, name)
             if current is not None and n.identity_from_annotations(
@@ -189,13 +233,18 @@ class KubernetesBackend(Backend):
         return current
 
     def _own_configmap(self, cm_name: str, obj: dict[str, Any], created: dict[str, Any]) -> None:
-        """Make the job the ConfigMap's owner, so that deleting the job deletes it too."""
+        """Make the job the ConfigMap's owner, so that deleting the job deletes it too.
+
+        Without ``blockOwnerDeletion``: setting it needs ``update`` on the job's ``finalizers``
+        subresource where ``OwnerReferencesPermissionEnforcement`` is on (OpenShift), and it
+        would only make a foreground deletion wait for the ConfigMap, which the backend deletes
+        itself."""
         meta = created.get("metadata") or {}
         owner = {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": meta.get("name"),
-                 "uid": meta.get("uid"), "blockOwnerDeletion": True}
+                 "uid": meta.get("uid")}
         self._call(f"set the owner of ConfigMap {self.namespace}/{cm_name}",
                    self._core.patch_namespaced_config_map, cm_name, self.namespace,
-                   {"metadata": {"ownerReferences": [owner]}})
+                   {"metadata": {"ownerReferences": [owner]}}, field_validation=STRICT)
 
     def _check_identity(self, obj: dict[str, Any], identity: JobIdentity, kind: str) -> None:
         meta = obj.get("metadata") or {}
@@ -259,6 +308,9 @@ class KubernetesBackend(Backend):
                                    f"found (deleted, or never created)")
         meta = obj.get("metadata") or {}
         if meta.get("deletionTimestamp"):
+            ended = _ended(meta)
+            if ended is not None:  # deleted by this backend because it failed
+                return ended
             return JobStatus(JobState.CANCELLED, f"{r.APIS[api][3]} {handle['name']} is being deleted")
         state, cond = s.job_state(api, obj)
         pods = self._pods(handle)
@@ -284,8 +336,8 @@ class KubernetesBackend(Backend):
         if restarts > handle.get("max_restarts", 0):
             message = (f"{r.APIS[api][3]} {handle['name']} restarted {restarts} times, more than "
                        f"fault.max_restarts = {handle.get('max_restarts', 0)}; deleted it")
-            self._delete(handle)
-            return JobStatus(JobState.FAILED, message, exit_code, FailureKind.TRANSIENT, result, wall_s)
+            return self._fail_and_delete(handle, JobStatus(
+                JobState.FAILED, message, exit_code, FailureKind.TRANSIENT, result, wall_s))
         if state == JobState.RUNNING or (state is None and rank0 is not None and s.pod_started(rank0)):
             text = s.condition_text(cond) if cond and cond.get("type") == "Restarting" else "running"
             return JobStatus(JobState.RUNNING, text, None, None, result)
@@ -294,22 +346,20 @@ class KubernetesBackend(Backend):
         if permanent and not pods:
             # The controller made no pods because the API refuses what it derives from the job
             # (a name too long, an invalid field): waiting for startup_timeout changes nothing.
-            self._delete(handle)
-            return JobStatus(
+            return self._fail_and_delete(handle, JobStatus(
                 JobState.FAILED,
                 f"{r.APIS[api][3]} {handle['name']} made no pods and was deleted: {reason}",
                 None, FailureKind.PERMANENT,
-            )
+            ))
         deadline = handle.get("startup_deadline_epoch_s")
         if deadline is not None and time.time() > deadline:
             timeout_s = deadline - handle.get("submitted_at_epoch_s", deadline)
-            self._delete(handle)
-            return JobStatus(
+            return self._fail_and_delete(handle, JobStatus(
                 JobState.FAILED,
                 f"{r.APIS[api][3]} {handle['name']} did not start within fault.startup_timeout "
                 f"({timeout_s:.0f} s) and was deleted: {reason}",
                 None, FailureKind.PERMANENT if permanent else FailureKind.TRANSIENT,
-            )
+            ))
         return JobStatus(JobState.PENDING, reason)
 
     def _list_events(self, namespace: str, involved: str) -> list[dict[str, Any]]:
@@ -352,23 +402,49 @@ class KubernetesBackend(Backend):
         pods = self._pods(handle)
         log.warning("%s still terminating after %.0f s; deleting its %d pods without grace",
                     handle["name"], grace_s, len(pods))
+        deleted = 0
         for pod in pods:
-            self._call(f"delete pod {pod['metadata']['name']}", self._core.delete_namespaced_pod,
-                       pod["metadata"]["name"], handle["namespace"], missing_ok=True, raw=True,
-                       grace_period_seconds=0)
-        return JobStatus(JobState.CANCELLED, f"{handle['name']} deletion requested; pods were "
-                         f"force-deleted after {grace_s:.0f} s")
+            gone = self._call(f"delete pod {pod['metadata']['name']}",
+                              self._core.delete_namespaced_pod, pod["metadata"]["name"],
+                              handle["namespace"], missing_ok=True, raw=True,
+                              grace_period_seconds=0)
+            deleted += gone is not None
+        if deleted:
+            done = f"{deleted} pod{'s' if deleted != 1 else ''} force-deleted after {grace_s:.0f} s"
+        else:
+            done = (f"no pods left to force-delete after {grace_s:.0f} s; the cluster's garbage "
+                    f"collector removes the job")
+        return JobStatus(JobState.CANCELLED, f"{handle['name']} deletion requested; {done}")
 
-    def _delete(self, handle: JobHandle) -> None:
+    def _fail_and_delete(self, handle: JobHandle, failed: JobStatus) -> JobStatus:
+        """Record why the job failed on it (so that a poll while it is being deleted still says
+        FAILED and why, not cancelled), then delete it; ``failed`` back."""
+        group, version, plural, kind = r.APIS[handle["api"]]
+        record = {"message": failed.message,
+                  "failure": failed.failure.value if failed.failure else None,
+                  "exit_code": failed.exit_code}
+        try:
+            self._call(f"annotate {kind} {handle['namespace']}/{handle['name']}",
+                       self._custom.patch_namespaced_custom_object, group, version,
+                       handle["namespace"], plural, handle["name"],
+                       {"metadata": {"annotations": {ANN_FAILED: json.dumps(record)}}},
+                       missing_ok=True)
+        except BackendError as err:  # the deletion matters more than the note
+            log.warning("%s", err)
+        self._delete(handle)
+        return failed
+
+    def _delete(self, handle: JobHandle, propagation: str = "Foreground") -> None:
         """Delete the job (foreground: its JobSet/pods go first) and its ConfigMap; 404 is fine."""
         from kubernetes import client
 
         group, version, plural, kind = r.APIS[handle["api"]]
-        log.info("Deleting %s %s/%s (foreground)", kind, handle["namespace"], handle["name"])
+        log.info("Deleting %s %s/%s (%s)", kind, handle["namespace"], handle["name"],
+                 propagation.lower())
         self._call(f"delete {kind} {handle['namespace']}/{handle['name']}",
                    self._custom.delete_namespaced_custom_object, group, version,
                    handle["namespace"], plural, handle["name"], missing_ok=True,
-                   body=client.V1DeleteOptions(propagation_policy="Foreground"))
+                   body=client.V1DeleteOptions(propagation_policy=propagation))
         self._delete_configmap(n.configmap_name(handle["name"]), handle["namespace"])
 
     def _delete_configmap(self, name: str, namespace: str | None = None) -> None:

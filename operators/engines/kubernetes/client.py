@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +146,37 @@ def network_errors() -> tuple[type[BaseException], ...]:
     return (OSError, urllib3.exceptions.HTTPError)
 
 
-def api_error(what: str, err: Any) -> BackendError:
+#: A field the installed CRD does not have (``fieldValidation=Strict``), as the API words it.
+_UNKNOWN_FIELD = re.compile(r'unknown field "([^"]+)"')
+#: RBAC's refusal: ``User "..." cannot VERB resource "RESOURCE" in API group "GROUP"``.
+_FORBIDDEN = re.compile(r'cannot (\w+) resource "([^"]+)"(?: in API group "([^"]*)")?')
+#: Fields of the objects trainforge renders that older operator releases lack: what the
+#: cluster runs when its CRD refuses them, and what to do (docs/kubernetes.md, versions).
+FIELDS_SINCE = {
+    ("TrainJob", "spec.runtimePatches"): "Kubeflow Trainer v2.2",
+    ("TrainJob", "spec.activeDeadlineSeconds"): "Kubeflow Trainer v2.2",
+}
+
+
+def unknown_fields(detail: str) -> list[str]:
+    """The fields a strict create or patch refused as unknown to the CRD (empty: none)."""
+    return _UNKNOWN_FIELD.findall(detail) if "strict decoding error" in detail else []
+
+
+def missing_permission(detail: str) -> str | None:
+    """``"VERB on RESOURCE (API group G)"`` when an HTTP 403 is RBAC's refusal, else None."""
+    found = _FORBIDDEN.search(detail)
+    if found is None:
+        return None
+    verb, resource, group = found.groups()
+    return f"{verb} on {resource} (API group {group or 'core'!r})"
+
+
+def api_error(what: str, err: Any, kind: str | None = None) -> BackendError:
     """A one-line error from an ``ApiException``: what failed, the HTTP status and the API's
-    reason; a :class:`JobRefusedError` when the API refuses the object as invalid."""
+    reason. A :class:`JobRefusedError` (permanent) when the API refuses the object as invalid,
+    when the installed CRD (of ``kind``) lacks a field the object has, or when RBAC denies a
+    verb the documented Role grants."""
     detail = err.reason or ""
     try:
         body = json.loads(err.body or "{}")
@@ -156,6 +185,24 @@ def api_error(what: str, err: Any) -> BackendError:
         pass
     from trainforge.engines.kubernetes.status import is_refusal
 
+    fields = unknown_fields(detail)
+    if err.status == 400 and fields:
+        since = sorted({FIELDS_SINCE[kind, f] for f in fields if (kind, f) in FIELDS_SINCE})
+        version = re.search(r'in version "([^"]+)"', detail)
+        crd = f"the installed {kind or 'custom resource'} CRD" + (
+            f" ({version.group(1)})" if version else "")
+        hint = (f"; these fields arrived in {', '.join(since)}: the cluster runs an older release "
+                f"(upgrade it, or see docs/kubernetes.md for what works with it)" if since else
+                "; the CRD is older or newer than trainforge expects (docs/kubernetes.md)")
+        return JobRefusedError(f"Kubernetes API refused to {what}: {crd} has no field "
+                               f"{', '.join(fields)}{hint}")
+    if err.status == 403:
+        permission = missing_permission(detail)
+        if permission is not None:
+            return JobRefusedError(
+                f"Kubernetes API refused to {what}: HTTP 403, the connection's identity lacks "
+                f"{permission}: {detail} (grant it in the Role of docs/kubernetes.md; a retry "
+                f"would be refused too)")
     if err.status == 422 or (err.status in (400, 403) and is_refusal(detail)):
         return JobRefusedError(f"Kubernetes API refused to {what}: HTTP {err.status} {detail} "
                                f"(the object is invalid; a retry would be refused too)")
