@@ -241,17 +241,24 @@ def test_4096_nodes_and_a_long_dag_id_are_accepted(cluster, api):
     assert len(handle["name"]) <= 63 and cluster.get(api, NS_FULL, handle["name"]) is not None
 
 
-def test_a_cel_refusal_is_permanent_and_leaves_nothing(cluster):
+@pytest.mark.parametrize("api,field,value,match", [
+    # A value the TrainJob CRD's CEL rule on spec.managedBy refuses: HTTP 422.
+    ("trainjob", "managedBy", "example.com/someone-else", r"HTTP 422 .*spec.managedBy"),
+    # A field the PyTorchJob CRD does not have: strict field validation, HTTP 400.
+    ("pytorchjob", "elasticPolicyX", {}, r"the installed PyTorchJob CRD \(v1\) has no field "
+                                         r"spec.elasticPolicyX"),
+])
+def test_a_refused_job_is_permanent_and_leaves_nothing(cluster, api, field, value, match):
     class Refused(KubernetesBackend):
-        def render(self, job):  # a value the TrainJob CRD's CEL rule refuses
+        def render(self, job):
             objects = super().render(job)
-            objects["job"]["spec"]["managedBy"] = "example.com/someone-else"
+            objects["job"]["spec"][field] = value
             return objects
 
     backend = Refused(namespace=NS_DEMO, kubeconfig=str(cluster.server.kubeconfig), request_timeout_s=10)
-    with pytest.raises(JobRefusedError, match=r"HTTP 422 .*spec.managedBy"):
-        backend.submit(demo_job("trainjob"))
-    assert cluster.get("trainjob", NS_DEMO) is None and cluster.configmap(NS_DEMO) is None
+    with pytest.raises(JobRefusedError, match=match):
+        backend.submit(demo_job(api))
+    assert cluster.get(api, NS_DEMO) is None and cluster.configmap(NS_DEMO) is None
 
 
 # -- strict fields against older CRDs ----------------------------------------------------------
