@@ -534,6 +534,16 @@ def test_the_documented_role_is_enough_under_owner_reference_enforcement(cluster
     assert backend.cancel(handle, 0.3).message.endswith("1 pod force-deleted after 0 s")
 
 
+def test_the_documented_role_records_why_it_deleted_a_failed_job(cluster, kube_apiserver):
+    kubeconfig = kube_apiserver.service_account_kubeconfig(NS_FULL, "trainforge", documented_role())
+    backend = cluster.backend(NS_FULL, kubeconfig)
+    handle = backend.submit(full_job("pytorchjob"))
+    late = {**handle, "startup_deadline_epoch_s": time.time() - 1}
+    failed = backend.status(late)
+    assert failed.state == JobState.FAILED
+    assert backend.status(late) == failed  # while the garbage collector has not finished
+
+
 @pytest.mark.parametrize("resource,verb,left", [
     ("trainjobs", "create", "nothing"),      # refused by the dry run, before anything exists
     ("configmaps", "patch", "nothing"),      # refused after the job exists: removed again
