@@ -18,6 +18,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from trainforge.broker import environment_broker, visibility_warnings
 from trainforge.engines.registry import backend_kwargs, engine_names, get_backend
 from trainforge.engines.base import JobIdentity
 from trainforge.engine_switch import for_engine
@@ -27,6 +28,7 @@ from trainforge.paths import checkpoint_root, resolve, trainforge_home
 from trainforge.pipeline import SpecError, load_spec
 from trainforge.pipeline import schema as published
 from trainforge.ledger.catalog import CatalogError, choose_price
+from trainforge.pipeline.durations import parse_duration
 from trainforge.pipeline.loader import name_position, value_position
 from trainforge.pipeline.stages import resolve_stages, stage_folder
 from trainforge.report import (StoreError, UnknownPipelineError, collect_report, default_tracking_uri,
@@ -62,9 +64,31 @@ def _price_error(file: Path, spec) -> str | None:
     return None
 
 
+def _visibility_timeout(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+
+
 @app.command()
-def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders.")) -> None:
-    """Validate pipeline specs. Exit 0 when all are valid, 1 otherwise."""
+def validate(
+    paths: list[Path] = typer.Argument(..., help="Spec files or folders."),
+    visibility_timeout: str = typer.Option(
+        None, "--visibility-timeout", callback=_visibility_timeout, metavar="DURATION",
+        help="The Celery broker's visibility timeout of the deployment (e.g. 7d); default: "
+        "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__VISIBILITY_TIMEOUT, else Airflow's 24h. "
+        "A task that may hold a worker slot longer is warned about."),
+) -> None:
+    """Validate pipeline specs. Exit 0 when all are valid, 1 otherwise; warnings (a task that
+    outlives the Celery broker's visibility timeout) do not change the exit code."""
+    try:
+        broker = environment_broker(visibility_timeout)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
     files: list[Path] = []
     for path in paths:
         files += sorted([*path.glob("*.yaml"), *path.glob("*.yml")]) if path.is_dir() else [path]
@@ -98,6 +122,10 @@ def validate(paths: list[Path] = typer.Argument(..., help="Spec files or folders
                 typer.echo(price_error, err=True)
                 continue
             typer.echo(f"{file}: ok (dag_id {spec.dag_id})")
+            for warning in visibility_warnings(spec, broker):
+                line, column = value_position(file, warning.keys)
+                typer.echo(f"{file}:{line}:{column}: {warning.field}: warning: {warning.message}",
+                           err=True)
     if not files:
         typer.echo(f"no pipeline specs (*.yaml, *.yml) in {', '.join(map(str, paths))}", err=True)
     raise typer.Exit(1 if bad or not files else 0)

@@ -38,11 +38,10 @@ from airflow.sdk import DAG, Asset, Param
 from trainforge.base import TUNABLE_PARAMS
 from trainforge.callbacks import close_mlflow_run_on_failure
 from trainforge.deadline import deadline_alert
-from trainforge.graph import TaskGraph, TaskKind, TaskNode, task_graph
+from trainforge.graph import TaskGraph, TaskKind, TaskNode, task_graph, task_timeouts
 from trainforge.pipeline.loader import SpecError, SpecIssue, load_spec
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.pipeline import AssetSchedule
-from trainforge.pipeline.stages import stage_spec
 from trainforge.tasks.approve_champion import ApproveChampionOperator
 from trainforge.tasks.close_run import CloseRunOperator
 from trainforge.tasks.prepare_data import PrepareDataOperator
@@ -121,12 +120,7 @@ def _operator(spec: PipelineSpec, spec_file: str, graph: TaskGraph, node: TaskNo
     if node.kind is TaskKind.PREPARE_DATA:
         return PrepareDataOperator(outlets=[PrepareDataOperator.asset_for(spec)], **common)
     if node.kind is TaskKind.TRAIN:
-        training = stage_spec(spec, node.stage).training
-        return TrainOperator(
-            stage=node.stage,
-            execution_timeout=dt.timedelta(seconds=training.fault.run_timeout + 600),
-            **common,
-        )
+        return TrainOperator(stage=node.stage, **common)  # execution_timeout: _apply_task_settings
     if node.kind is TaskKind.VALIDATE_CHECKPOINT:
         leaves = [graph.node(task_id) for task_id in node.upstream]
         return ValidateCheckpointOperator(
@@ -192,9 +186,13 @@ def _default_args(spec: PipelineSpec) -> dict[str, Any]:
 
 def _apply_task_settings(dag, spec: PipelineSpec, graph: TaskGraph) -> None:
     """Per-task overrides of the pipeline defaults (``pipeline.tasks.<kind>``, the node's
-    :class:`TaskKind`): ``pipeline.tasks.train`` applies to every stage's training task."""
+    :class:`TaskKind`): ``pipeline.tasks.train`` applies to every stage's training task. Every
+    task's ``execution_timeout`` is the one :func:`task_timeouts` gives."""
     overrides = spec.pipeline.tasks
+    timeouts = {t.task_id: t.seconds for t in task_timeouts(spec, graph)}
     for task in dag.tasks:
+        seconds = timeouts[task.task_id]
+        task.execution_timeout = dt.timedelta(seconds=seconds) if seconds is not None else None
         settings = getattr(overrides, graph.node(task.task_id).kind.value, None)
         if settings is None:
             continue
@@ -202,8 +200,6 @@ def _apply_task_settings(dag, spec: PipelineSpec, graph: TaskGraph) -> None:
             task.retries = settings.retries
         if settings.retry_delay is not None:
             task.retry_delay = dt.timedelta(seconds=settings.retry_delay)
-        if settings.execution_timeout is not None:
-            task.execution_timeout = dt.timedelta(seconds=settings.execution_timeout)
 
 
 def spec_files(paths: str | Path | list) -> list[Path]:

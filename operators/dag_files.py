@@ -30,6 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from trainforge.broker import deployment_broker, visibility_warnings
 from trainforge.dag_builder import build_dag, build_dags, spec_files
 from trainforge.paths import trainforge_home
 from trainforge.pipeline.loader import (
@@ -38,6 +39,7 @@ from trainforge.pipeline.loader import (
     enable_cache,
     load_spec,
     name_position,
+    value_position,
 )
 
 #: First line of every generated file: only files carrying it are rewritten or removed.
@@ -113,7 +115,27 @@ def companion_dags(companion: str) -> dict[str, Any]:
         return {}
     enable_spec_cache()
     spec = load_spec(spec_path)
-    return {spec.dag_id: build_dag(spec, spec_file=str(spec_path))}
+    dag = build_dag(spec, spec_file=str(spec_path))
+    warn_deployment(spec, spec_path)
+    return {spec.dag_id: dag}
+
+
+def warn_deployment(spec, spec_file: str | Path) -> None:
+    """Warn, attributed to the spec's file and line, where a task of ``spec`` does not fit this
+    deployment: a wait in a worker slot longer than the Celery broker's visibility timeout
+    (trainforge.broker). Logged, and raised as a warning Airflow lists with the DAG file's."""
+    log = logging.getLogger("trainforge.dags")
+    try:
+        broker = deployment_broker()
+    except ValueError as err:
+        log.warning("trainforge: %s (the visibility timeout check is skipped)", err)
+        return
+    for warning in visibility_warnings(spec, broker):
+        line, _ = value_position(Path(spec_file), warning.keys)
+        text = f"{warning.field}: {warning.message}"
+        log.warning("trainforge: %s:%d: %s", spec_file, line, text)
+        warnings.warn_explicit(f"trainforge: {text}", UserWarning, filename=str(spec_file),
+                               lineno=line)
 
 
 PIPELINES_ENV = "TRAINFORGE_PIPELINES"
@@ -167,6 +189,11 @@ def folder_dags(dag_file: str | Path) -> dict[str, Any]:
                     os.pathsep.join(sources), setting,
                     f" ({', '.join(missing)}: no such file or folder)" if missing else "")
     dags, errors = build_dags(files)
+    for path in files:
+        if str(path) not in errors:
+            spec = load_spec(path)  # from the spec cache
+            if spec.dag_id in dags and spec.dag_id not in taken:
+                warn_deployment(spec, path)
     # A spec whose dag_id is already defined by another spec's DAG file is skipped, never two
     # DAGs with one dag_id (Airflow would keep whichever file it parsed last).
     for dag_id in [d for d in dags if d in taken]:

@@ -34,6 +34,10 @@ class TaskKind(str, enum.Enum):
     CLOSE_RUN = "close_run"
 
 
+#: A training task's ``execution_timeout`` unless ``pipeline.tasks.train`` sets one: its
+#: ``training.fault.run_timeout`` plus this margin (submission, the checkpoint check, cancel).
+TRAIN_TIMEOUT_MARGIN_S = 600
+
 PREPARE_DATA_TASK_ID = TaskKind.PREPARE_DATA.value
 VALIDATE_CHECKPOINT_TASK_ID = TaskKind.VALIDATE_CHECKPOINT.value
 REGISTER_MODEL_TASK_ID = TaskKind.REGISTER_MODEL.value
@@ -127,3 +131,60 @@ def task_graph(spec) -> TaskGraph:
     nodes.append(TaskNode(CLOSE_RUN_TASK_ID, TaskKind.CLOSE_RUN,
                           tuple(node.task_id for node in nodes), is_teardown=True))
     return TaskGraph(tuple(nodes))
+
+
+@dataclass(frozen=True)
+class TaskTimeout:
+    """How long one task may run, and where it waits.
+
+    Attributes:
+        task_id: the Airflow task id.
+        kind: what the task does.
+        seconds: its Airflow ``execution_timeout``; None: none.
+        keys: the spec field that sets it, as keys from the document's root.
+        in_worker: the task holds its worker slot for its whole run; False for a task that
+            defers its wait to the triggerer (a deferrable training task, the approval).
+    """
+
+    task_id: str
+    kind: TaskKind
+    seconds: int | None
+    keys: tuple[str | int, ...]
+    in_worker: bool
+
+    @property
+    def field(self) -> str:
+        """:attr:`keys` as a dotted path (``stages.1.training.fault.run_timeout``)."""
+        return ".".join(map(str, self.keys))
+
+
+def task_timeouts(spec, graph: TaskGraph | None = None) -> list[TaskTimeout]:
+    """The ``execution_timeout`` of every task of a validated ``PipelineSpec``, in graph order:
+    ``pipeline.tasks.<kind>``, else for a training task its run_timeout plus
+    :data:`TRAIN_TIMEOUT_MARGIN_S`, else ``pipeline.defaults``. The DAG builder sets exactly
+    these."""
+    graph = graph or task_graph(spec)
+    training = {stage.task_id: stage.training for stage in resolve_stages(spec)}
+    stage_index = {stage.name: i for i, stage in enumerate(spec.stages or [])}
+    out = []
+    for node in graph.nodes:
+        override = getattr(spec.pipeline.tasks, node.kind.value, None)
+        in_worker = node.kind is not TaskKind.APPROVE_CHAMPION
+        if node.kind is TaskKind.TRAIN:
+            in_worker = not training[node.task_id].fault.deferrable
+        if override is not None and override.execution_timeout is not None:
+            seconds = override.execution_timeout
+            keys = ("pipeline", "tasks", node.kind.value, "execution_timeout")
+        elif node.kind is TaskKind.TRAIN:
+            seconds = training[node.task_id].fault.run_timeout + TRAIN_TIMEOUT_MARGIN_S
+            keys = ("training", "fault", "run_timeout")
+            if node.stage is not None:
+                index = stage_index[node.stage]
+                fault = spec.stages[index].training.fault  # an override: None fields inherit
+                if fault is not None and fault.run_timeout is not None:
+                    keys = ("stages", index, *keys)
+        else:
+            seconds = spec.pipeline.defaults.execution_timeout
+            keys = ("pipeline", "defaults", "execution_timeout")
+        out.append(TaskTimeout(node.task_id, node.kind, seconds, keys, in_worker))
+    return out

@@ -242,18 +242,22 @@ def name_position(file: Path) -> tuple[int, int]:
     return value_position(file, ("pipeline", "name"))
 
 
-def value_position(file: Path, keys: tuple[str, ...]) -> tuple[int, int]:
-    """``(line, column)``, 1-based, of the value at ``keys`` in the YAML ``file``: of the
-    deepest of them that is there, ``(1, 1)`` when not even the first is."""
+def value_position(file: Path, keys: tuple[str | int, ...]) -> tuple[int, int]:
+    """``(line, column)``, 1-based, of the value at ``keys`` in the YAML ``file`` (a string
+    keys a mapping, an int a list): of the deepest of them that is there, ``(1, 1)`` when not
+    even the first is."""
     try:
         root = yaml.compose(file.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
     except (OSError, yaml.YAMLError):
         return 1, 1
     node, found = root, None
     for key in keys:
-        if not isinstance(node, yaml.MappingNode):
+        if isinstance(key, int) and isinstance(node, yaml.SequenceNode):
+            node = node.value[key] if 0 <= key < len(node.value) else None
+        elif isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
+        else:
             break
-        node = next((v for k, v in node.value if getattr(k, "value", None) == key), None)
         if node is None:
             break
         found = node
