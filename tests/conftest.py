@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +38,23 @@ PREREQUISITES = {
               "e.g. sudo -E .venv/bin/pytest -m multihost"),
 }
 _SKIP_PREFIX = "needs "
+
+
+def data_cache(config: pytest.Config) -> Path:
+    """The folder the demo corpus is fetched into once and shared by every test that needs it:
+    pytest's cache (kept between sessions) when its plugin is on, else a folder of this session
+    (``-p no:cacheprovider`` works, at the price of one fetch per session)."""
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        return Path(cache.mkdir("trainforge-data"))
+    global _SESSION_DATA
+    if _SESSION_DATA is None:
+        _SESSION_DATA = Path(tempfile.mkdtemp(prefix="trainforge-data-"))
+        atexit.register(shutil.rmtree, _SESSION_DATA, True)
+    return _SESSION_DATA
+
+
+_SESSION_DATA: Path | None = None
 
 
 def skip_without(prerequisite: str, detail: str = "") -> None:

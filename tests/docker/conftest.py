@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import skip_without
+from tests.conftest import data_cache, skip_without
 from tests.docker.stack import Engine, Stack, build_images, compose_command, wait_for
 
 
@@ -52,7 +52,7 @@ def stack_dirs(request) -> Iterator[tuple[Path, Path, Path]]:
     """(work, specs, data): data holds the demo corpus, specs the module's SPECS."""
     from trainforge.data.corpus import fetch_corpus
 
-    corpus = Path(fetch_corpus(Path(request.config.cache.mkdir("trainforge-data")) / "shakespeare",
+    corpus = Path(fetch_corpus(data_cache(request.config) / "shakespeare",
                                timeout_s=300).dest)
     work, specs, data = _shared_dir("tf-stack-"), _shared_dir("tf-specs-"), _shared_dir("tf-data-")
     shutil.copytree(corpus, data / "shakespeare")

