@@ -39,6 +39,9 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
 FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="trainforge-mlflow" \
       org.opencontainers.image.source="https://github.com/trainforge/trainforge"
+# boto3 sends a checksum only where S3 requires one, so S3-compatible stores without the newer
+# flexible checksums work (README "Deploy"); set both to when_supported for botocore's default.
+ENV AWS_REQUEST_CHECKSUM_CALCULATION=when_required AWS_RESPONSE_CHECKSUM_VALIDATION=when_required
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/mlflow MLFLOW_PORT=5000
 RUN groupadd --gid 1001 mlflow \
@@ -47,6 +50,8 @@ RUN groupadd --gid 1001 mlflow \
 COPY --from=build /opt/venv /opt/venv
 USER 1001:1001
 WORKDIR /var/lib/mlflow
+# Healthy: the registry store answers, webhooks included (their secrets must decrypt: a
+# restart with another MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY makes this answer 500).
 HEALTHCHECK --interval=15s --timeout=10s --start-period=30s --retries=5 \
-    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ['MLFLOW_PORT'], timeout=5)"]
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/api/2.0/mlflow/webhooks?max_results=1' % os.environ['MLFLOW_PORT'], timeout=5)"]
 CMD ["sh", "-c", "exec python -m trainforge.mlflow_setup serve --home /var/lib/mlflow --host \"${MLFLOW_HOST:-127.0.0.1}\" --port \"$MLFLOW_PORT\""]

@@ -45,6 +45,9 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
 FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="trainforge-trainer" \
       org.opencontainers.image.source="https://github.com/trainforge/trainforge"
+# boto3 sends a checksum only where S3 requires one, so S3-compatible stores without the newer
+# flexible checksums work (README "Deploy"); set both to when_supported for botocore's default.
+ENV AWS_REQUEST_CHECKSUM_CALCULATION=when_required AWS_RESPONSE_CHECKSUM_VALIDATION=when_required
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/home/trainer
 RUN groupadd --gid 1000 trainer \
     && useradd --uid 1000 --gid 1000 --create-home --home-dir /home/trainer --shell /usr/sbin/nologin trainer

@@ -110,10 +110,30 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     Clients need credentials and a region; any values work with moto, e.g.
     ``monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")``.
     """
+    import sys
+
+    yield from _serve_s3(tmp_path_factory, [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p"])
+
+
+@pytest.fixture(scope="session")
+def strict_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Endpoint URL of an S3-compatible server that refuses the flexible checksums of newer AWS
+    SDKs, as stores that predate them do: the stack's stand-in store
+    (docker/local/s3-server.py, moto behind the refusal) with ``S3_REFUSE_FLEXIBLE_CHECKSUMS=1``."""
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "docker" / "local" / "s3-server.py"
+    yield from _serve_s3(tmp_path_factory, [sys.executable, str(script), "127.0.0.1"],
+                         {"S3_REFUSE_FLEXIBLE_CHECKSUMS": "1"})
+
+
+def _serve_s3(tmp_path_factory: pytest.TempPathFactory, command: list[str],
+              env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run ``command`` + a free port (an S3 server on loopback) until the session ends; yields
+    its URL once it answers."""
     import os
     import socket
     import subprocess
-    import sys
     import time
     import urllib.request
 
@@ -123,7 +143,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("s3") / "moto.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            [*command, str(port)], env={**os.environ, **(env or {})},
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )

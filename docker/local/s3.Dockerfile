@@ -14,6 +14,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/venv /opt/venv
 COPY docker/local/s3-entrypoint.sh /usr/local/bin/s3-entrypoint
+COPY docker/local/s3-server.py /usr/local/lib/s3-server.py
 ENV PATH=/opt/venv/bin:$PATH
 RUN useradd --uid 1002 --create-home s3
 USER 1002

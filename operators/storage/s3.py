@@ -27,6 +27,13 @@ in `StorageError.throttled` and `StorageError.remedy` too. Each attempt has `CON
 `MULTIPART_BYTES` go up and down in multipart transfers of `MULTIPART_BYTES` parts, each part a
 request retried on its own.
 
+Checksums: requests carry a checksum only where S3 requires one (``when_required``, as
+botocore did before 1.36), so stores that predate the flexible checksums (they answer an
+``aws-chunked`` body with a trailing ``x-amz-checksum-*`` with ``XAmzContentSHA256Mismatch``)
+work; a required checksum (DeleteObjects) is sent as ``Content-MD5``, as those stores expect.
+``AWS_REQUEST_CHECKSUM_CALCULATION`` / ``AWS_RESPONSE_CHECKSUM_VALIDATION`` set to
+``when_supported`` bring back botocore's newer default (:data:`CHECKSUM_ENV`).
+
 S3 has no rename: a checkpoint or dataset exists once its ``manifest.json`` object is written,
 which is why the manifest is always put last (`S3Storage.publish`, then `S3Storage.write_bytes`).
 """
@@ -57,6 +64,9 @@ READ_TIMEOUT_S = 60
 RETRY_MODE = "standard"  # botocore retry mode (module doc)
 MAX_ATTEMPTS = 8  # attempts per request, the first included
 MULTIPART_BYTES = 8 << 20
+#: botocore's checksum settings (Config field: environment variable); unset, ``when_required``.
+CHECKSUM_ENV = {"request_checksum_calculation": "AWS_REQUEST_CHECKSUM_CALCULATION",
+                "response_checksum_validation": "AWS_RESPONSE_CHECKSUM_VALIDATION"}
 # How long an object this product has just PUT may keep answering 404 on an S3-compatible store
 # whose reads lag its writes (AWS S3 itself is strongly consistent since 2020); see
 # trainforge.storage.settle. TRAINFORGE_S3_SETTLE_S overrides it.
@@ -99,14 +109,34 @@ def make_client(endpoint: str | None = None, session: Any = None) -> Any:
     import boto3  # heavy: loaded by the first client, not at import
     from botocore.config import Config
 
+    checksums = {field: os.environ.get(env) or "when_required"
+                 for field, env in CHECKSUM_ENV.items()}
     config = Config(connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                    retries={"total_max_attempts": MAX_ATTEMPTS, "mode": RETRY_MODE})
+                    retries={"total_max_attempts": MAX_ATTEMPTS, "mode": RETRY_MODE},
+                    **checksums)
     session = session if session is not None else boto3.session.Session()
     made = session.client("s3", endpoint_url=endpoint, config=config)
+    if checksums["request_checksum_calculation"] == "when_required":
+        made.meta.events.register("before-sign.s3.DeleteObjects", _content_md5_instead)
     counter = ThrottleCounter()
     made.meta.events.register("needs-retry.s3", counter)
     THROTTLE_COUNTERS[made] = counter
     return made
+
+
+def _content_md5_instead(request: Any, **_: Any) -> None:
+    """DeleteObjects with the ``Content-MD5`` that S3 required before the flexible checksums
+    (and stores that predate them still do) instead of botocore's ``x-amz-checksum-*``."""
+    import base64
+
+    body = request.body or b""
+    body = body.encode() if isinstance(body, str) else body
+    if not isinstance(body, bytes):
+        return  # a stream: leave botocore's checksum (DeleteObjects bodies are bytes)
+    for name in [h for h in request.headers if h.lower().startswith(
+            ("x-amz-checksum-", "x-amz-sdk-checksum-algorithm"))]:
+        del request.headers[name]
+    request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
 
 
 def client() -> Any:

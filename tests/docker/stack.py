@@ -167,11 +167,16 @@ class Stack:
             "AIRFLOW_FERNET_KEY": __import__("base64").urlsafe_b64encode(os.urandom(32)).decode(),
             "AIRFLOW_JWT_SECRET": secrets.token_urlsafe(32),
             "AIRFLOW_API_SECRET_KEY": secrets.token_urlsafe(32),
+            "MLFLOW_WEBHOOK_SECRET_ENCRYPTION_KEY":
+                __import__("base64").urlsafe_b64encode(os.urandom(32)).decode(),
             "AIRFLOW_WORKER_CONCURRENCY": "4",
             "AIRFLOW_TASK_HEARTBEAT_TIMEOUT": "60",
             "AIRFLOW_DAG_REFRESH_INTERVAL": "10",
             "TRAINFORGE_SPECS": str(specs),
             "TRAINFORGE_DATA": str(data),
+            # The store answers like one without the newer flexible checksums (as some
+            # S3-compatible stores do): the stack must work with it.
+            "S3_REFUSE_FLEXIBLE_CHECKSUMS": "1",
         }
         self.env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
         self.airflow = f"http://127.0.0.1:{self.ports['AIRFLOW_PORT']}"
@@ -278,9 +283,15 @@ class Stack:
             state if (state := self.run_state(dag_id, run_id)) in ("success", "failed") else None),
             timeout_s, 5.0, self.diagnostics)
 
-    def s3_client(self):
+    def s3_client(self, config=None):
+        """A boto3 client of the stack's store; checksums only where S3 requires them unless
+        ``config`` says otherwise (the store refuses the newer ones)."""
         import boto3
-        return boto3.client("s3", endpoint_url=self.s3, region_name="us-east-1",
+        from botocore.config import Config
+
+        config = config or Config(request_checksum_calculation="when_required",
+                                  response_checksum_validation="when_required")
+        return boto3.client("s3", endpoint_url=self.s3, region_name="us-east-1", config=config,
                             aws_access_key_id=self.aws["AWS_ACCESS_KEY_ID"],
                             aws_secret_access_key=self.aws["AWS_SECRET_ACCESS_KEY"])
 

@@ -3,7 +3,9 @@ docker/compose.yaml, tested end to end in containers.
 
 A tiny pipeline is triggered through Airflow's REST API and polled to success; MLflow's REST API
 then shows its model version READY with its alias, the S3 store holds the dataset and the
-checkpoints, and the train task's log holds rank 0's step lines. Then the Celery worker container
+checkpoints, and the train task's log holds rank 0's step lines. The store refuses the flexible
+checksums of newer AWS SDKs, as some S3-compatible stores do (the stand-in's
+``S3_REFUSE_FLEXIBLE_CHECKSUMS``). The MLflow container, restarted, still lists its webhook. Then the Celery worker container
 is killed while a longer training runs: the worker comes back, the task is retried and resumes
 from the newest valid checkpoint on S3, no training process and no RUNNING MLflow run is left.
 `down` leaves no container of the stack.
@@ -106,11 +108,39 @@ def test_a_triggered_pipeline_registers_its_model_with_data_and_checkpoints_on_s
     manifests = [k for k in stack.s3_keys(_run_prefix("stack_tiny", run_id)) if k.endswith("/manifest.json")]
     assert manifests, stack.s3_keys("checkpoints/")[:20]
     assert stack.s3_keys("mlflow-artifacts/"), "MLflow's artifacts are not in the S3 store"
+    # ... a store that refuses the flexible checksums newer AWS SDKs send by default.
+    from botocore.config import Config
+    from botocore.exceptions import ClientError
+
+    newer = stack.s3_client(Config(request_checksum_calculation="when_supported"))
+    with pytest.raises(ClientError, match="XAmzContentSHA256Mismatch"):
+        newer.put_object(Bucket=stack.bucket, Key="probe", Body=b"x")
 
     # The train task's log (read through the API server from the shared logs volume) holds
     # rank 0's step lines, relayed by the trigger.
     log = stack.task_log("stack_tiny", run_id, "train", stack.task("stack_tiny", run_id, "train")["try_number"])
     assert re.search(r"step 20/20", log), log[-3000:]
+
+
+def test_a_restarted_mlflow_container_keeps_its_webhooks_and_is_healthy(stack):
+    """MLflow stores a webhook's secret encrypted; with the stack's fixed key a restarted
+    server still lists and reads it, and its health check (which lists webhooks) passes."""
+    from trainforge.mlflow_setup.webhook import register_webhook
+
+    webhook_id = register_webhook(stack.mlflow, f"{stack.airflow}/trainforge-webhooks/mlflow",
+                                  "a-webhook-secret")
+    (container,) = stack.containers("mlflow")
+    stack.engine.run("restart", container, timeout=120)
+
+    def health() -> str:
+        return stack.engine.run("inspect", "-f", "{{.State.Health.Status}}", container).stdout.strip()
+
+    wait_for("the restarted MLflow container to be healthy", lambda: health() == "healthy", 180,
+             2.0, lambda: f"{health()}\n{stack.logs('mlflow', 40)}")
+    listed = stack.mlflow_api("GET", "webhooks", {"max_results": 100})["webhooks"]
+    assert webhook_id in [w["webhook_id"] for w in listed], listed
+    assert stack.mlflow_api("GET", f"webhooks/{webhook_id}")["webhook"]["status"] == "ACTIVE"
+    stack.mlflow_api("DELETE", f"webhooks/{webhook_id}")  # the later tests move aliases
 
 
 def _training_processes(dag_id: str) -> list[psutil.Process]:
