@@ -4,10 +4,17 @@
 #    Docker secret) or AIRFLOW_ADMIN_PASSWORD (the env file); it is written to a file only this
 #    user reads and never printed. Deployments with a real auth manager set neither.
 #  - `celery worker` gets a name of its own (several workers can share a host's network).
+#  - The preflight (trainforge.preflight): the keys every Airflow container shares must match
+#    the fingerprints airflow-init recorded, else the role is not started: the container stays
+#    up, unhealthy, and says why every minute. Unknown AIRFLOW__SECTION__KEY variables are
+#    warned about.
 # `healthcheck` (the image's HEALTHCHECK) checks the role this container runs.
 set -euo pipefail
+refused=/tmp/trainforge-refused
+fingerprints="${TRAINFORGE_HOME:-/opt/trainforge/home}/preflight/fingerprints.json"
 
 if [ "${1:-}" = healthcheck ]; then
+  if [ -s "$refused" ]; then cat "$refused"; exit 1; fi
   role="$(cat /tmp/trainforge-role 2>/dev/null || true)"
   case "$role" in
     api-server)
@@ -45,8 +52,17 @@ if [ -n "$password" ]; then
 fi
 
 case "${1:-}" in
-  stack-init|bash|sh|python|python3) exec "$@" ;;
+  stack-init|bash|sh|python|python3|version) exec "$@" ;;
 esac
+rm -f "$refused"
+status=0
+python3 -m trainforge.preflight check "$fingerprints" "$(cat /tmp/trainforge-role)" "$refused" || status=$?
+if [ "$status" = 3 ]; then
+  trap 'exit 0' TERM INT
+  while true; do cat "$refused" >&2; sleep 60 & wait $!; done
+elif [ "$status" != 0 ]; then
+  echo "trainforge preflight: could not run (exit $status); starting without it" >&2
+fi
 if [ "${1:-}" = celery ] && [ "${2:-}" = worker ]; then
   name="worker-$(cat /proc/sys/kernel/random/uuid | cut -c1-8)"
   echo "$name" > /tmp/trainforge-celery-name

@@ -1,8 +1,11 @@
 #!/bin/bash
-# The stack's one-off preparation (compose service airflow-init): Airflow's database migrations
-# and the S3 buckets named in TRAINFORGE_BUCKETS (space-separated); both idempotent.
+# The stack's one-off preparation (compose service airflow-init): Airflow's database migrations,
+# the fingerprints of the shared keys (trainforge.preflight), and the S3 buckets named in
+# TRAINFORGE_BUCKETS (space-separated); all idempotent.
 set -euo pipefail
 airflow db migrate
+# The fingerprints of the keys every Airflow container must share (trainforge.preflight).
+python3 -m trainforge.preflight record "${TRAINFORGE_HOME:-/opt/trainforge/home}/preflight/fingerprints.json"
 python3 - <<'PY'
 import os
 

@@ -5,7 +5,8 @@ A tiny pipeline is triggered through Airflow's REST API and polled to success; M
 then shows its model version READY with its alias, the S3 store holds the dataset and the
 checkpoints, and the train task's log holds rank 0's step lines. The store refuses the flexible
 checksums of newer AWS SDKs, as some S3-compatible stores do (the stand-in's
-``S3_REFUSE_FLEXIBLE_CHECKSUMS``). The MLflow container, restarted, still lists its webhook. Then the Celery worker container
+``S3_REFUSE_FLEXIBLE_CHECKSUMS``). The MLflow container, restarted, still lists its webhook. A scheduler started with another JWT
+secret refuses to start, naming the key. Then the Celery worker container
 is killed while a longer training runs: the worker comes back, the task is retried and resumes
 from the newest valid checkpoint on S3, no training process and no RUNNING MLflow run is left.
 `down` leaves no container of the stack.
@@ -141,6 +142,41 @@ def test_a_restarted_mlflow_container_keeps_its_webhooks_and_is_healthy(stack):
     assert webhook_id in [w["webhook_id"] for w in listed], listed
     assert stack.mlflow_api("GET", f"webhooks/{webhook_id}")["webhook"]["status"] == "ACTIVE"
     stack.mlflow_api("DELETE", f"webhooks/{webhook_id}")  # the later tests move aliases
+
+
+def test_a_container_with_another_jwt_secret_refuses_to_start_and_names_the_key(stack):
+    """The scheduler started again beside the stack with another JWT secret (and the secret
+    misplaced under [secrets], and a misspelt section): the preflight refuses to start it, in
+    one line naming the key and never the value, its health check fails with that line, and
+    the unknown variables are warned about."""
+    other = "another-jwt-secret-0123456789abcdef"
+    run = stack.compose_run(
+        "run", "-d", "--no-deps",
+        "-e", f"AIRFLOW__API_AUTH__JWT_SECRET={other}",
+        "-e", f"AIRFLOW__SECRETS__JWT_SECRET={other}",
+        "-e", "AIRFLOW__SCHEDULR__PARSING_PROCESSES=2",
+        "airflow-scheduler", "scheduler")
+    container = run.stdout.split()[-1]
+    try:
+        def log() -> str:
+            out = stack.engine.run("logs", container, check=False)
+            return out.stdout + out.stderr
+
+        refusal = ("trainforge preflight: not starting scheduler: AIRFLOW__API_AUTH__JWT_SECRET "
+                   "differs")
+        wait_for("the preflight's refusal", lambda: refusal in log(), 120, 2.0, log)
+        text = log()
+        assert "AIRFLOW__SECRETS__JWT_SECRET: Airflow has no option jwt_secret in [secrets]" in text
+        assert "AIRFLOW__SCHEDULR__PARSING_PROCESSES: Airflow has no section [schedulr]" in text
+        assert other not in text, text[-3000:]
+        processes = stack.engine.run("top", container).stdout
+        assert "airflow scheduler" not in processes, processes  # never started
+        health = stack.engine.run("exec", container, "airflow-entrypoint", "healthcheck",
+                                  check=False)
+        assert health.returncode == 1 and refusal in health.stdout, health
+    finally:
+        stack.engine.run("rm", "-f", container, check=False)
+    assert stack.healthy(), stack.diagnostics()  # the stack itself never noticed
 
 
 def _training_processes(dag_id: str) -> list[psutil.Process]:

@@ -1,0 +1,87 @@
+"""The preflight of the stack's Airflow containers (trainforge.preflight): shared keys compared
+with the fingerprints airflow-init recorded, never printed; unknown AIRFLOW__ variables named
+with the closest real one. Against Airflow's own configuration, in this process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainforge import preflight
+
+KEYS = {"AIRFLOW__API_AUTH__JWT_SECRET": "jwt-secret-of-the-deployment-0123456789",
+        "AIRFLOW__CORE__FERNET_KEY": "Zm9vYmFyYmF6cXV4Zm9vYmFyYmF6cXV4Zm9vYmFyYmE=",
+        "AIRFLOW__API__SECRET_KEY": "api-secret-key-of-the-deployment-abcdef"}
+
+
+@pytest.fixture
+def deployment(monkeypatch, tmp_path):
+    for name, value in KEYS.items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "preflight" / "fingerprints.json"
+    preflight.record(path)
+    return path
+
+
+def test_the_recorded_file_holds_fingerprints_never_values(deployment):
+    recorded = json.loads(deployment.read_text())
+    assert sorted(recorded) == sorted(KEYS)
+    assert not any(value in deployment.read_text() for value in KEYS.values())
+    # equal values of two keys still differ: the option is part of the fingerprint
+    assert preflight.fingerprint("core", "fernet_key", "x") != preflight.fingerprint("api", "secret_key", "x")
+
+
+def test_the_same_keys_pass_and_another_jwt_secret_is_refused_naming_the_key(
+        deployment, monkeypatch, tmp_path, capsys):
+    assert preflight.check(deployment, "scheduler") == 0
+    monkeypatch.setenv("AIRFLOW__API_AUTH__JWT_SECRET", "another-secret-0123456789abcdef")
+    refused = tmp_path / "refused"
+    assert preflight.check(deployment, "scheduler", refused) == preflight.REFUSED_EXIT
+    err = capsys.readouterr().err
+    line = ("trainforge preflight: not starting scheduler: AIRFLOW__API_AUTH__JWT_SECRET differs: "
+            "every Airflow container of this deployment must share the value airflow-init "
+            "recorded (docker/.env)")
+    assert line in err.splitlines() and refused.read_text() == line + "\n"
+    assert "another-secret" not in err and KEYS["AIRFLOW__API_AUTH__JWT_SECRET"] not in err
+
+
+def test_a_key_given_through_cmd_is_the_same_key(deployment, monkeypatch):
+    # Airflow keeps a command's output as it is (a trailing newline would be another key)
+    monkeypatch.delenv("AIRFLOW__CORE__FERNET_KEY")
+    monkeypatch.setenv("AIRFLOW__CORE__FERNET_KEY_CMD", f"printf %s {KEYS['AIRFLOW__CORE__FERNET_KEY']}")
+    assert preflight.check(deployment) == 0
+
+
+def test_no_recorded_file_compares_nothing_and_a_broken_one_refuses(tmp_path, monkeypatch):
+    for name, value in KEYS.items():
+        monkeypatch.setenv(name, value)
+    assert preflight.check(tmp_path / "none.json") == 0
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert preflight.check(broken, "triggerer", tmp_path / "r") == preflight.REFUSED_EXIT
+    assert "not starting triggerer: cannot read" in (tmp_path / "r").read_text()
+
+
+def test_unknown_variables_are_named_with_the_closest_real_one():
+    from airflow.configuration import conf
+
+    known = preflight._known_options(conf)
+    environ = {
+        "AIRFLOW__SECRETS__JWT_SECRET": "x",          # a known option of another section
+        "AIRFLOW__SCHEDULR__PARSING_PROCESSES": "2",  # a misspelt section
+        "AIRFLOW__CORE__FERNET_KY": "x",              # a misspelt option
+        "AIRFLOW__CORE__FERNET_KEY_CMD": "echo x",    # a source suffix: fine
+        "AIRFLOW__API_AUTH__JWT_SECRET": "x",         # fine
+        "AIRFLOW__CELERY_BROKER_TRANSPORT_OPTIONS__MASTER_NAME": "m",  # free-form section
+        "AIRFLOW__TRAINFORGE__PIPELINES": "/specs",   # ours
+        "AIRFLOW_HOME": "/opt/airflow",               # not of the form
+    }
+    assert preflight.unknown_variables(environ, known) == [
+        "AIRFLOW__CORE__FERNET_KY: Airflow has no option fernet_ky in [core], the variable is "
+        "ignored; did you mean AIRFLOW__CORE__FERNET_KEY?",
+        "AIRFLOW__SCHEDULR__PARSING_PROCESSES: Airflow has no section [schedulr], the variable "
+        "is ignored; [dag_processor] parsing_processes is AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES",
+        "AIRFLOW__SECRETS__JWT_SECRET: Airflow has no option jwt_secret in [secrets], the "
+        "variable is ignored; [api_auth] jwt_secret is AIRFLOW__API_AUTH__JWT_SECRET",
+    ]
