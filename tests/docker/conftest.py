@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import data_cache, skip_without
-from tests.docker.stack import Engine, Stack, build_images, compose_command, wait_for
+from tests.docker.stack import (Engine, Stack, build_images, compose_command, compose_config,
+                                example_env, wait_for)
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +34,11 @@ def docker_engine(tmp_path_factory) -> Iterator[Engine]:
 
 @pytest.fixture(scope="session")
 def stack_images(docker_engine, tmp_path_factory) -> dict[str, float]:
-    """Every image of docker/ built from the committed Dockerfiles (seconds taken, by step)."""
+    """Every image of docker/ built from the committed Dockerfiles (seconds taken, by step),
+    after the compose file passed ``compose config`` (seconds: a broken file or env contract
+    fails before the build's minutes)."""
+    checked = compose_config(example_env(tmp_path_factory.mktemp("config")))
+    assert checked.returncode == 0, f"compose config:\n{checked.stderr[-3000:]}"
     log = tmp_path_factory.mktemp("build") / "build.log"
     times = build_images(log)
     print(f"\nimages built: base {times['base']:.0f} s, images {times['images']:.0f} s")

@@ -300,3 +300,32 @@ class Stack:
         for page in self.s3_client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
             keys += [obj["Key"] for obj in page.get("Contents", [])]
         return keys
+
+
+def example_env(tmp: Path) -> Path:
+    """docker/.env.example with every CHANGE placeholder replaced by a generated value, as a
+    user would fill it in; the file's path."""
+    import base64
+
+    lines = []
+    for line in (ROOT / "docker" / ".env.example").read_text().splitlines():
+        name, sep, value = line.partition("=")
+        if sep and not line.startswith("#") and value.startswith("CHANGE-"):
+            key = name.endswith(("FERNET_KEY", "ENCRYPTION_KEY"))
+            value = (base64.urlsafe_b64encode(os.urandom(32)).decode() if key
+                     else secrets.token_urlsafe(24))
+        lines.append(f"{name}{sep}{value}" if sep else line)
+    path = tmp / "example.env"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def compose_config(env_file: Path) -> subprocess.CompletedProcess:
+    """``compose config -q`` of docker/compose.yaml with ``env_file``: interpolation and schema,
+    no engine and no image needed (seconds)."""
+    compose = compose_command()
+    if compose is None:
+        raise AssertionError("no docker compose / docker-compose")
+    return subprocess.run([*compose, "--env-file", str(env_file), "-f", str(COMPOSE_FILE),
+                           "config", "-q"], capture_output=True, text=True, timeout=120,
+                          cwd=COMPOSE_FILE.parent)
