@@ -15,7 +15,7 @@ TEST_MARKERS ?= not heavy
 export TRAINFORGE_HOME ?= $(CURDIR)/.trainforge
 export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
 
-.PHONY: help venv corpus demo test test-all airflow mlflow schema clean images stack-env stack-up stack-down
+.PHONY: help venv corpus demo test test-all airflow mlflow schema clean images stack-env stack-data stack-up stack-down
 
 help:
 	@echo "make demo     run the demo pipeline end to end through Airflow (about 10 minutes)"
@@ -79,7 +79,16 @@ stack-env:
 	    else if (v == "") { printf "docker/.env:%d: %s is empty\n", NR, $$1; bad = 1 } } \
 	    END { if (bad) { print "docker/.env: set the values named above (values are never printed)"; exit 2 } }' docker/.env >&2
 
-stack-up: stack-env corpus
+# The stack's data folder is named once: TRAINFORGE_DATA (the environment, else docker/.env;
+# relative paths are relative to docker/, as compose reads them). The demo corpus is fetched
+# into it, whatever TRAINFORGE_HOME says; a folder already holding the corpus is kept as it is.
+stack-data: stack-env venv
+	@data="$${TRAINFORGE_DATA:-$$(sed -n 's/^TRAINFORGE_DATA=//p' docker/.env | tail -1)}"; \
+	data="$${data:-../.trainforge/corpus}"; case "$$data" in /*) ;; *) data="docker/$$data" ;; esac; \
+	echo "stack data: $$data (TRAINFORGE_DATA)"; \
+	$(PY) -m trainforge.data.corpus fetch --dest "$$data/shakespeare"
+
+stack-up: stack-env stack-data
 	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env up -d
 	@echo "Airflow UI: http://127.0.0.1:$$(sed -n 's/^AIRFLOW_PORT=//p' docker/.env) (user admin, AIRFLOW_ADMIN_PASSWORD of docker/.env)"
 	@echo "MLflow UI:  http://127.0.0.1:$$(sed -n 's/^MLFLOW_PORT=//p' docker/.env)"
