@@ -1,15 +1,11 @@
 """The Celery broker's visibility timeout against the tasks that hold a worker slot for long.
 
-On CeleryExecutor with a Redis or SQS broker, a task message that no worker has acknowledged
-within the broker's visibility timeout is delivered again. Airflow acknowledges a message when
-the task ends, so a task that holds its worker slot for longer (a non-deferrable training wait,
-a long data preparation) is delivered a second time while it runs, and again every period
-after. Airflow refuses to start a running task twice, but Airflow's Celery docs ask for a
-visibility timeout longer than the longest task; unset, its Celery provider uses 24 hours.
-
-:func:`visibility_warnings` names every task whose ``execution_timeout`` is longer. ``trainforge validate`` prints them (:func:`environment_broker`: the deployment is not
-known there), and every DAG file logs them at parse with the deployment's own setting
-(:func:`deployment_broker`). docs/deploy.md says how to size the timeout.
+With CeleryExecutor on Redis or SQS, a task message not acknowledged within the broker's
+visibility timeout is delivered again, and Airflow acknowledges when the task ends: a task that
+holds its worker slot longer is delivered twice while it runs. :func:`visibility_warnings` names
+such tasks; ``trainforge validate`` prints them (:func:`environment_broker`) and each DAG file
+logs them at parse with the deployment's own setting (:func:`deployment_broker`). The story:
+docs/faults.md and the README's "Deploy".
 """
 
 from __future__ import annotations
