@@ -329,6 +329,21 @@ def _raise_failed(d: Dist, step: int, result: WriteResult | None) -> None:
     raise ckpt.CheckpointError(f"rank 0's background write of checkpoint step {step} failed (rank 0 logs why)")
 
 
+def finish_pending_write() -> None:
+    """Rank 0, after a failure that ends training cleanly (divergence, a bad config): let the
+    write in flight finish instead of abandoning it at exit. It holds a step before the failure
+    (only finite weights are saved), the checkpoint to inspect or resume; ``last_checkpoint``
+    names it once complete. A no-op without one (and on other ranks)."""
+    global _writer
+    if _writer is None:
+        return
+    result = _writer.wait()
+    if result is not None and result.error is not None:
+        log.warning("the background write of checkpoint step %d failed: %s", result.step, result.error)
+    _writer.stager.clear()
+    _writer = None
+
+
 def abandon_pending_write() -> None:
     """Abandon a write left in flight by an earlier training in this process and wait for its
     thread: it must not publish into (or race with) the run resumed now. For in-process callers

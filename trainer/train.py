@@ -59,7 +59,8 @@ from trainforge.trainer.goodput import AttemptClock, flops_per_token
 from trainforge.trainer.model import build_model, llama_config, lm_loss, load_initial_weights
 from trainforge.trainer.parallel import parallelize
 from trainforge.trainer.schedule import lr_at
-from trainforge.trainer.state import has_own_checkpoint, reserve_staging, resume, save
+from trainforge.trainer.state import (finish_pending_write, has_own_checkpoint, reserve_staging, resume,
+                                      save)
 from trainforge.trainer.tracking import MlflowTracker
 
 log = logging.getLogger("trainforge.trainer.train")
@@ -337,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         # Config and divergence errors are raised identically on every rank: a clean shutdown is safe.
         consistent = isinstance(err, (ConfigError, DivergedError))
         log.error("%s (exit %d): %s", type(err).__name__, code, message)
+        if consistent:
+            finish_pending_write()  # the checkpoint before the failure completes and is reported
     except BaseException as err:  # noqa: BLE001 - every exit path writes the result file
         code = 130 if isinstance(err, KeyboardInterrupt) else EXIT_ERROR
         status, message, consistent = STATUS_ERROR, f"{type(err).__name__}: {err}", False

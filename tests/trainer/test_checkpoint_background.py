@@ -276,3 +276,29 @@ def test_the_adamw_state_reserved_before_the_first_step_has_the_paths_and_shapes
         for key, tensor in entry.items():
             want = expected[index][key]
             assert (tensor.shape, tensor.dtype, tensor.device) == (want.shape, want.dtype, want.device), (index, key)
+
+
+def test_a_divergence_while_a_write_is_in_flight_completes_that_checkpoint_first(
+        run_main, tmp_path, held, monkeypatch):
+    """Training diverges at step 6 while the step-4 checkpoint is still being written: the write
+    finishes (it precedes the divergence) before the result names it, instead of being abandoned
+    at exit with no manifest."""
+    from trainforge.trainer import train as train_mod
+
+    hold = held("step-00000004")
+    real = train_mod.should_step
+
+    def should_step(step, loss, grad_norm, lr, scale):
+        if step == 6:
+            assert hold.entered.wait(60)  # the step-4 write is in flight, its manifest not written
+            threading.Timer(0.5, hold.release.set).start()
+            loss = float("nan")
+        return real(step, loss, grad_norm, lr, scale)
+
+    monkeypatch.setattr(train_mod, "should_step", should_step)
+    code, result, _ = run_main()
+    assert code == 79 and result["status"] == "diverged", result
+    step4 = tmp_path / "checkpoints" / "step-00000004"
+    assert result["last_checkpoint"] == str(step4) and ckpt.verify(step4) == []
+    assert ckpt.newest_valid(step4.parent) == step4
+    assert not [t for t in threading.enumerate() if t.name == "checkpoint-writer"]
