@@ -178,11 +178,16 @@ def test_diverged_loss_fails_at_once_without_retry(airflow_standalone, mlflow_se
     assert exit_record(path)["exit_code"] != 0
     result = json.loads((path / "result.json").read_text())
     assert result["status"] == "diverged" and result["exit_code"] == 79
-    # No checkpoint after the diverged step is valid: the newest valid one precedes it.
+    # No checkpoint of the diverged step is valid: the newest valid one is of the last step
+    # completed before it (final_step; the diverged one is final_step + 1), and it is the one
+    # the result names.
     from trainforge.trainer import checkpoint as ckpt
 
+    assert result["last_checkpoint"], result
     newest = ckpt.newest_valid(Path(result["last_checkpoint"]).parent)
-    assert newest is not None and int(newest.name.split("-")[1]) < result["final_step"]
+    assert newest is not None and int(newest.name.split("-")[1]) <= result["final_step"]
+    assert str(newest) == result["last_checkpoint"]
+    assert f"no checkpoint written after step {result['final_step']}" in result["message"]
     assert not (server.home / "runs" / JobIdentity(dag, run_id, "train", 2).key).exists()
     client = MlflowClient(mlflow_server)
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
