@@ -149,14 +149,22 @@ def test_a_container_with_another_jwt_secret_refuses_to_start_and_names_the_key(
     misplaced under [secrets], and a misspelt section): the preflight refuses to start it, in
     one line naming the key and never the value, its health check fails with that line, and
     the unknown variables are warned about."""
+    import json
+
     other = "another-jwt-secret-0123456789abcdef"
-    run = stack.compose_run(
-        "run", "-d", "--no-deps",
-        "-e", f"AIRFLOW__API_AUTH__JWT_SECRET={other}",
-        "-e", f"AIRFLOW__SECRETS__JWT_SECRET={other}",
-        "-e", "AIRFLOW__SCHEDULR__PARSING_PROCESSES=2",
-        "airflow-scheduler", "scheduler")
-    container = run.stdout.split()[-1]
+    # The scheduler's own container settings (compose's `run` cannot: host networking), but
+    # for the secret: what `up -d` makes of a scheduler whose environment was edited.
+    (scheduler,) = stack.containers("airflow-scheduler")
+    info = json.loads(stack.engine.run("inspect", scheduler).stdout)[0]
+    env = [e for e in info["Config"]["Env"] if not e.startswith("AIRFLOW__API_AUTH__JWT_SECRET=")]
+    env += [f"AIRFLOW__API_AUTH__JWT_SECRET={other}", f"AIRFLOW__SECRETS__JWT_SECRET={other}",
+            "AIRFLOW__SCHEDULR__PARSING_PROCESSES=2"]
+    mounts = [f"{m['Name'] if m['Type'] == 'volume' else m['Source']}:{m['Destination']}"
+              f"{'' if m['RW'] else ':ro'}" for m in info["Mounts"]]
+    container = stack.engine.run(
+        "run", "-d", "--network", "host", "--pid", "host",
+        *[arg for e in env for arg in ("-e", e)], *[arg for m in mounts for arg in ("-v", m)],
+        info["Config"]["Image"], "scheduler").stdout.strip()
     try:
         def log() -> str:
             out = stack.engine.run("logs", container, check=False)
