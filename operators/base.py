@@ -95,13 +95,34 @@ class TrainforgeStageOperator(BaseOperator):
             run_id=ti.run_id,
             tags={"trainforge.pipeline": spec.dag_id, "trainforge.spec_file": self.spec_file},
         )
-        try:
-            experiment_id = self.mlflow_hook.get_run(run_id).info.experiment_id
-            url = f"{self.mlflow_hook.tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-            ti.xcom_push(key=XCOM_MLFLOW_RUN_URL, value=url)
-        except Exception:  # noqa: BLE001 - the link is a convenience, never a failure
-            self.log.debug("could not record the MLflow run link", exc_info=True)
+        self._record_run_link(ti, run_id)
         return run_id
+
+    def link_mlflow_run(self, context: Any, spec: PipelineSpec) -> None:
+        """Record the DAG run's MLflow run as this task's link without creating the run (tasks
+        that never log to it: the approval, the teardown). An empty link when there is none,
+        so Airflow always finds the key it reads at the end of the task."""
+        ti = context["ti"]
+        try:
+            run_id = self.mlflow_hook.find_run(spec.experiment_name, ti.dag_id, ti.run_id)
+        except Exception:  # noqa: BLE001 - the link is a convenience, never a failure
+            self.log.debug("could not find the MLflow run for its link", exc_info=True)
+            run_id = None
+        self._record_run_link(ti, run_id)
+
+    def _record_run_link(self, ti: Any, run_id: str | None) -> None:
+        url = ""
+        try:
+            if run_id:
+                experiment_id = self.mlflow_hook.get_run(run_id).info.experiment_id
+                url = (f"{self.mlflow_hook.tracking_uri.rstrip('/')}/#/experiments/"
+                       f"{experiment_id}/runs/{run_id}")
+        except Exception:  # noqa: BLE001 - the link is a convenience, never a failure
+            self.log.debug("could not build the MLflow run link", exc_info=True)
+        try:
+            ti.xcom_push(key=XCOM_MLFLOW_RUN_URL, value=url)
+        except Exception:  # noqa: BLE001
+            self.log.debug("could not record the MLflow run link", exc_info=True)
 
     # -- helpers ----------------------------------------------------------------------------
     def run_streaming(self, argv: list[str], timeout_s: float, env: dict | None = None) -> int:

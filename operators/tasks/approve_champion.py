@@ -110,6 +110,7 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
 
     def execute(self, context: Any) -> Any:
         spec = self.resolved_spec(context)
+        self.link_mlflow_run(context, spec)
         name, version, gate = self._registered(context)
         if gate.get("decision") != PASS:
             raise AirflowSkipException(f"eval gate {gate.get('decision')} for {name} "

@@ -167,6 +167,7 @@ class CloseRunOperator(TrainforgeStageOperator):
         # The spec as written: trigger params touch only optimisation fields, and a bad one
         # must not stop the teardown.
         spec = PipelineSpec.model_validate(self.spec)
+        self.link_mlflow_run(context, spec)
         states = self.task_states(ti)
         train_tasks = [node.task_id for node in task_graph(spec).train_nodes]
         results = {task_id: ti.xcom_pull(task_ids=task_id)
