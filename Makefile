@@ -78,6 +78,11 @@ stack-env:
 	    if (v ~ /^CHANGE-/) { printf "docker/.env:%d: %s is still the placeholder of .env.example\n", NR, $$1; bad = 1 } \
 	    else if (v == "") { printf "docker/.env:%d: %s is empty\n", NR, $$1; bad = 1 } } \
 	    END { if (bad) { print "docker/.env: set the values named above (values are never printed)"; exit 2 } }' docker/.env >&2
+	@missing="$$(comm -23 <(grep -o '$${[A-Z0-9_]*:?' docker/compose.yaml | tr -d '$${:?' | sort -u) \
+	    <(sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p' docker/.env | sort -u))"; \
+	    if [ -n "$$missing" ]; then for key in $$missing; do \
+	    echo "docker/.env: $$key is missing; compose requires it (docker/.env.example says what it is)" >&2; \
+	    done; exit 2; fi
 
 # The stack's data folder is named once: TRAINFORGE_DATA (the environment, else docker/.env;
 # relative paths are relative to docker/, as compose reads them). The demo corpus is fetched

@@ -53,7 +53,7 @@ def _uses_celery(executor: str | None) -> bool:
 def _parse_seconds(value: object, source: str) -> int:
     try:
         seconds = int(float(str(value).strip()))
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf
         raise ValueError(f"{source}: not a number of seconds (got {value!r})") from None
     if seconds <= 0:
         raise ValueError(f"{source}: must be a positive number of seconds (got {value!r})")

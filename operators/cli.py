@@ -73,6 +73,14 @@ def _visibility_timeout(value: str | None) -> int | None:
         raise typer.BadParameter(str(err)) from None
 
 
+def _real(path: Path) -> Path:
+    """``path`` resolved; as given where it cannot be (a symlink loop: reading it says why)."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return path.absolute()
+
+
 @app.command()
 def validate(
     paths: list[Path] = typer.Argument(..., help="Spec files or folders."),
@@ -94,7 +102,7 @@ def validate(
         files += sorted([*path.glob("*.yaml"), *path.glob("*.yml")]) if path.is_dir() else [path]
     # A file named twice (as itself and through its folder) is one spec, not a duplicate dag_id.
     seen: set[Path] = set()
-    files = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
+    files = [f for f in files if not (_real(f) in seen or seen.add(_real(f)))]
     bad = 0
     first_use: dict[str, tuple[Path, int]] = {}  # dag_id -> (file, line) of its first spec
     for file in files:

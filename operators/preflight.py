@@ -121,20 +121,29 @@ def check(path: Path, role: str = "airflow", refused_file: Path | None = None) -
         print(f"trainforge preflight: warning: {warning}", file=sys.stderr, flush=True)
     try:
         recorded = json.loads(path.read_text())
+        if not (isinstance(recorded, dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in recorded.items())):
+            raise ValueError("not an object of fingerprints (written by `preflight record`)")
     except FileNotFoundError:
+        print(f"trainforge preflight: no fingerprints recorded at {path}: the shared keys are "
+              f"not compared", file=sys.stderr, flush=True)
         return 0
     except (OSError, ValueError) as err:
-        line = f"trainforge preflight: not starting {role}: cannot read {path}: {err}"
-        print(line, file=sys.stderr, flush=True)
-        if refused_file is not None:
-            refused_file.write_text(line + "\n")
-        return REFUSED_EXIT
-    lines = [f"trainforge preflight: not starting {role}: {line}"
-             for line in mismatches(recorded, current_fingerprints(conf))]
+        return _refuse([f"cannot read {path}: {err}"], role, refused_file)
+    return _refuse(mismatches(recorded, current_fingerprints(conf)), role, refused_file)
+
+
+def _refuse(reasons: list[str], role: str, refused_file: Path | None) -> int:
+    """Print (and keep in ``refused_file``) one line per reason; ``REFUSED_EXIT`` if any."""
+    lines = [f"trainforge preflight: not starting {role}: {reason}" for reason in reasons]
     for line in lines:
         print(line, file=sys.stderr, flush=True)
     if lines and refused_file is not None:
-        refused_file.write_text("".join(f"{line}\n" for line in lines))
+        try:
+            refused_file.write_text("".join(f"{line}\n" for line in lines))
+        except OSError as err:
+            print(f"trainforge preflight: cannot write {refused_file}: {err}", file=sys.stderr,
+                  flush=True)
     return REFUSED_EXIT if lines else 0
 
 

@@ -31,7 +31,9 @@ PREREQUISITES = {
     "envtest": ("a real Kubernetes API server: etcd and kube-apiserver in the folder KUBEBUILDER_ASSETS "
                 "names, the upstream CRDs in the folder TRAINFORGE_ENVTEST_CRDS names",
                 "sudo apt-get install -y --no-install-recommends etcd-server, put kube-apiserver "
-                "(v1.30 or later) beside a link to etcd and export KUBEBUILDER_ASSETS=that folder; "
+                "(v1.30 or later) beside a link to etcd and export KUBEBUILDER_ASSETS=that folder "
+                "(where the project's shared envtest folder is there: "
+                "KUBEBUILDER_ASSETS=$(../shared/envtest/assets), as .ci/run does); "
                 "export TRAINFORGE_ENVTEST_CRDS=a folder of the CRD files docs/kubernetes.md#tests lists"),
     "hosts": ("root and iproute2 for test hosts (network namespaces, veth pairs, tc)",
               "sudo apt-get install -y --no-install-recommends iproute2, then run as root, "

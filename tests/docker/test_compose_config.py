@@ -8,9 +8,14 @@ import re
 
 import pytest
 
+from tests.conftest import skip_without
 from tests.docker.stack import COMPOSE_FILE, ROOT, compose_command, compose_config, example_env
 
-pytestmark = pytest.mark.skipif(compose_command() is None, reason="no docker compose / docker-compose")
+
+@pytest.fixture(autouse=True)
+def _compose():
+    if compose_command() is None:
+        skip_without("docker", "no docker compose / docker-compose")
 
 
 def test_the_filled_in_example_env_passes_compose_config(tmp_path):

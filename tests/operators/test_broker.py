@@ -108,6 +108,27 @@ def test_the_environment_names_the_broker(monkeypatch, executor, env, expected):
     assert environment_broker(60).visibility_timeout_s == 60  # the option wins
 
 
+@pytest.mark.parametrize("value", ["inf", "1e400", "-inf", "nan"])
+def test_an_infinite_setting_is_a_clear_error_in_validate_and_skipped_at_parse(
+        monkeypatch, value, tmp_path, caplog):
+    monkeypatch.delenv(EXECUTOR_ENV, raising=False)
+    monkeypatch.setenv(ENV, value)
+    with pytest.raises(ValueError, match="not a number of seconds"):
+        environment_broker()
+    result = runner.invoke(app, ["validate", str(DEMO)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    # The DAG processor's parse: the check is skipped with a warning, the DAG still loads.
+    from trainforge.dag_files import COMPANION, companion_dags
+
+    (tmp_path / "sync.yaml").write_text(SYNC_3D)
+    (tmp_path / "sync.py").write_text(COMPANION)
+    monkeypatch.setenv("TRAINFORGE_SPEC_CACHE", "off")
+    monkeypatch.delenv("TRAINFORGE_PIPELINES", raising=False)
+    monkeypatch.setenv(EXECUTOR_ENV, "CeleryExecutor")
+    assert list(companion_dags(str(tmp_path / "sync.py"))) == ["shakespeare_llm"]
+    assert "visibility timeout check is skipped" in caplog.text
+
+
 def test_a_malformed_setting_is_a_clear_error(monkeypatch):
     monkeypatch.delenv(EXECUTOR_ENV, raising=False)
     monkeypatch.setenv(ENV, "a week")

@@ -85,3 +85,16 @@ def test_unknown_variables_are_named_with_the_closest_real_one():
         "AIRFLOW__SECRETS__JWT_SECRET: Airflow has no option jwt_secret in [secrets], the "
         "variable is ignored; [api_auth] jwt_secret is AIRFLOW__API_AUTH__JWT_SECRET",
     ]
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "42", '{"AIRFLOW__CORE__FERNET_KEY": 1}'])
+def test_a_fingerprint_file_of_another_shape_refuses(tmp_path, monkeypatch, content, capsys):
+    for name, value in KEYS.items():
+        monkeypatch.setenv(name, value)
+    path = tmp_path / "f.json"
+    path.write_text(content)
+    # the refusal file's folder is missing: said, and still refused
+    assert preflight.check(path, "worker", tmp_path / "no" / "refused") == preflight.REFUSED_EXIT
+    err = capsys.readouterr().err
+    assert "not starting worker: cannot read" in err and "not an object of fingerprints" in err
+    assert "cannot write" in err and "Traceback" not in err

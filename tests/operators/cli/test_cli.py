@@ -85,3 +85,11 @@ def test_a_cost_that_names_no_catalog_row_is_refused_by_validate_and_run_at_its_
         assert f"{spec}:{line}:18: cost.instance_type: cost.cloud 'aws', cost.instance_type " \
                "'p9.mega': no rows of the price catalog" in result.output
         assert "aws/p5.48xlarge" in result.output and "Traceback" not in result.output
+
+
+def test_validate_names_a_symlink_loop_without_a_traceback(tmp_path):
+    loop = tmp_path / "loop.yaml"
+    loop.symlink_to(loop)
+    result = runner.invoke(app, ["validate", str(loop)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"{loop}: cannot read" in result.output
