@@ -27,12 +27,8 @@ in `StorageError.throttled` and `StorageError.remedy` too. Each attempt has `CON
 `MULTIPART_BYTES` go up and down in multipart transfers of `MULTIPART_BYTES` parts, each part a
 request retried on its own.
 
-Checksums: requests carry a checksum only where S3 requires one (``when_required``, as
-botocore did before 1.36), so stores that predate the flexible checksums (they answer an
-``aws-chunked`` body with a trailing ``x-amz-checksum-*`` with ``XAmzContentSHA256Mismatch``)
-work; a required checksum (DeleteObjects) is sent as ``Content-MD5``, as those stores expect.
-``AWS_REQUEST_CHECKSUM_CALCULATION`` / ``AWS_RESPONSE_CHECKSUM_VALIDATION`` set to
-``when_supported`` bring back botocore's newer default (:data:`CHECKSUM_ENV`).
+Checksums only where S3 requires them, DeleteObjects' as ``Content-MD5`` (:data:`CHECKSUM_ENV`
+overrides): docs/storage.md, "Checksums and S3-compatible stores".
 
 S3 has no rename: a checkpoint or dataset exists once its ``manifest.json`` object is written,
 which is why the manifest is always put last (`S3Storage.publish`, then `S3Storage.write_bytes`).
