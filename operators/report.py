@@ -19,7 +19,7 @@ from rich.table import Table
 
 from trainforge.hooks.mlflow import TAG_DAG_ID
 from trainforge.ledger import names as n
-from trainforge.ledger.read import ledger_figures, stage_names
+from trainforge.ledger.read import energy_sources_line, ledger_figures, stage_names
 from trainforge.paths import trainforge_home
 
 VALIDATION_METRICS = ("val/val_loss", "val/val_perplexity", "val/val_bits_per_byte")
@@ -90,6 +90,9 @@ def _combined(metrics: dict[str, float], tags: dict[str, str]) -> dict[str, Any]
     if figures.get(n.WALL_S):
         figures[n.GOODPUT] = 100.0 * figures.get(n.PRODUCTIVE_S, 0.0) / figures[n.WALL_S]
     tags_all = {k: v for s in stages for k, v in s["tags"].items()}
+    for status in (n.ENERGY_STATUS, n.COST_STATUS):  # partial when any stage's is
+        if any(s["tags"].get(status) == "partial" for s in stages):
+            tags_all[status] = "partial"
     return {"figures": figures, "badput": {}, "tags": tags_all}
 
 
@@ -154,14 +157,15 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         table.add_column(column, overflow="fold")
     for row in report["runs"]:
         f, t = row["figures"], row["tags"]
-        sources = ", ".join(f"{k.rsplit('/', 1)[-1]} {v}" for k, v in sorted(t.items())
-                            if k.startswith("energy/source/")) or "-"
-        cost = f"{fmt(f.get(n.COST_ALLOCATED), '.4f')} {t.get('cost/currency', '')}".strip()
+        sources = energy_sources_line(t)
+        partial = {k: " (partial)" if t.get(k) == "partial" else "" for k in (n.ENERGY_STATUS, n.COST_STATUS)}
+        cost = (f"{fmt(f.get(n.COST_ALLOCATED), '.4f')} {t.get('cost/currency', '')}".strip()
+                + partial[n.COST_STATUS])
         table.add_row(row["airflow_run_id"] or row["mlflow_run_id"], row["status"],
                       fmt(f.get(n.GOODPUT), ".1f") + ("%" if n.GOODPUT in f else ""),
                       fmt(f.get(n.GPU_HOURS_ALLOCATED), ".4f"),
                       fmt(f.get(n.GPU_HOURS_PRODUCTIVE), ".4f"), cost,
-                      fmt(f.get(n.ENERGY_KWH), ".5f"), sources,
+                      fmt(f.get(n.ENERGY_KWH), ".5f") + partial[n.ENERGY_STATUS], sources,
                       fmt(f.get(n.DISRUPTIONS), ".0f"),
                       fmt(row["validation"].get("val/val_loss"), ".4f"))
     console.print(table)

@@ -175,9 +175,8 @@ class AttemptClock:
             "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
             "background_save_s": round(self.background_save_s, 4),
         }
-        if self.energy is not None and self.energy.sources:
-            record["energy_j"] = {k: round(v, 3) for k, v in self.energy.joules().items()}
-            record["energy_source"] = self.energy.sources
+        if self.energy is not None:  # per kind and per GPU device (trainforge.trainer.energy)
+            record.update(self.energy.record())
         return record
 
     def snapshot(self, final: bool = False) -> dict[str, str]:

@@ -15,7 +15,8 @@ one ``log_batch`` call, so a kill never leaves half a step logged.
 
 System metrics: :meth:`MlflowTracker.system_metrics` runs MLflow's own monitor
 (``mlflow.system_metrics``) on rank 0 while training: CPU and memory (psutil), disk, network and,
-where nvidia-ml-py finds an NVIDIA GPU, GPU utilisation and memory, logged as ``system/*``
+for the job's own GPUs only (trainforge.trainer.gpu_metrics: MLflow's GPU monitor would read every
+GPU of the node), GPU utilisation, memory and power, logged as ``system/*``
 metrics every `SYSTEM_METRICS_INTERVAL_S` seconds (MLflow's
 ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` overrides it). Their step is the sample number,
 continued across attempts; the samples of the last, unfinished interval are logged when training
@@ -34,6 +35,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from trainforge.trainer.gpus import JobGpus
 
 log = logging.getLogger(__name__)
 
@@ -154,15 +157,20 @@ class MlflowTracker:
                        tags=tag_batch)
 
     @contextmanager
-    def system_metrics(self, interval_s: float = SYSTEM_METRICS_INTERVAL_S) -> Iterator[None]:
+    def system_metrics(self, interval_s: float = SYSTEM_METRICS_INTERVAL_S,
+                       gpus: JobGpus | None = None) -> Iterator[None]:
         """Log ``system/*`` metrics into the run every ``interval_s`` seconds while open (module
-        doc). A monitor that cannot start or stop is logged as a warning: training goes on."""
+        doc), of the job's ``gpus`` only (None: no GPU of this machine is the job's). A monitor
+        that cannot start or stop is logged as a warning: training goes on."""
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        from trainforge.trainer.gpu_metrics import restrict_gpus
 
         monitor = self._call("start system metrics", SystemMetricsMonitor, self.run_id,
                              sampling_interval=interval_s, resume_logging=True,
                              tracking_uri=self.tracking_uri)
         if monitor is not None:
+            restrict_gpus(monitor, gpus or JobGpus.none())
             monitor.start()
             log.info("logging system metrics of rank 0 into run %s every %ss", self.run_id,
                      monitor.sampling_interval)

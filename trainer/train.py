@@ -56,6 +56,7 @@ from trainforge.trainer.distributed import Dist, setup_distributed, shut_down
 from trainforge.trainer.energy import EnergyMeter
 from trainforge.trainer.errors import DivergedError, TerminatedError, TrainerError
 from trainforge.trainer.goodput import AttemptClock, flops_per_token
+from trainforge.trainer.gpus import JobGpus
 from trainforge.trainer.model import build_model, llama_config, lm_loss, load_initial_weights
 from trainforge.trainer.parallel import parallelize
 from trainforge.trainer.schedule import lr_at
@@ -159,7 +160,9 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     tokens_per_step = o.global_batch_size * T
 
     tracker = MlflowTracker.from_env() if d.rank == 0 else None
-    clock = _attempt_clock(cfg, d, model, n_params, tokens_per_step) if d.rank == 0 else None
+    # the job's own GPUs on rank 0's machine: metered, and the only ones in system/* metrics
+    gpus = (JobGpus.open() if d.device.type == "cuda" else JobGpus.none()) if d.rank == 0 else None
+    clock = _attempt_clock(cfg, d, model, n_params, tokens_per_step, gpus) if d.rank == 0 else None
     if clock:  # steps up to the newest one the run holds are trained again: wasted progress
         reached = tracker.skip_logged_steps(step) if tracker else step  # exactly once: never re-logged
         clock.restored(restore_s, step, reached)
@@ -183,7 +186,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     # Pin the saves' host buffers on a thread while the first step compiles (trainer/state.py).
     reserve_staging(d, par, optimizer)
     # system/* metrics of rank 0's machine while the steps run (trainforge.trainer.tracking)
-    with (tracker.system_metrics() if tracker else nullcontext(),
+    with (tracker.system_metrics(gpus=gpus) if tracker else nullcontext(),
           RecompileWatch() if par.compiled else nullcontext() as watch):
         t_window, steps_in_window = time.perf_counter(), 0
         if clock:
@@ -263,17 +266,17 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
 
 
 def _attempt_clock(cfg: JobConfig, d: Dist, model: torch.nn.Module, n_params: int,
-                   tokens_per_step: int) -> AttemptClock:
-    """Rank 0's ledger clock of this attempt, with the energy counters of its machine."""
+                   tokens_per_step: int, gpus: JobGpus) -> AttemptClock:
+    """Rank 0's ledger clock of this attempt, with the energy counters of its machine and of the
+    job's ``gpus`` on it."""
     m = cfg.model
     embedding = model.get_input_embeddings().weight.numel()
     fpt = flops_per_token(n_params - embedding, m.num_layers, m.num_heads, m.hidden_size // m.num_heads,
                           cfg.data.sequence_length)
     cuda = d.device.type == "cuda"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return AttemptClock(world_size=d.world_size, tokens_per_step=tokens_per_step, flops_per_token=fpt,
                         device=torch.cuda.get_device_name(d.device) if cuda else "cpu",
-                        energy=EnergyMeter.open(list(range(local)) if cuda else []),
+                        energy=EnergyMeter.open(gpus if cuda else None),
                         job_dir=os.environ.get(JOB_DIR_ENV))
 
 

@@ -26,7 +26,7 @@ from trainforge.ledger.attempts import attempt_records, sum_attempts
 from trainforge.ledger.books import Books, close_books
 from trainforge.ledger.catalog import Price
 from trainforge.ledger.devices import mfu_pct
-from trainforge.ledger.energy import energy_kwh
+from trainforge.ledger.energy import job_energy
 from trainforge.pipeline.model import PipelineSpec
 
 
@@ -123,12 +123,18 @@ def _usage(ledger: Ledger, spec: PipelineSpec, records: list[dict[str, Any]], al
     cpu_core_hours = hours * res.nodes * res.processes_per_node * res.cpus_per_process
     m[n.GPU_HOURS_ALLOCATED] = gpu_hours
     m[n.GPU_HOURS_PRODUCTIVE] = ledger.books.productive_s / 3600.0 * res.nodes * res.gpus_per_node
-    kwh, sources = energy_kwh(spec, records, gpu_hours, cpu_core_hours)
-    m[n.ENERGY_KWH] = sum(kwh.values())
-    t.update({n.energy_source_tag(kind): source for kind, source in sources.items()})
+    energy = job_energy(spec, records, gpu_hours, cpu_core_hours)
+    if energy.kwh:  # what was read or estimated; energy/status says whether that is all of it
+        m[n.ENERGY_KWH] = sum(energy.kwh.values())
+    else:
+        t[n.unknown_tag("energy_kwh")] = "unknown: no device's energy was read or estimated"
+    t.update({n.energy_source_tag(key): source for key, source in energy.sources.items()})
+    t.update({n.energy_reason_tag(key): why for key, why in energy.reasons.items()})
+    t[n.ENERGY_STATUS] = energy.status
     if isinstance(price, str):
         t[n.unknown_tag("cost_allocated")] = price
         return
+    t[n.COST_STATUS] = energy.status
     m[n.COST_ALLOCATED] = price.cost(hours * res.nodes, gpu_hours, cpu_core_hours)
     t.update({"cost/currency": price.currency, "cost/price_source": price.source,
               "cost/price_date": price.date})

@@ -47,6 +47,18 @@ def unknown_tag(name: str) -> str:
     return f"ledger/{name}"
 
 
-def energy_source_tag(kind: str) -> str:
-    """``energy/source/<device kind>``: measured-nvml, measured-rapl or estimated."""
-    return f"energy/source/{kind}"
+def energy_source_tag(device: str) -> str:
+    """``energy/source/<device kind or GPU device>`` (``gpu``, ``cpu``, ``gpu1``): measured-nvml,
+    power_integration, measured-rapl, estimated, unknown, or (the ``gpu`` kind) mixed."""
+    return f"energy/source/{device}"
+
+
+def energy_reason_tag(device: str) -> str:
+    """``energy/reason/<device kind or GPU device>``: why its energy is estimated or unknown."""
+    return f"energy/reason/{device}"
+
+
+ENERGY_STATUS = "energy/status"
+"""``complete``, or ``partial`` when a kind or device is estimated or unknown."""
+COST_STATUS = "cost/status"
+"""The cost's, billed with the energy: ``partial`` when the energy is."""

@@ -36,6 +36,15 @@ def stage_names(metrics: dict[str, float]) -> list[str]:
                   if k.startswith("stage/") and k.endswith(suffix))
 
 
+def energy_sources_line(tags: dict[str, str], sep: str = ", ", none: str = "-") -> str:
+    """Each device kind's and GPU device's energy source, ``cpu measured-rapl, gpu mixed,
+    gpu1 power_integration, gpu3 unknown`` (kinds first), or ``none`` when the ledger names none."""
+    prefix = "energy/source/"
+    found = {k[len(prefix):]: v for k, v in tags.items() if k.startswith(prefix)}
+    order = sorted(found, key=lambda d: (d not in ("gpu", "cpu"), d))
+    return sep.join(f"{d} {found[d]}" for d in order) or none
+
+
 def ledger_line(ledger: dict[str, Any]) -> str:
     """One line of a ledger for the run summary."""
     f, t = ledger["figures"], ledger["tags"]
@@ -43,14 +52,16 @@ def ledger_line(ledger: dict[str, Any]) -> str:
     def num(name: str, spec: str, unit: str = "") -> str:
         return "-" if name not in f else f"{format(f[name], spec)}{unit}"
 
-    sources = "/".join(f"{k.split('/')[-1]} {v}" for k, v in sorted(t.items())
-                       if k.startswith("energy/source/"))
+    sources = energy_sources_line(t, sep="/", none="no source")
+    if t.get(n.ENERGY_STATUS) == "partial":
+        sources += ", partial"
     top = sorted(((v, k) for k, v in ledger["badput"].items() if v > 0), reverse=True)[:3]
     cost = (f"{num(n.COST_ALLOCATED, '.4f')} {t.get('cost/currency', '')}".strip()
+            + (" (partial)" if t.get(n.COST_STATUS) == "partial" else "")
             if n.COST_ALLOCATED in f else "cost unknown")
     return (f"goodput {num(n.GOODPUT, '.1f', '%')} of {num(n.WALL_S, '.1f', ' s')}; "
             f"{num(n.GPU_HOURS_ALLOCATED, '.4f')} GPU-h allocated; {num(n.ENERGY_KWH, '.5f')} kWh "
-            f"({sources or 'no source'}); {cost}; {num(n.TPS, ',.0f')} tok/s/device, "
+            f"({sources}); {cost}; {num(n.TPS, ',.0f')} tok/s/device, "
             f"MFU {num(n.MFU_PCT, '.1f', '%')}; {num(n.DISRUPTIONS, '.0f')} disruption(s), "
             f"recovery mean {num(n.RECOVERY_MEAN_S, '.1f', ' s')} max "
             f"{num(n.RECOVERY_MAX_S, '.1f', ' s')}; top badput: "

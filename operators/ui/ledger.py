@@ -3,7 +3,10 @@
 The ledger logs ``goodput/percent``, ``badput/<bucket>_s`` (any bucket), ``gpu_hours/allocated``,
 ``gpu_hours/productive``, ``energy/kwh``, ``cost/allocated``, ``tps``, ``mfu_pct``,
 ``disruptions/count``, ``recovery/mean_s``, ``recovery/max_s`` and the tags
-``energy/source/<device>`` (``measured-nvml`` | ``measured-rapl`` | ``estimated``). Runs from
+``energy/source/<device>`` (a kind, ``gpu`` or ``cpu``, or one GPU, ``gpu1``: ``measured-nvml`` |
+``power_integration`` | ``measured-rapl`` | ``estimated`` | ``unknown`` | ``mixed``),
+``energy/reason/<device>`` (why estimated or unknown), ``energy/status`` and ``cost/status``
+(``complete`` | ``partial``). Runs from
 before the ledger carry the train task's accounting instead (trainforge.accounting, logged as
 ``accounting/[<stage>/]<name>``): GPU-hours, cost and energy estimated from wall time and the
 spec's power figures. Whatever exists is shown; nothing is invented.
@@ -35,9 +38,9 @@ def accounting(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def energy_sources(tags: dict[str, str]) -> dict[str, str]:
-    """``energy/source/<device>`` tags: how each device's energy was obtained."""
-    prefix = "energy/source/"
+def energy_sources(tags: dict[str, str], prefix: str = "energy/source/") -> dict[str, str]:
+    """``energy/source/<device>`` tags: how each device's energy was obtained (``prefix``
+    ``energy/reason/``: why it is estimated or unknown)."""
     return {k[len(prefix):]: v for k, v in tags.items() if k.startswith(prefix)}
 
 
@@ -57,6 +60,9 @@ def figures(metrics: dict[str, float], tags: dict[str, str]) -> dict[str, Any]:
         "energy_kwh": ledger.get("energy/kwh", acc.get("energy_kwh")),
         "energy_source": sources or ({"all": "estimated"} if acc.get("energy_kwh") is not None
                                      else {}),
+        "energy_reason": energy_sources(tags, "energy/reason/"),
+        "energy_status": tags.get("energy/status"),
+        "cost_status": tags.get("cost/status"),
         "wall_s": acc.get("wall_s"),
         "tps": ledger.get("tps"),
         "mfu_pct": ledger.get("mfu_pct"),

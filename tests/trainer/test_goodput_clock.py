@@ -12,6 +12,7 @@ from trainforge.contract import LEDGER_TAG_PREFIX
 from trainforge.ledger.attempts import job_dir_records
 from trainforge.trainer.energy import EnergyMeter, rapl_zones
 from trainforge.trainer.goodput import AttemptClock, flops_per_token
+from trainforge.trainer.gpus import JobGpus
 
 
 def test_flops_per_token_is_torchtitans():
@@ -80,7 +81,7 @@ def test_rapl_packages_are_summed_across_a_wrap_and_subzones_ignored(tmp_path):
     pkg0 = _zone(tmp_path, "intel-rapl:0", 900)
     pkg1 = _zone(tmp_path, "intel-rapl:1", 100)
     _zone(tmp_path, "intel-rapl:0:0", 5)  # a sub-zone (core) of package 0
-    meter = EnergyMeter.open(gpus=[], powercap_root=tmp_path)
+    meter = EnergyMeter.open(None, powercap_root=tmp_path)
     assert meter.sources == {"cpu": "measured-rapl"} and len(meter.rapl) == 2
     (pkg0 / "energy_uj").write_text("50\n")  # wrapped at 1000: +150 uJ
     (pkg1 / "energy_uj").write_text("400\n")  # +300 uJ
@@ -92,7 +93,7 @@ def test_unreadable_or_missing_rapl_leaves_the_cpu_estimated(tmp_path):
     zone = _zone(tmp_path, "intel-rapl:0", 1)
     (zone / "energy_uj").unlink()
     (zone / "energy_uj").mkdir()  # reading it fails like a root-only file does
-    meter = EnergyMeter.open(gpus=[], powercap_root=tmp_path)
+    meter = EnergyMeter.open(None, powercap_root=tmp_path)
     assert meter.sources == {} and meter.joules() == {}
     shutil.rmtree(zone)
 
@@ -103,8 +104,10 @@ def test_nvml_counts_the_gpus_energy():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (install a CUDA build of torch and the NVIDIA driver)")
     pytest.importorskip("pynvml", reason="install nvidia-ml-py")
-    meter = EnergyMeter.open(gpus=[0])
-    assert meter.sources.get("gpu") == "measured-nvml"
+    gpus = JobGpus.open()  # this process's first visible GPU (cuda:0)
+    assert len(gpus.devices) == 1, gpus.unread
+    meter = EnergyMeter.open(gpus)
+    assert meter.sources.get("gpu") in ("measured-nvml", "power_integration")
     x = torch.randn(4096, 4096, device="cuda")
     for _ in range(50):
         x = x @ x
@@ -112,3 +115,4 @@ def test_nvml_counts_the_gpus_energy():
     torch.cuda.synchronize()
     time.sleep(0.2)
     assert meter.joules()["gpu"] > 0
+    meter.close()

@@ -107,6 +107,8 @@ function renderRun(d) {
   const maxSteps = d.progress && d.progress.max_steps;
   const marks = d.disruptions.filter((x) => x.kind === "task try").map((x) => ({ x: null, label: x.reason }));
   const energy = f && Object.keys(f.energy_source).length ? Object.entries(f.energy_source).map(([k, v]) => `${k}: ${v}`).join(", ") : "–";
+  const partial = (status) => status === "partial" ? " · partial" : "";
+  const reasons = f && f.energy_reason ? Object.entries(f.energy_reason).map(([k, v]) => `${k}: ${v}`).join("; ") : "";
   return [
     h("h1", {}, `${r.dag_id} · ${r.run_id}`), banner(d),
     kv([["State", state(r.state)], ["Started", when(r.start_date)], ["Ended", when(r.end_date)],
@@ -121,7 +123,9 @@ function renderRun(d) {
       h("section", { class: "card", id: "usage" }, h("h3", {}, "GPU-hours, cost, energy"), f ? kv([
         ["GPU-hours", f.gpu_hours === 0 ? "0 (no GPU allocated: a CPU job)" :
           `${fmtNum(f.gpu_hours)}${f.gpu_hours_productive !== null ? ` (productive ${fmtNum(f.gpu_hours_productive)})` : ""}`],
-        ["Cost", fmtNum(f.cost)], ["Energy", `${fmtNum(f.energy_kwh)} kWh (${energy})`],
+        ["Cost", `${fmtNum(f.cost)}${partial(f.cost_status)}`],
+        ["Energy", `${fmtNum(f.energy_kwh)} kWh${partial(f.energy_status)} (${energy})`],
+        reasons ? ["Energy not measured", reasons] : null,
         ["Wall time", dur(f.wall_s)], f.tps !== null ? ["Tokens/s", fmtNum(f.tps)] : null,
         f.mfu_pct !== null ? ["MFU", `${fmtNum(f.mfu_pct)} %`] : null,
         f.disruptions !== null ? ["Disruptions", `${f.disruptions} (recovery mean ${dur(f.recovery_mean_s)}, max ${dur(f.recovery_max_s)})`] : null,
