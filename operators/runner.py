@@ -42,7 +42,7 @@ from trainforge.mlflow_setup import start_server
 from trainforge.mlflow_setup.errors import ServerStartError
 from trainforge.paths import trainforge_home
 from trainforge.pipeline.model import PipelineSpec
-from trainforge.runner_console import ConsoleFilter
+from trainforge.runner_console import ConsoleFilter, retry_delays
 from trainforge.runner_summary import collect_summary, print_summary
 
 log = logging.getLogger(__name__)
@@ -358,7 +358,7 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
                 start_new_session=True,
             )
             assert proc.stdout is not None
-            console_filter = ConsoleFilter()
+            console_filter = ConsoleFilter(retry_delays(spec))
             try:
                 for line in proc.stdout:
                     full_log.write(line)

@@ -5,7 +5,9 @@ its files: tag ``trainforge.checkpoint`` and param ``checkpoint`` say where it l
 or an ``s3://`` URI), named ``step-<N>`` (``<stage>-step-<N>`` in a staged pipeline), with param
 ``step``, its validation metrics linked to it by model id and to the validation dataset by name
 and digest (the UI's model comparison, `search_logged_models` by ``metrics.val_loss``), and its
-validation report as the artifact ``validation_report.json``. ``register_model`` then logs the
+validation report as the artifact ``validation_report.json`` (a metric the server refuses to link,
+e.g. over a per-model quota, is a warning and ``trainforge.model_metrics.*`` tags on the model:
+trainforge.hooks.mlflow_model_links). ``register_model`` then logs the
 chosen checkpoint's Hugging Face export into that same LoggedModel, so the registered version's
 source is ``models:/<its model id>`` (trainforge.hooks.mlflow_versions).
 
@@ -17,13 +19,16 @@ READY; a PENDING one left by a crash is deleted and made again.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from trainforge.hooks.mlflow_calls import mlflow_errors, quote
+from trainforge.hooks.mlflow_model_links import MetricLink, link_metrics
+
+log = logging.getLogger(__name__)
 
 TAG_CHECKPOINT = "trainforge.checkpoint"
 TAG_CHECKPOINT_KEY = "trainforge.checkpoint_key"
@@ -57,7 +62,7 @@ class LoggedModels:
             MlflowInvalidArgumentError: the checkpoint location holds both ' and ".
             MlflowRequestError: the server failed a call.
         """
-        from mlflow.entities import LoggedModelStatus, Metric
+        from mlflow.entities import LoggedModelStatus
 
         key = f"{run_id}:{checkpoint}"
         extra_tags = {str(k): str(v) for k, v in (tags or {}).items()}
@@ -82,14 +87,12 @@ class LoggedModels:
                       TAG_CHECKPOINT: checkpoint,
                       TAG_CHECKPOINT_KEY: key, "trainforge.checkpoint_step": str(step),
                       **({"trainforge.stage": stage} if stage else {}), **extra_tags})
-        now_ms = int(time.time() * 1000)
-        dataset_name, dataset_digest = dataset or (None, None)
-        batch = [Metric(str(k), float(v), now_ms, step, model_id=model.model_id,
-                        dataset_name=dataset_name, dataset_digest=dataset_digest)
-                 for k, v in metrics.items()]
-        if batch:
-            with mlflow_errors("log_batch(model metrics)", f"logged model {model.model_id}"):
-                self.client.log_batch(run_id, metrics=batch)
+        links = link_metrics(self.client, run_id, model.model_id, [
+            MetricLink(str(k), float(v), step, dataset) for k, v in metrics.items()])
+        if not links.complete:  # a quota refusal: the checkpoint is still valid, and registered
+            log.warning("%s", links.warning(model.model_id))
+            with mlflow_errors("set_logged_model_tags", f"logged model {model.model_id}"):
+                self.client.set_logged_model_tags(model.model_id, links.tags())
         self._log_external_files(model, report)
         with mlflow_errors("finalize_logged_model", f"logged model {model.model_id}"):
             self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)

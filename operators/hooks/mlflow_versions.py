@@ -21,7 +21,15 @@ from trainforge.hooks.errors import (
     MlflowRequestError,
     MlflowTimeoutError,
 )
-from trainforge.hooks.mlflow_calls import fluent_tracking_uri, mlflow_errors, quote
+from trainforge.hooks.mlflow_calls import mlflow_errors, quote
+# TAG_IDEMPOTENCY_KEY and default_pip_requirements are also read from here.
+from trainforge.hooks.mlflow_model_links import (  # noqa: F401
+    TAG_IDEMPOTENCY_KEY,
+    MetricLink,
+    VersionModels,
+    default_pip_requirements,
+    link_metrics,
+)
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -29,11 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TAG_IDEMPOTENCY_KEY = "trainforge.idempotency_key"
-_PIN_PACKAGES = ("transformers", "torch", "tokenizers", "safetensors")
 
 
-class ModelVersions:
+class ModelVersions(VersionModels):
     """Registering and finding model versions (needs ``self.client`` and ``self.tracking_uri``).
 
     Raises (every method):
@@ -57,16 +63,20 @@ class ModelVersions:
         task: str = "text-generation",
         pip_requirements: Sequence[str] | None = None,
         logged_model_id: str | None = None,
+        metric_links: Sequence[MetricLink] = (),
+        step: int = 0,
     ) -> dict[str, Any]:
         """Register the Hugging Face model folder ``model_dir`` once per ``idempotency_key``.
 
         1. A version of ``registered_model_name`` tagged ``trainforge.idempotency_key`` =
            key exists (and is not FAILED_REGISTRATION): reuse it (``created`` False), wait
            until READY, set the aliases.
-        2. Else log the folder with ``mlflow.transformers.log_model`` as a LoggedModel of run
-           ``run_id`` (reusing a READY one this run already logged for the key; with
-           ``logged_model_id``, the checkpoint's own LoggedModel receives the files:
-           trainforge.hooks.mlflow_logged_models), create the
+        2. Else put the folder as a ``transformers`` model into a LoggedModel of run
+           ``run_id`` (output at ``step``; reusing a READY one this run already logged for the
+           key; with ``logged_model_id``, the checkpoint's own LoggedModel receives the files:
+           trainforge.hooks.mlflow_logged_models), link ``metric_links`` to it and nothing
+           else (trainforge.hooks.mlflow_model_links: a refused link is a warning and the
+           version's ``trainforge.model_metrics.*`` tags, never an error), create the
            registered model if missing, create the version (key in its tags), wait until
            READY, then set each alias. The run's status is never changed.
 
@@ -102,6 +112,8 @@ class ModelVersions:
                 task,
                 pip_requirements,
                 logged_model_id,
+                metric_links,
+                step,
             )
         ready = wait_model_version_ready(
             self.client, name, str(version.version), ready_timeout_s, poll_interval_s
@@ -168,15 +180,22 @@ class ModelVersions:
         task: str,
         pip_requirements: Sequence[str] | None,
         logged_model_id: str | None,
+        metric_links: Sequence[MetricLink] = (),
+        step: int = 0,
     ) -> tuple[ModelVersion, bool]:
-        """Log the model, create a version with ``key``, settle a race; (version, created)."""
+        """Log the model, link its metrics, create a version with ``key``, settle a race;
+        (version, created)."""
         model_path = model_dir.resolve()
         if not (model_path / "config.json").is_file():
             raise MlflowInvalidArgumentError(
                 "model_dir", str(model_dir), "a Hugging Face model folder with config.json"
             )
         model_id = self._logged_model_for_key(run_id, model_path, key, task, pip_requirements,
-                                              logged_model_id)
+                                              logged_model_id, step)
+        links = link_metrics(self.client, run_id, model_id, metric_links)
+        if not links.complete:
+            log.warning("%s", links.warning(model_id))
+        tags = {**tags, **links.tags()}
         self._ensure_registered_model(name)
         with mlflow_errors("create_model_version", f"registered model {name}"):
             mine = self.client.create_model_version(
@@ -243,73 +262,6 @@ class ModelVersions:
                     "create_registered_model", name, err.error_code, err.message
                 ) from err
 
-    def _logged_model_for_key(
-        self,
-        run_id: str,
-        model_path: Path,
-        key: str,
-        task: str,
-        pip_requirements: Sequence[str] | None,
-        logged_model_id: str | None = None,
-    ) -> str:
-        """Model id of a READY LoggedModel of ``run_id`` for ``key``; logs one if there is none
-        (into ``logged_model_id``, the validated checkpoint's external LoggedModel, when given:
-        its MLmodel stub is replaced by the ``transformers`` flavour, and MLflow drops its
-        external tag).
-
-        The LoggedModel is created with the client first so that it lands in the run's
-        experiment (``log_model(run_id=...)`` alone would put it in the active/default
-        experiment) and carries the key; ``log_model(model_id=...)`` then uploads into it
-        without starting, activating or ending any run.
-        """
-        import mlflow
-        from mlflow.entities import LoggedModelStatus
-
-        with mlflow_errors("get_run", f"run {run_id}"):
-            experiment_id = self.client.get_run(run_id).info.experiment_id
-        query = (
-            f"tags.`{TAG_IDEMPOTENCY_KEY}` = {quote('idempotency_key', key)} "
-            f"AND source_run_id = {quote('run_id', run_id)}"
-        )
-        with mlflow_errors("search_logged_models", f"run {run_id} key {key}"):
-            found = self.client.search_logged_models(
-                [experiment_id], filter_string=query, max_results=50
-            )
-        ready = sorted(
-            (m for m in found if m.status == LoggedModelStatus.READY),
-            key=lambda m: m.creation_timestamp,
-        )
-        if ready:
-            log.info("reusing logged model %s of run %s for key %s", ready[0].model_id, run_id, key)
-            return str(ready[0].model_id)
-        if logged_model_id is not None:
-            with mlflow_errors("get_logged_model", f"logged model {logged_model_id}"):
-                model = self.client.get_logged_model(logged_model_id)
-        else:
-            with mlflow_errors("create_logged_model", f"run {run_id}"):
-                model = self.client.create_logged_model(
-                    experiment_id=experiment_id,
-                    name="model",
-                    source_run_id=run_id,
-                    tags={TAG_IDEMPOTENCY_KEY: key},
-                )
-        with (
-            mlflow_errors("transformers.log_model", f"run {run_id} model {model.model_id}"),
-            fluent_tracking_uri(self.tracking_uri),
-        ):
-            mlflow.transformers.log_model(
-                transformers_model=str(model_path),
-                task=task,
-                name="model",
-                run_id=run_id,
-                model_id=model.model_id,
-                pip_requirements=list(pip_requirements or default_pip_requirements()),
-            )
-        if logged_model_id is not None:  # the key last: a crash before it logs the files again
-            with mlflow_errors("set_logged_model_tags", f"logged model {model.model_id}"):
-                self.client.set_logged_model_tags(model.model_id, {TAG_IDEMPOTENCY_KEY: key})
-        return str(model.model_id)
-
 
 def wait_model_version_ready(
     client: MlflowClient,
@@ -340,23 +292,6 @@ def wait_model_version_ready(
                 f"{mv.status} ({mv.status_message or 'no status message'})",
             )
         time.sleep(interval_s)
-
-
-def default_pip_requirements() -> list[str]:
-    """Pinned requirements of a logged HF model: the installed versions, without local labels.
-
-    Passed explicitly because mlflow.transformers' own default list adds ``torchvision``
-    whenever torch is the engine and fails when torchvision is not installed.
-    """
-    from importlib.metadata import PackageNotFoundError, version
-
-    pins = []
-    for package in _PIN_PACKAGES:
-        try:
-            pins.append(f"{package}=={version(package).split('+')[0]}")
-        except PackageNotFoundError:
-            continue
-    return pins
 
 
 def version_dict(mv: ModelVersion) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 The checkpoint is exported to a Hugging Face folder by the trainer's exporter (a child process),
 logged with the ``transformers`` flavour (so it loads back as a text-generation pipeline with
 its tokenizer) into the checkpoint's LoggedModel in the DAG run's MLflow run (made by
-``validate_checkpoint``; the version's source is ``models:/<its model id>``), registered,
+``validate_checkpoint``; the version's source is ``models:/<its model id>``) that links the
+validation metrics and the ledger's summary and no other metric of the run (`documented_metrics`;
+a refused link is a warning and a tag, never a failed registration), registered,
 awaited until READY, and given the
 spec's aliases (``challenger``). The idempotency key — MLflow run id + checkpoint digest — is
 looked up before anything is created, so a retry or a second run of this task never adds a
@@ -33,7 +35,10 @@ from airflow.sdk import Asset, AssetAlias
 
 from trainforge.base import TrainforgeStageOperator, fail_permanently
 from trainforge.gate import PASS, GateDecision, decide, evaluator_argv
+from trainforge.hooks.mlflow import MAX_DATASET_DIGEST_CHARS
+from trainforge.hooks.mlflow_model_links import MetricLink
 from trainforge.hooks.mlflow_registry import CHAMPION, ModelRegistry
+from trainforge.ledger.read import FIGURES as LEDGER_FIGURES
 from trainforge.paths import dataset_location
 from trainforge.pipeline.stages import stage_spec
 from trainforge.tasks.validate_checkpoint import s3_env, threshold_failures
@@ -100,6 +105,21 @@ def airflow_run_url(dag_id: str, run_id: str) -> str:
     except Exception:  # noqa: BLE001 - a link is a convenience
         base = ""
     return f"{base}/dags/{quote(dag_id)}/runs/{quote(run_id, safe='')}" if base else ""
+
+
+def documented_metrics(spec, prepared: dict, validated: dict,
+                       run_metrics: dict[str, float]) -> list[MetricLink]:
+    """What the registered version's LoggedModel links (docs/registry.md): the validation
+    metrics at the checkpoint's step, on the validation dataset, then the ledger's summary
+    figures of the run (each stage's too), the latest of each: nothing else the run holds."""
+    digest = str(prepared.get("digest") or "")[:MAX_DATASET_DIGEST_CHARS]
+    dataset = (f"{spec.dag_id}-dataset", digest) if digest else None  # as validate links them
+    step = int(validated.get("step") or 0)
+    links = [MetricLink(str(k), float(v), step, dataset)
+             for k, v in sorted((validated.get("metrics") or {}).items())]
+    ledger = sorted(k for k in run_metrics if k in LEDGER_FIGURES or (
+        k.startswith("stage/") and k.split("/", 2)[-1] in LEDGER_FIGURES))
+    return links + [MetricLink(k, group="ledger") for k in ledger]
 
 
 def emit_champion_event(task: Any, context: Any, name: str, version: str,
@@ -183,6 +203,9 @@ class RegisterModelOperator(TrainforgeStageOperator):
                 tags=tags,
                 ready_timeout_s=self.ready_timeout_s,
                 logged_model_id=validated.get("model_id"),  # the checkpoint's LoggedModel
+                metric_links=documented_metrics(spec, prepared, validated,
+                                                self.mlflow_hook.get_run(run_id).data.metrics),
+                step=int(validated.get("step") or 0),
             )
         self.log.info("Model version %s v%s (%s) aliases %s", registered["name"],
                       registered["version"], "created" if registered.get("created") else "reused",
