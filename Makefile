@@ -87,13 +87,16 @@ stack-env:
 # The stack's data folder is named once: TRAINFORGE_DATA (the environment, else docker/.env;
 # relative paths are relative to docker/, as compose reads them). The demo corpus is fetched
 # into it, whatever TRAINFORGE_HOME says; a folder already holding the corpus is kept as it is.
-stack-data: stack-env venv
+# Docker and compose are all it needs: without the venv, the fetch runs in the Airflow image.
+stack-data: stack-env
 	@data="$${TRAINFORGE_DATA:-$$(sed -n 's/^TRAINFORGE_DATA=//p' docker/.env | tail -1)}"; \
 	data="$${data:-../.trainforge/corpus}"; case "$$data" in /*) ;; *) data="docker/$$data" ;; esac; \
 	echo "stack data: $$data (TRAINFORGE_DATA)"; \
-	$(PY) -m trainforge.data.corpus fetch --dest "$$data/shakespeare"
+	COMPOSE="$(COMPOSE)" docker/stack-prepare.sh data "$$data"
 
-stack-up: stack-env stack-data
+stack-up: stack-env
+	@COMPOSE="$(COMPOSE)" docker/stack-prepare.sh images
+	@$(MAKE) --no-print-directory stack-data
 	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env up -d
 	@echo "Airflow UI: http://127.0.0.1:$$(sed -n 's/^AIRFLOW_PORT=//p' docker/.env) (user admin, AIRFLOW_ADMIN_PASSWORD of docker/.env)"
 	@echo "MLflow UI:  http://127.0.0.1:$$(sed -n 's/^MLFLOW_PORT=//p' docker/.env)"

@@ -8,7 +8,8 @@
 #    the fingerprints airflow-init recorded, else the role is not started: the container stays
 #    up, unhealthy, and says why every minute. Unknown AIRFLOW__SECTION__KEY variables are
 #    warned about.
-# `healthcheck` (the image's HEALTHCHECK) checks the role this container runs.
+# `healthcheck` (the image's HEALTHCHECK) checks the role this container runs; a worker's also
+# has the API server accept a task token signed with its keys (preflight token).
 set -euo pipefail
 refused=/tmp/trainforge-refused
 fingerprints="${TRAINFORGE_HOME:-/opt/trainforge/home}/preflight/fingerprints.json"
@@ -23,9 +24,10 @@ if [ "${1:-}" = healthcheck ]; then
       exec python3 -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_PORT', '8974'), timeout=10)" ;;
     triggerer) exec airflow jobs check --job-type TriggererJob --local ;;
     dag-processor) exec airflow jobs check --job-type DagProcessorJob --local ;;
-    "celery worker")
-      exec celery --app airflow.providers.celery.executors.celery_executor.app inspect ping \
-        -d "celery@$(cat /tmp/trainforge-celery-name)" --timeout 10 ;;
+    "celery worker")  # answers the broker, and the API server accepts its task tokens
+      celery --app airflow.providers.celery.executors.celery_executor.app inspect ping \
+        -d "celery@$(cat /tmp/trainforge-celery-name)" --timeout 10 || exit 1
+      exec python3 -m trainforge.preflight token ;;
     *) exit 0 ;;
   esac
 fi

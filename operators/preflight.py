@@ -6,10 +6,12 @@ one-off ``airflow-init`` records a fingerprint (a SHA-256, never the value) of e
 with ``record``, and each container compares its own with ``check`` before it starts: on a
 mismatch it refuses, with one line naming the key. ``check`` also warns about environment
 variables of the ``AIRFLOW__SECTION__KEY`` form that name a section or option Airflow does not
-know (a misplaced key is otherwise ignored without a word).
+know (a misplaced key is otherwise ignored without a word). ``token`` is a worker's health check:
+a task token signed as this container's executor signs them must be accepted by the API server.
 
     python -m trainforge.preflight record FILE                      # airflow-init
     python -m trainforge.preflight check FILE [ROLE [REFUSED_FILE]] # each container; 3: refused
+    python -m trainforge.preflight token                            # 0: the API server accepts it
 
 Without a recorded file (a deployment that does not record one) ``check`` compares nothing.
 """
@@ -147,8 +149,56 @@ def _refuse(reasons: list[str], role: str, refused_file: Path | None) -> int:
     return REFUSED_EXIT if lines else 0
 
 
+def execution_api_url(conf) -> str:
+    """Where task processes reach the Execution API (Airflow's own default when unset)."""
+    url = conf.get("core", "execution_api_server_url", fallback=None)
+    if not url:
+        base = conf.get("api", "base_url", fallback=None) or "http://localhost:8080"
+        url = f"{base.rstrip('/')}/execution/"
+    return url if url.endswith("/") else f"{url}/"
+
+
+def token_check(timeout_s: float = 10.0) -> int:
+    """Ask the API server to accept a task token signed with this container's keys, as the
+    executor signs them; 0 when accepted, 1 (with one line saying why) when not."""
+    import urllib.error
+    import urllib.request
+    import uuid
+
+    from airflow.api_fastapi.auth.tokens import JWTGenerator, get_signing_args
+    from airflow.configuration import conf
+
+    url = f"{execution_api_url(conf)}dags/trainforge-preflight-token-check"
+    try:
+        token = JWTGenerator(
+            valid_for=60, audience=conf.get_mandatory_list_value("execution_api", "jwt_audience")[0],
+            issuer=conf.get("api_auth", "jwt_issuer", fallback=None),
+            **get_signing_args(make_secret_key_if_needed=False)).generate({"sub": str(uuid.uuid4())})
+    except Exception as err:  # noqa: BLE001 - any configuration error is the answer
+        print(f"trainforge preflight: cannot sign a task token: {err}", file=sys.stderr)
+        return 1
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return 0
+    except urllib.error.HTTPError as err:
+        if err.code == 404:  # the token passed; the DAG does not exist
+            return 0
+        detail = err.read(300).decode("utf-8", "replace").strip()
+        why = ("its [api_auth] jwt_secret (or jwt_private_key_path) differs from the API "
+               "server's" if err.code in (401, 403) else "the API server answered an error")
+        print(f"trainforge preflight: the API server at {url} refused this container's task "
+              f"token (HTTP {err.code} {detail}): {why}", file=sys.stderr)
+    except (OSError, ValueError) as err:
+        print(f"trainforge preflight: cannot reach the Execution API at {url}: {err}",
+              file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["token"]:
+        return token_check()
     if len(args) < 2 or args[0] not in ("record", "check"):
         print(__doc__.split("\n\n")[2], file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import data_cache, skip_without
 from tests.docker.stack import (Engine, Stack, build_images, compose_command, compose_config,
-                                example_env, wait_for)
+                                docker_only_checkout, docker_only_path, example_env, wait_for)
 
 
 @pytest.fixture(scope="session")
@@ -77,10 +77,16 @@ def stack_dirs(request) -> Iterator[tuple[Path, Path, Path]]:
 def stack(docker_engine, stack_images, stack_dirs) -> Iterator[Stack]:
     """The compose stack, up and healthy; `down -v` after the module (containers, volumes)."""
     work, specs, data = stack_dirs
-    stack = Stack(docker_engine, work, specs, data)
+    checkout = docker_only_checkout(work / "checkout")
+    stack = Stack(docker_engine, work, specs, data, checkout)
     started = time.monotonic()
     try:
-        stack.compose_run("up", "-d", timeout=900)
+        # As a fresh clone's user on a host with Docker and compose only (no venv, no Python on
+        # PATH): `make stack-up` checks docker/.env and the images, makes sure of the corpus in
+        # a container of the Airflow image, then `compose up -d`.
+        up = stack.make("stack-up", docker_only_path(work / "docker-only-bin"))
+        assert up.returncode == 0, f"make stack-up: exit {up.returncode}\n{up.stdout[-3000:]}{up.stderr[-3000:]}"
+        assert "no venv here: fetching the corpus in a container" in up.stderr, up.stderr[-3000:]
         wait_for("the stack to be healthy", stack.healthy, 420, 3.0, stack.diagnostics)
         stack.up_seconds = time.monotonic() - started
         print(f"\nstack {stack.project} healthy in {stack.up_seconds:.0f} s")

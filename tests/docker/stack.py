@@ -137,11 +137,41 @@ def build_images(log: Path) -> dict[str, float]:
     return times
 
 
+def docker_only_checkout(dest: Path) -> Path:
+    """The checkout's files as a fresh clone has them (tracked and not ignored: no venv, no
+    docker/.env, no data) copied to ``dest``."""
+    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, (n.decode() for n in names)):
+        source = ROOT / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+    return dest
+
+
+def docker_only_path(shim: Path) -> str:
+    """A PATH with the system's commands but no Python interpreter (``python*``, ``pip*``) and
+    no venv: a host where Docker and compose are all there is."""
+    shim.mkdir(parents=True, exist_ok=True)
+    for folder in ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        if not Path(folder).is_dir():
+            continue
+        for entry in Path(folder).iterdir():
+            link = shim / entry.name
+            if entry.name.startswith(("python", "pip")) or link.exists() or link.is_symlink():
+                continue
+            link.symlink_to(entry)
+    return str(shim)
+
+
 class Stack:
     """One compose project of docker/compose.yaml: its env file, its REST APIs, its containers."""
 
-    def __init__(self, engine: Engine, workdir: Path, specs: Path, data: Path) -> None:
+    def __init__(self, engine: Engine, workdir: Path, specs: Path, data: Path,
+                 checkout: Path = ROOT) -> None:
         self.engine = engine
+        self.checkout = checkout
         self.project = f"tfstack{secrets.token_hex(3)}"
         self.compose = compose_command()
         self.ports = {name: free_port() for name in
@@ -150,7 +180,7 @@ class Stack:
         self.password = secrets.token_urlsafe(16)
         self.aws = {"AWS_ACCESS_KEY_ID": "trainforge", "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(16)}
         self.bucket = "trainforge"
-        self.env_file = workdir / "stack.env"
+        self.env_file = (checkout / "docker" / ".env") if checkout != ROOT else workdir / "stack.env"
         values = {
             **self.ports, **self.aws,
             "TRAINFORGE_BIND": "127.0.0.1",
@@ -186,11 +216,21 @@ class Stack:
 
     # --- compose ---------------------------------------------------------------------------
     def compose_run(self, *args: str, check: bool = True, timeout: float = 900) -> subprocess.CompletedProcess:
-        argv = [*self.compose, "--env-file", str(self.env_file), "-p", self.project, "-f", str(COMPOSE_FILE), *args]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=COMPOSE_FILE.parent)
+        compose_file = self.checkout / "docker" / "compose.yaml"
+        argv = [*self.compose, "--env-file", str(self.env_file), "-p", self.project, "-f", str(compose_file), *args]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=compose_file.parent)
         if check and proc.returncode != 0:
             raise AssertionError(f"compose {' '.join(args)}: exit {proc.returncode}\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
         return proc
+
+    def make(self, target: str, path: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        """``make TARGET`` in the checkout as its user would run it, on the PATH given, for this
+        stack's compose project."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("TRAINFORGE_", "AIRFLOW", "VIRTUAL_ENV", "PYTHON"))}
+        env.update(PATH=path, COMPOSE_PROJECT_NAME=self.project)
+        return subprocess.run(["make", "--no-print-directory", target], cwd=self.checkout, env=env,
+                              capture_output=True, text=True, timeout=timeout)
 
     def containers(self, service: str | None = None, all_states: bool = False) -> list[str]:
         filters = ["--filter", f"label=com.docker.compose.project={self.project}"]

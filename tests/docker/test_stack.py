@@ -6,7 +6,8 @@ then shows its model version READY with its alias, the S3 store holds the datase
 checkpoints, and the train task's log holds rank 0's step lines. The store refuses the flexible
 checksums of newer AWS SDKs, as some S3-compatible stores do (the stand-in's
 ``S3_REFUSE_FLEXIBLE_CHECKSUMS``). The MLflow container, restarted, still lists its webhook. A scheduler started with another JWT
-secret refuses to start, naming the key. Then the Celery worker container
+secret refuses to start, naming the key, and turns unhealthy; the worker's health check has the
+API server accept its task token. Then the Celery worker container
 is killed while a longer training runs: the worker comes back, the task is retried and resumes
 from the newest valid checkpoint on S3, no training process and no RUNNING MLflow run is left.
 `down` leaves no container of the stack.
@@ -162,7 +163,8 @@ def test_a_container_with_another_jwt_secret_refuses_to_start_and_names_the_key(
     mounts = [f"{m['Name'] if m['Type'] == 'volume' else m['Source']}:{m['Destination']}"
               f"{'' if m['RW'] else ':ro'}" for m in info["Mounts"]]
     container = stack.engine.run(
-        "run", "-d", "--network", "host", "--pid", "host",
+        "run", "-d", "--network", "host", "--pid", "host",  # the image's health check, sooner
+        "--health-interval", "2s", "--health-start-period", "1s", "--health-retries", "1",
         *[arg for e in env for arg in ("-e", e)], *[arg for m in mounts for arg in ("-v", m)],
         info["Config"]["Image"], "scheduler").stdout.strip()
     try:
@@ -182,9 +184,20 @@ def test_a_container_with_another_jwt_secret_refuses_to_start_and_names_the_key(
         health = stack.engine.run("exec", container, "airflow-entrypoint", "healthcheck",
                                   check=False)
         assert health.returncode == 1 and refusal in health.stdout, health
+
+        def state() -> str:  # what `docker compose ps` shows for a container
+            return json.loads(stack.engine.run("inspect", container).stdout)[0]["State"].get(
+                "Health", {}).get("Status", "")
+
+        wait_for("the refused container to be unhealthy", lambda: state() == "unhealthy", 60, 1.0,
+                 state)
     finally:
         stack.engine.run("rm", "-f", container, check=False)
     assert stack.healthy(), stack.diagnostics()  # the stack itself never noticed
+    # The worker's own health check: the broker answers and the API server accepts its tokens.
+    (worker,) = stack.containers("airflow-worker")
+    health = stack.engine.run("exec", worker, "airflow-entrypoint", "healthcheck", check=False)
+    assert health.returncode == 0, health
 
 
 def _training_processes(dag_id: str) -> list[psutil.Process]:
