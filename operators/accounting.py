@@ -6,9 +6,12 @@
            or gpu_hours x gpu_hour_price + cpu_core_hours x cpu_hour_price (per-device prices)
     energy_kwh = (gpu_hours x gpu_power_watts + cpu_core_hours x cpu_core_power_watts) / 1000
 
-Wall time is the engine's (job start to end, restarts included), so time lost to failures is
-counted, as it is billed. Power figures are the spec's averages, not measurements; the run
-ledger (trainforge.ledger) measures energy where the machine allows and says where time went.
+The ``train`` task passes the run ledger's window (trainforge.ledger.build: the first try's
+start to the successful try's end, every attempt and retry included), so time lost to killed
+attempts and failed tries is counted, as it is billed, over the same window as goodput; the
+engine's wall time of the last job only when no ledger could be built. Power figures are the
+spec's averages, not measurements; the run ledger measures energy where the machine allows and
+says where time went.
 """
 
 from __future__ import annotations

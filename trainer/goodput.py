@@ -23,10 +23,14 @@ optimizer, and the step's logging; less its ``data_wait`` and ``save``.
 
 :meth:`AttemptClock.snapshot` renders the record as the MLflow tag
 ``trainforge.ledger.attempt.<process start, epoch ms>`` (JSON) and writes it to
-``$TRAINFORGE_JOB_DIR/ledger/attempt-<ms>.json``; rank 0 takes one at each log interval (the tag
-goes in the step metrics' ``log_batch`` call) and once more when training ends, so a killed
-attempt's record is as recent as its last logged step. The orchestrator (trainforge.ledger)
-reads every attempt's record of the run after the job: docs/contracts.md, "Run ledger".
+``$TRAINFORGE_JOB_DIR/ledger/attempt-<ms>.json`` (tmp file + ``os.replace``); rank 0 takes one
+at each log interval (the tag goes in the step metrics' ``log_batch`` call), after a step once
+:data:`FLUSH_EVERY_S` have passed since the last (:meth:`AttemptClock.flush_due`), after every
+checkpoint, and once more when training ends. A SIGKILLed attempt's record so holds its time,
+steps and energy up to a few seconds (one step more, if a step is longer) before the kill; the
+orchestrator (trainforge.ledger) reads every attempt's record of the run after the job and
+counts the rest up to the kill from the engine's and the task's times: docs/contracts.md,
+"Run ledger".
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from trainforge.trainer.energy import EnergyMeter
 
 log = logging.getLogger(__name__)
 RECORD_VERSION = 1
+FLUSH_EVERY_S = 5.0
+"""The longest a record goes unwritten while steps run (seconds): what a SIGKILL can lose."""
 T = TypeVar("T")
 
 
@@ -76,6 +82,7 @@ class AttemptClock:
         self.background_save_s = 0.0  # not a bucket: it overlaps the steps
         self._step_wait = self._mark = 0.0
         self._open: tuple[str, float] | None = None  # (bucket, perf_counter) of the step running on
+        self._flushed = time.monotonic()  # when the record was last taken
 
     def restored(self, seconds: float, resumed_step: int, reached_step: int) -> None:
         """The checkpoint load took ``seconds``; training goes on after ``resumed_step`` and the
@@ -156,6 +163,10 @@ class AttemptClock:
         """A checkpoint write on the writer thread took ``seconds`` (called on that thread)."""
         self.background_save_s += seconds
 
+    def flush_due(self, every_s: float = FLUSH_EVERY_S) -> bool:
+        """Whether ``every_s`` have passed since the record was last taken (:meth:`snapshot`)."""
+        return time.monotonic() - self._flushed >= every_s
+
     def record(self, final: bool = False) -> dict[str, Any]:
         """This attempt's record as of now (docs/contracts.md, "Run ledger")."""
         if self._open is not None:  # the step running on is counted up to now
@@ -183,6 +194,7 @@ class AttemptClock:
         """The record as of now: written to the job folder's file (when there is one) and
         returned as its MLflow tag. A file that cannot be written is a warning, not a failure."""
         text = json.dumps(self.record(final), separators=(",", ":"))
+        self._flushed = time.monotonic()
         if self.file is not None:
             try:
                 self.file.parent.mkdir(parents=True, exist_ok=True)

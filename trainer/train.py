@@ -242,6 +242,8 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                 if tracker:
                     tracker.log_metrics(step, metrics, tags=ledger_tags)
                 t_window, steps_in_window = time.perf_counter(), 0
+            elif clock and clock.flush_due():  # a SIGKILL loses at most a few seconds of the record
+                _flush(clock, tracker)
             if step % cfg.checkpoint.interval_steps == 0 or step == o.max_steps:
                 t_save = time.perf_counter()
                 with sigterm_deferred():  # the blocking part: the write goes on in the background
@@ -249,6 +251,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                          outcome=out, clock=clock)  # out.last_checkpoint: set once the checkpoint is complete
                 if clock:
                     clock.saved(time.perf_counter() - t_save)
+                    _flush(clock, tracker)
                 t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
     if step > o.max_steps:
         log.warning("resumed at step %d, past optim.max_steps=%d: nothing to train", step, o.max_steps)
@@ -263,6 +266,13 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             tracker.set_tags(ledger_tags)
     # Known trap: gloo can hang at exit when a DDP model outlives the process group.
     del par, model, optimizer
+
+
+def _flush(clock: AttemptClock, tracker: MlflowTracker | None) -> None:
+    """Rank 0's attempt record as of now, to the job folder and the run (trainer/goodput.py)."""
+    ledger_tags = clock.snapshot()
+    if tracker:
+        tracker.set_tags(ledger_tags)
 
 
 def _attempt_clock(cfg: JobConfig, d: Dist, model: torch.nn.Module, n_params: int,

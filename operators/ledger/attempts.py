@@ -9,8 +9,9 @@ furthest step reached before are ``wasted_progress``. A disruption's recovery *t
 ``recovery/mean_s`` and ``recovery/max_s`` figures) runs from the failed attempt's last record
 to the restarted attempt's first step, as Google's goodput library and torchtitan count it.
 
-The last record of an attempt is at most one log interval old when the attempt dies, so
-``log_every_steps`` bounds how finely a failure is placed.
+The last record of an attempt is at most a few seconds old when the attempt dies (the trainer
+flushes it every ``FLUSH_EVERY_S``, after a step, and at every checkpoint); the rest, up to the
+kill, lies in the next gap, counted by the orchestrator (trainforge.ledger.tries).
 """
 
 from __future__ import annotations

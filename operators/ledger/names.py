@@ -32,6 +32,9 @@ CHECKPOINT_BACKGROUND_S = "checkpoint/background_write_s"
 """Seconds rank 0's writer thread spent writing checkpoints, summed over attempts; beside the buckets
 (the steps went on meanwhile, except while the final one was awaited), not one of them."""
 
+TRY = "ledger/try"
+"""The tag naming the task try whose outcome the logged ledger is; its metrics are at that step."""
+
 ARTIFACT = "ledger.json"
 """The ledger as JSON on the run (a stage's ledger: ``ledger/<stage>.json`` on the DAG run's run)."""
 SCHEMA = "trainforge.ledger/v1"

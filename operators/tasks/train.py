@@ -21,9 +21,10 @@ adds what training means:
   stuck in a collective at exit): its own reason instead of the trainer's "finished at step N",
   and ``training.fault.post_training_failure`` decides: ``resume`` (retry, which resumes at the
   final step and finishes), ``accept`` (succeed with that checkpoint) or ``fail`` (no retry);
-* on success: the final step, tokens and loss, and the job's accounting, as metrics and XCom;
-  and its ledger — goodput, badput buckets, GPU-hours, energy, cost (trainforge.ledger;
-  logged by trainforge.tasks.train_ledger). The price is chosen before the job is launched: a
+* on success: the final step, tokens and loss, and the accounting over the ledger's window, as
+  metrics and XCom; and at every outcome the ledger over every try so far — goodput, badput
+  buckets, GPU-hours, energy, cost (trainforge.ledger; logged by trainforge.tasks.train_ledger,
+  each try's start recorded when it has its job). The price is chosen before the job is launched: a
   spec naming no catalog row fails the task without retries.
 """
 
@@ -37,12 +38,13 @@ from trainforge.base import fail_permanently
 from trainforge.cluster_job import ClusterJobOperator
 from trainforge.hooks.mlflow import TAG_FAILED_TRY
 from trainforge.jobconfig import build_training_job, init_block
+from trainforge.ledger.build import Ledger
 from trainforge.ledger.catalog import CatalogError, Price, choose_price
 from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec, stage_task_id
 from trainforge.tasks.model_init import InitSourceError, registered_init
-from trainforge.tasks.train_ledger import record_ledger
+from trainforge.tasks.train_ledger import record_ledger, record_try_started
 
 MAX_TAG_CHARS = 5000  # MLflow's tag value limit is 8000 characters
 
@@ -220,6 +222,12 @@ class TrainOperator(ClusterJobOperator):
         if own != parent:  # the shared run: one key per stage task, never overwritten by another
             self.mlflow_hook.set_tags(parent,
                                       {f"trainforge.train.{self.task_id}.job": handle["key"]})
+        ti = context["ti"]
+        started = ti.start_date.timestamp() if getattr(ti, "start_date", None) else None
+        try:  # the ledger's window opens at the first try's start (trainforge.ledger.tries)
+            record_try_started(self.mlflow_hook, own, int(ti.try_number), started, dict(handle))
+        except Exception:  # noqa: BLE001 - the ledger is worth less than the training
+            self.log.warning("could not record this try's start for the ledger", exc_info=True)
 
     def _reopen_mlflow_run(self, run_id: str, try_number: int) -> None:
         """An earlier try that was killed (KILLED) or failed (FAILED) ended this task's MLflow
@@ -281,9 +289,11 @@ class TrainOperator(ClusterJobOperator):
                  "train/tokens_seen": result.get("tokens_seen"),
                  "train/final_loss": result.get("final_train_loss")}
         prefix = f"{self.stage}/" if self.stage else ""  # one series per stage
-        self._record_ledger(context, spec, event, mlflow_run_id)
-        if event.get("wall_s") is not None:
-            usage = account(spec, event["wall_s"], self._price(spec))
+        ledger = self._record_ledger(context, spec, event, mlflow_run_id)
+        # the ledger's window (every try and attempt), else the engine's wall time of this job
+        wall_s = ledger.books.wall_s if ledger is not None else event.get("wall_s")
+        if wall_s is not None:
+            usage = account(spec, wall_s, self._price(spec))
             final.update({f"accounting/{prefix}{k}": v for k, v in usage.items()})
             self.log.info("Accounting: %.1f s wall, %.4f GPU-hours, %.4f CPU-core-hours, "
                           "%.4f %s, %.5f kWh", usage["wall_s"], usage["gpu_hours"],
@@ -319,16 +329,17 @@ class TrainOperator(ClusterJobOperator):
             fail_permanently(f"cost: {err}")
 
     def _record_ledger(self, context: Any, spec: PipelineSpec, event: dict[str, Any],
-                       parent: str) -> None:
-        """The job's ledger, logged (trainforge.tasks.train_ledger); never fails the task: the
-        training it describes succeeded."""
+                       parent: str) -> Ledger | None:
+        """The job's ledger over every try so far, logged (trainforge.tasks.train_ledger); None
+        when it could not be: never fails the task, the training it describes succeeded."""
         try:
-            record_ledger(self.mlflow_hook, spec, event, self._price(spec),
+            return record_ledger(self.mlflow_hook, spec, event, self._price(spec),
                           own_run=self._stage_run_id(spec, parent), parent_run=parent,
                           stage=self.stage, task_started_s=self._first_start_s,
                           try_number=int(context["ti"].try_number))
         except Exception:  # noqa: BLE001 - the ledger is worth less than the model
             self.log.warning("could not record the job's ledger in MLflow", exc_info=True)
+            return None
 
     def job_killed(self) -> None:
         """The task was killed: its MLflow run (a stage's: its child run) ends KILLED (a retry

@@ -116,3 +116,25 @@ def test_nvml_counts_the_gpus_energy():
     time.sleep(0.2)
     assert meter.joules()["gpu"] > 0
     meter.close()
+
+
+def test_a_flush_is_due_every_few_seconds_and_replaces_the_record_whole(tmp_path):
+    clock = AttemptClock(world_size=1, tokens_per_step=8, flops_per_token=10, device="cpu",
+                         job_dir=str(tmp_path))
+    clock.loop_started()
+    assert not clock.flush_due(0.2)
+    time.sleep(0.25)
+    assert clock.flush_due(0.2)
+    clock.step_started()
+    clock.step_done(1)
+    clock.snapshot()
+    assert not clock.flush_due(0.2)  # a snapshot restarts the interval
+    first = json.loads(clock.file.read_text())
+    time.sleep(0.25)
+    clock.step_started()
+    clock.step_done(2)
+    assert clock.flush_due(0.2)
+    clock.snapshot()
+    second = json.loads(clock.file.read_text())
+    assert (first["step"], second["step"]) == (1, 2) and second["recorded_at"] > first["recorded_at"]
+    assert [p.name for p in clock.file.parent.iterdir()] == [clock.file.name]  # no temporary left

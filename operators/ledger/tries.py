@@ -1,0 +1,89 @@
+"""The ``train`` task's try records (MLflow tags ``trainforge.ledger.try.<n>``): what the
+trainer's attempt records cannot know.
+
+A try is one run of the Airflow task; it launches (or adopts) one engine job, in which one or
+more trainer attempts run. Rank 0's attempt record (trainforge.trainer.goodput) stops at its last
+flush; a killed attempt's remaining time, up to the kill, and the time the task spent before its
+job started are known only to the orchestrator. So each try writes, when it has its job
+(:func:`try_started`) and again at its outcome (:func:`try_ended`)::
+
+    {"try": n, "task_started_at": s, "submitted_at": s | null, "submitted_by_this_try": bool,
+     "job": key, "job_ended_at": s | null, "job_wall_s": s | null,
+     "phases": {"queue_wait": s, "image_pull": s}, "ended_at": s | null, "outcome": str | null}
+
+The ledger (trainforge.ledger.build) opens its window at the earliest try's start, so every
+attempt of every try, and everything between them, is in one window: goodput's wall time, and the
+GPU-hours, energy and cost billed over it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+TRY_TAG_PREFIX = "trainforge.ledger.try."
+
+
+class TryRecordError(ValueError):
+    """A try record tag that is not this module's JSON."""
+
+
+def try_tag(try_number: int) -> str:
+    """The MLflow tag of try ``try_number``'s record."""
+    return f"{TRY_TAG_PREFIX}{int(try_number)}"
+
+
+def try_started(try_number: int, task_started_s: float | None, handle: dict[str, Any]) -> dict[str, Any]:
+    """A try's record once it has its job (launched, or adopted from an earlier try)."""
+    identity = handle.get("identity") or {}
+    return {"try": int(try_number), "task_started_at": task_started_s,
+            "submitted_at": handle.get("submitted_at_epoch_s"),
+            "submitted_by_this_try": int(identity.get("try_number") or 0) == int(try_number),
+            "job": handle.get("key"), "job_ended_at": None, "job_wall_s": None, "phases": {},
+            "ended_at": None, "outcome": None}
+
+
+def try_ended(record: dict[str, Any] | None, try_number: int, task_started_s: float | None,
+              event: dict[str, Any], now_s: float) -> dict[str, Any]:
+    """The try's record at its outcome (``event``: the trigger's event): the job's end, its wall
+    time and the engine's phases (those known, in seconds)."""
+    out = dict(record or try_started(try_number, task_started_s, event.get("handle") or {}))
+    if out.get("task_started_at") is None:
+        out["task_started_at"] = task_started_s
+    phases = event.get("phases") or {}
+    out.update(job_ended_at=event.get("ended_at_epoch_s"), job_wall_s=event.get("wall_s"),
+               phases={k: float(v) for k, v in phases.items() if isinstance(v, (int, float))},
+               ended_at=now_s, outcome=str(event.get("status")))
+    return out
+
+
+def try_records(tags: dict[str, str]) -> dict[int, dict[str, Any]]:
+    """The run's try records by try number.
+
+    Raises:
+        TryRecordError: a try tag does not hold a JSON object with ``try`` (names the tag).
+    """
+    found = {}
+    for key, value in tags.items():
+        if not key.startswith(TRY_TAG_PREFIX):
+            continue
+        try:
+            record = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise TryRecordError(f"tag {key}: not JSON ({err}): {value[:200]!r}") from err
+        if not isinstance(record, dict) or "try" not in record:
+            raise TryRecordError(f"tag {key}: expected a try record (an object with try), got "
+                                 f"{value[:200]!r}")
+        found[int(record["try"])] = record
+    return found
+
+
+def earlier_tries(tags: dict[str, str], try_number: int) -> list[dict[str, Any]]:
+    """The records of the tries before ``try_number``, oldest first."""
+    found = try_records(tags)
+    return [found[k] for k in sorted(found) if k < try_number]
+
+
+def encode(record: dict[str, Any]) -> str:
+    """A try record as its tag's value."""
+    return json.dumps(record, separators=(",", ":"))
