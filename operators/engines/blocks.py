@@ -37,10 +37,34 @@ def is_credential_name(name: str) -> bool:
             or words[-1] == "KEY" or upper.endswith("_KEY_ID"))
 
 
+#: A Linux network interface name: 1-15 characters, no '/', ':' or whitespace.
+IFNAME = re.compile(r"^(?!\.{1,2}$)[^\s/:,]{1,15}$")
+
+
+def check_socket_ifname(name: str, value: str) -> None:
+    """``GLOO_SOCKET_IFNAME`` (interface names, comma-separated) or ``NCCL_SOCKET_IFNAME``
+    (NCCL's syntax: an optional ``^`` to exclude, ``=`` for exact names, then comma-separated
+    prefixes); ValueError saying what the backend accepts."""
+    items = value.split(",")
+    if name == "NCCL_SOCKET_IFNAME":
+        rest = value[1:] if value.startswith("^") else value
+        rest = rest[1:] if rest.startswith("=") else rest
+        if not all(IFNAME.match(item) and item[0] not in "^=" for item in rest.split(",")):
+            raise ValueError(f"{name} must be NCCL's interface list: an optional '^' (exclude) "
+                             f"and '=' (exact names), then interface names or prefixes separated "
+                             f"by ',' (got {value!r}; e.g. 'eth', '^docker0,lo' or '=ib0')")
+    elif not all(IFNAME.match(item) and item[0] not in "^=" for item in items):
+        nccl = " ('^' and '=' are NCCL's syntax, which Gloo does not read)" if value[:1] in "^=" \
+            else ""
+        raise ValueError(f"{name} must be the names of network interfaces separated by ',', as "
+                         f"Gloo opens each one (got {value!r}; e.g. 'eth0' or 'eth0,eth1'){nccl}")
+
+
 def check_env_vars(value: dict[str, str], engine: str, remedy: str,
                     engine_env: frozenset = frozenset()) -> dict[str, str]:
     """The checks every engine's ``env_vars`` gets (names, no credentials, none of
-    ``engine_env``); raises ValueError naming the first bad name."""
+    ``engine_env``, socket interfaces the backend accepts); raises ValueError naming the first
+    bad name."""
     for name in value:
         if not ENV_NAME.match(name):
             raise ValueError(f"not an environment variable name (got {name!r}; expected letters, "
@@ -48,6 +72,8 @@ def check_env_vars(value: dict[str, str], engine: str, remedy: str,
         if name in engine_env:
             raise ValueError(f"env_vars may not set {name}: the engine sets it (expected "
                              f"names other than {', '.join(sorted(engine_env))})")
+        if name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            check_socket_ifname(name, value[name])
         if is_credential_name(name):
             raise ValueError(f"env_vars may not carry credentials: the spec is rendered verbatim "
                              f"into the {engine} job (got {name}; expected no secret in the spec: "

@@ -63,7 +63,8 @@ def misplaced_blocks(training: Any, usable: Any) -> list[tuple]:
 
 
 def size_errors(training: Any) -> list[tuple]:
-    """What ``training.resources`` asks of the engine: several machines, a container image."""
+    """What ``training.resources`` asks of the engine: several machines, a container image,
+    GPUs for NCCL."""
     engine, resources = get_engine(training.engine), training.resources
     errors = []
     if not engine.multi_node and resources.nodes != 1:
@@ -72,6 +73,12 @@ def size_errors(training: Any) -> list[tuple]:
                        f"group on one machine (got resources.nodes {resources.nodes}; expected "
                        f"1; use the {several} engine for several nodes)", resources.nodes,
                        ("engine",)))
+    backend = getattr(engine_block(training), "distributed_backend", None)
+    if backend == "nccl" and not resources.gpus_per_node:
+        errors.append(((training.engine, "distributed_backend"), "NCCL runs on GPUs only (got "
+                       "distributed_backend 'nccl' with resources.gpus_per_node 0; expected "
+                       "gpus_per_node of 1 or more, or 'gloo' / 'auto' on CPU)", backend,
+                       ("resources", "gpus_per_node")))
     if engine.needs_image and not resources.image:
         errors.append((("resources", "image"), f"the {engine.name} engine needs "
                        f"resources.image, the trainer's container image (got none; expected "

@@ -116,6 +116,11 @@ def _pdeathsig() -> Any:
     return lambda: prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
+def host_port(address: str, port: int) -> str:
+    """An endpoint as torchrun reads it: an IPv6 address in brackets (``[fd00::10]:29500``)."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
 def probe(with_port: bool) -> dict[str, Any]:
     """Ray task: this node's address and name, and a free port on it when ``with_port``."""
     import ray
@@ -274,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         head = ray.get(ray.remote(launcher.probe).options(
             num_cpus=0, scheduling_strategy=in_bundle(0), max_retries=0).remote(True))
-        endpoint = f"{head['address']}:{head['port']}"
+        endpoint = host_port(head["address"], head["port"])
         _say(f"{args.nodes} nodes; c10d rendezvous on {endpoint} (node 0, {head['host']})")
         task = ray.remote(launcher.run_node)
         for i in range(args.nodes):

@@ -111,6 +111,9 @@ NEVER_RUNS: dict[str, str] = {
 }
 
 DEFAULT_RENDEZVOUS_PORT = 29500
+#: In torchrun's arguments, replaced on each node by ``true`` (the first node) or ``false``.
+IS_HOST = "@TRAINFORGE_IS_HOST@"
+IS_HOST_CONF = f"is_host={IS_HOST}"
 """torchrun's default rendezvous port; a job without a fixed one uses 29500 + job id % 10000."""
 
 
@@ -176,12 +179,13 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
     }
     port = opts.get("rendezvous_port")
     python = q(opts.get("python") or "python3")
-    rendezvous = ["--rdzv-backend=c10d", '--rdzv-endpoint="$TRAINFORGE_RDZV_ADDR:$rdzv_port"',
-                  '--rdzv-id="$SLURM_JOB_ID"']
-    if job.startup_timeout_s:
-        # A node slower to start than the others (image pull, module load, a slow shared file
-        # system) is waited for as long as the job may take to start, not torchrun's 600 s.
-        rendezvous.append(f"--rdzv-conf=join_timeout={math.ceil(job.startup_timeout_s)}")
+    # The first node hosts the c10d store and is told so (is_host, filled in on each node by
+    # the preamble), never left to decide from its host name (which may resolve to 127.0.1.1).
+    conf = [f"join_timeout={math.ceil(job.startup_timeout_s)}"] if job.startup_timeout_s else []
+    # (join_timeout: a node slower to start than the others, e.g. a module load or a slow shared
+    # file system, is waited for as long as the job may take to start, not torchrun's 600 s.)
+    rendezvous = ["--rdzv-backend=c10d", '--rdzv-endpoint="$rdzv_host:$rdzv_port"',
+                  '--rdzv-id="$SLURM_JOB_ID"', f"--rdzv-conf={','.join([*conf, IS_HOST_CONF])}"]
     torchrun = torchrun_argv(
         job, q(f"{folder}/job.json"),
         launcher=python_torchrun(python),
@@ -256,8 +260,11 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
         ]
     lines += [
         "fi",
+        "# An IPv6 address is written in brackets in an endpoint ([fd00::10]:29500).",
+        'case "$TRAINFORGE_RDZV_ADDR" in *:*) rdzv_host="[$TRAINFORGE_RDZV_ADDR]" ;; '
+        '*) rdzv_host="$TRAINFORGE_RDZV_ADDR" ;; esac',
         'echo "trainforge: Slurm job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; rendezvous '
-        '$TRAINFORGE_RDZV_ADDR:$rdzv_port"',
+        '$rdzv_host:$rdzv_port"',
         "",
         "# Each node's torchrun names itself to the others by its own NodeAddr (--local-addr, as",
         "# PET_LOCAL_ADDR), not by a host name that may resolve differently on another node. The",
@@ -282,7 +289,9 @@ _NODE_PREAMBLE = "; ".join([
     '$SLURMD_NODENAME cannot resolve the first node\'s address $TRAINFORGE_RDZV_ADDR (the '
     'rendezvous); fix its name resolution or set NodeAddr in slurm.conf" >&2; exit 78; }',
     '[ "$SLURM_NODEID" = 0 ] || exec >>"$TRAINFORGE_JOB_DIR/ranks/node-$SLURM_NODEID.log" 2>&1',
-    'exec "$@"',
+    'h=false; [ "$SLURM_NODEID" = 0 ] && h=true',
+    'args=(); for a in "$@"; do args+=("${a//' + IS_HOST + '/$h}"); done',
+    'exec "${args[@]}"',
 ])
 
 

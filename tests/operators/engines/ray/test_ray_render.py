@@ -167,3 +167,13 @@ def test_an_unreachable_job_api_is_a_backend_error(monkeypatch):
     address = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(BackendError, match=f"cannot reach the Ray job API at {address}"):
         RayBackend(address=address).find(JobIdentity("d", "r", "train", 1))
+
+
+@pytest.mark.parametrize("address,endpoint", [
+    ("10.0.0.7", "10.0.0.7:29500"), ("fd00:213::10", "[fd00:213::10]:29500"),
+    ("head.example", "head.example:29500"),
+])
+def test_the_rendezvous_endpoint_brackets_an_ipv6_address(address, endpoint):
+    from trainforge.engines.ray.launcher import host_port
+
+    assert host_port(address, 29500) == endpoint

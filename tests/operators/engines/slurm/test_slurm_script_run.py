@@ -91,6 +91,23 @@ def test_every_node_meets_at_the_first_nodes_address_and_names_itself_by_its_own
     assert "--rdzv-endpoint=192.0.2.10:29507" in second
 
 
+def test_only_the_first_node_is_told_it_hosts_the_store(tmp_path):
+    # torch would otherwise decide from its host name, which on Debian-style hosts files maps
+    # to 127.0.1.1 and matches no address of the endpoint (pytorch #79388).
+    rc, out, job_dir = _run(tmp_path, {"n0": "192.0.2.10", "n1": "192.0.2.11"})
+    assert rc == 0, out
+    assert "--rdzv-conf=join_timeout=300,is_host=true" in out
+    second = (job_dir / "ranks" / "node-1.log").read_text()
+    assert "--rdzv-conf=join_timeout=300,is_host=false" in second
+    assert "@TRAINFORGE_IS_HOST@" not in out + second
+
+
+def test_an_ipv6_first_node_is_written_in_brackets(tmp_path):
+    rc, out, job_dir = _run(tmp_path, {"n0": "::1"})  # a one-node job: loopback is fine
+    assert rc == 0, out
+    assert "rendezvous [::1]:29507" in out and "--rdzv-endpoint=[::1]:29507" in out, out
+
+
 def test_a_first_node_address_that_does_not_resolve_is_a_configuration_error(tmp_path):
     rc, out, job_dir = _run(tmp_path, {"gpu-a17": "gpu-a17.invalid", "gpu-a18": "192.0.2.11"})
     assert rc == 78 and _exit_record(job_dir) == 78, out
