@@ -17,12 +17,15 @@ APPROVE, REJECT = "Approve", "Reject"  # the options (the names ApprovalOperator
 REASON_PARAM = "reason"  # the request's one form field
 
 APPROVAL_TAG_PREFIX = "trainforge.approval."
-TAG_STATUS = APPROVAL_TAG_PREFIX + "status"  # PENDING | APPROVED | REJECTED | TIMED_OUT
-TAG_BY = APPROVAL_TAG_PREFIX + "by"  # the answering Airflow user id; "none" on a timeout
-TAG_REASON = APPROVAL_TAG_PREFIX + "reason"  # the approver's reason, or the timeout's
+# PENDING | APPROVED | REJECTED | TIMED_OUT | CANCELLED
+TAG_STATUS = APPROVAL_TAG_PREFIX + "status"
+# the answering Airflow user id; "none" on a timeout; on a cancel who marked the task ("unknown")
+TAG_BY = APPROVAL_TAG_PREFIX + "by"
+TAG_REASON = APPROVAL_TAG_PREFIX + "reason"  # the approver's reason, the timeout's or the cancel's
 TAG_AT = APPROVAL_TAG_PREFIX + "at"  # ISO 8601 UTC time of the request or the answer
 TAG_DAG_RUN = APPROVAL_TAG_PREFIX + "dag_run"  # "<dag_id>/<run_id>" that asked
 PENDING, APPROVED, REJECTED, TIMED_OUT = "pending", "approved", "rejected", "timed_out"
+CANCELLED = "cancelled"  # the task ended without an answer (trainforge.approval_close)
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,8 @@ def _operator(spec: PipelineSpec, spec_file: str, graph: TaskGraph, node: TaskNo
     if node.kind is TaskKind.APPROVE_CHAMPION:
         return ApproveChampionOperator(
             approvers=approval.approvers, timeout_s=approval.timeout,
-            on_timeout=approval.on_timeout, outlets=champion, **common)
+            on_timeout=approval.on_timeout, outlets=champion,
+            notify=approval.notify.model_dump(mode="json") if approval.notify else None, **common)
     # Not the MLflow-closing failure callback: a failed teardown must not end a finished run
     # FAILED. The spec's failure notifications stay.
     return CloseRunOperator(on_failure_callback=_teardown_failure_callbacks(dag),

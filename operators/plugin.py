@@ -7,13 +7,15 @@ a plugins folder is needed.
 It also mounts the Training, run and Cluster pages (trainforge.ui) on the API server and shows
 them in Airflow's UI: Training and Cluster in the navigation, the run view on a DAG run; and the
 receiver of MLflow registry webhooks (trainforge.webhooks), which turns alias moves into asset
-events.
+events. Its listener (trainforge.approval_close) closes an approval request whose task ended
+without an answer, and a cleared approval task posts a fresh request.
 """
 
 from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
+from trainforge import approval_close
 from trainforge.links import MlflowRunLink
 from trainforge.ui.asgi import URL_PREFIX, ui_app
 from trainforge.webhooks import app as webhook_app
@@ -39,3 +41,8 @@ class TrainforgePlugin(AirflowPlugin):
          "name": "trainforge MLflow webhooks"},
     ]
     external_views = UI_VIEWS
+    listeners = [approval_close]
+
+    @classmethod
+    def on_load(cls, *args, **kwargs) -> None:
+        approval_close.install_clear_hook()

@@ -15,12 +15,21 @@ Present only with ``registry.approval`` (docs/registry.md, "Human approval"). It
    ``register_model``'s outlet; **Reject** tags the version rejected with the reason; champion
    stays. No answer within ``registry.approval.timeout``: ``on_timeout: reject`` rejects
    (Airflow applies the request's default, ``Reject``); ``on_timeout: fail`` fails the task.
-   A timeout never promotes.
+   A timeout never promotes; with ``on_timeout: fail`` the request is closed (answered
+   ``Reject`` by nobody), so a late answer gets Airflow's 409.
+4. ``registry.approval.notify`` sends the posted request through Airflow notifiers
+   (trainforge.approval_notify), each on its own timeout; a failure is logged, never an answer,
+   and the wait is shortened by the time they took: the window counts from the posting.
+
+Ended without an answer (marked failed or success, the DAG run marked), the request is closed
+and the version tagged ``cancelled`` by the plugin's listener (trainforge.approval_close), which
+reads the version from the XCom ``trainforge_approval_request`` pushed when asking.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -35,16 +44,21 @@ from trainforge.approval import (
     REASON_PARAM,
     REJECT,
     TAG_AT,
+    TAG_BY,
     TAG_DAG_RUN,
+    TAG_REASON,
     TAG_STATUS,
     TIMED_OUT,
     ApprovalOutcome,
     outcome_of,
     request_body,
 )
+from trainforge.approval_close import REQUEST_XCOM_KEY
+from trainforge.approval_notify import notifiers_for, remaining_timeout, request_html, run_notifiers
 from trainforge.base import TrainforgeStageOperator, fail_permanently
 from trainforge.gate import PASS
 from trainforge.hooks.mlflow_registry import CHAMPION, ModelRegistry
+from trainforge.pipeline.durations import format_duration
 from trainforge.tasks.register_model import airflow_run_url, emit_champion_event
 
 
@@ -60,6 +74,7 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
         timeout_s: how long the request waits (``registry.approval.timeout``).
         on_timeout: ``"reject"`` or ``"fail"`` (``registry.approval.on_timeout``).
         register_task_id: the task whose XCom holds the version and the gate decision.
+        notify: ``registry.approval.notify`` as the spec's JSON dump; None: nobody is told.
 
     XCom: ``{"name", "version", "status", "by", "reason", "at", "timed_out", "promoted",
     "champion_after"}``.
@@ -68,7 +83,8 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
     ui_color = "#fbeed5"
 
     def __init__(self, *, approvers: list[str] | None, timeout_s: int, on_timeout: str,
-                 register_task_id: str = "register_model", **kwargs: Any):
+                 register_task_id: str = "register_model",
+                 notify: dict[str, Any] | None = None, **kwargs: Any):
         # Airflow hands the DAG's params in as `params`; the request's form keeps only the
         # task's own (HITLOperator filters by source), the reason.
         params = ParamsDict(kwargs.pop("params", None) or {})
@@ -86,6 +102,7 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
         self.register_task_id = register_task_id
+        self.notify = notify
 
     @property
     def _registry(self) -> ModelRegistry:
@@ -119,21 +136,49 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
             raise AirflowSkipException(f"{name} v{version} already holds {CHAMPION}")
         found = self._require_version(name, version)
         ti = context["ti"]
+        # Asked (again): an earlier answer's or cancel's who and why no longer apply.
         self._registry.set_version_tags(name, version, {
-            TAG_STATUS: PENDING, TAG_AT: _now(), TAG_DAG_RUN: f"{ti.dag_id}/{ti.run_id}"})
+            TAG_STATUS: PENDING, TAG_BY: "none", TAG_REASON: "none", TAG_AT: _now(),
+            TAG_DAG_RUN: f"{ti.dag_id}/{ti.run_id}"})
         self.subject = f"Promote {name} v{version} to {CHAMPION}?"
         self.body = request_body(
             gate=gate, thresholds=_thresholds(spec), model_card=found.get("description") or "",
             links=self._links(name, version, found.get("run_id"), ti.dag_id, ti.run_id),
             timeout_s=self.timeout_s, on_timeout=self.on_timeout)
+        ti.xcom_push(key=REQUEST_XCOM_KEY, value={
+            "name": name, "version": version, "tracking_uri": self.mlflow_hook.tracking_uri})
         self.log.info("Asking for approval of %s v%s (%s); waiting at most %ss", name, version,
                       gate.get("reason"), self.timeout_s)
+        # HITLOperator.execute posts the request, calls its notifiers, then parks the task with
+        # response_timeout: the notifiers shorten that wait by the time they took.
+        self.response_timeout = dt.timedelta(seconds=self.timeout_s)
+        self.notifiers = [self._notify_approvers] if self.notify else []
+        self._posted = time.monotonic()
         return super().execute(context)
+
+    def _notify_approvers(self, context: Any) -> None:
+        """Send the posted request (registry.approval.notify); never raises (module doc, 4)."""
+        try:
+            try:
+                url = self.generate_link_to_ui(task_instance=context["ti"])
+            except Exception:  # noqa: BLE001 - no api.base_url: the mail goes without a link
+                url = None
+            results = run_notifiers(notifiers_for(
+                self.notify, subject=self.subject, html=request_html(self.body or "", url)),
+                context)
+            self.log.info("Approval request sent: %s", results or "no notifiers")
+        except Exception:  # noqa: BLE001 - building a notifier failed: logged, the gate waits
+            self.log.exception("Sending the approval request failed; it waits all the same")
+        self.response_timeout = remaining_timeout(self.timeout_s, self._posted)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         name, version, gate = self._registered(context)
         if "error" in event:  # no answer and no default (on_timeout: fail)
-            self._registry.set_version_tags(name, version, {TAG_STATUS: TIMED_OUT, TAG_AT: _now()})
+            reason = (f"timed out: no answer within {format_duration(self.timeout_s)} "
+                      "(registry.approval.on_timeout: fail)")
+            self._close_request(context, reason)
+            self._registry.set_version_tags(name, version, {
+                TAG_STATUS: TIMED_OUT, TAG_BY: "none", TAG_REASON: reason, TAG_AT: _now()})
             self.log.error("No answer for %s v%s within %ss (registry.approval.on_timeout: "
                            "fail): champion unchanged", name, version, self.timeout_s)
         answer = super().execute_complete(context, event)  # raises on the timeout error
@@ -153,6 +198,16 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
         after = self._registry.version_with_alias(name, CHAMPION)
         return {"name": name, "version": version, **outcome.as_xcom(),
                 "champion_after": after["version"] if after else None}
+
+    def _close_request(self, context: Any, reason: str) -> None:
+        """Answer the timed-out request ``Reject`` (by nobody) so that a late answer gets 409."""
+        from airflow.sdk.execution_time.hitl import update_hitl_detail_response
+
+        try:
+            update_hitl_detail_response(ti_id=context["ti"].id, chosen_options=[REJECT],
+                                        params_input={REASON_PARAM: reason})
+        except Exception:  # noqa: BLE001 - answered meanwhile, or no API: the task fails anyway
+            self.log.warning("Could not close the timed-out request", exc_info=True)
 
     def _promote(self, context: Any, name: str, version: str, gate: dict[str, Any],
                  outcome: ApprovalOutcome) -> None:

@@ -18,6 +18,7 @@ DEADLINE_SPEC = HERE / "fault_tiny_deadline.yaml"  # short execution_timeout on 
 ONCE_SPEC = HERE / "fault_tiny_once.yaml"  # deferrable: false, no retry (teardown tests)
 STAGES_SPEC = HERE / "fault_tiny_stages.yaml"  # one stage: a child MLflow run (teardown tests)
 APPROVAL_SPEC = HERE / "approval_tiny.yaml"  # registry.approval: answered over REST
+CANCEL_SPEC = HERE / "approval_cancel.yaml"  # registry.approval.notify; marked failed waiting
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +52,7 @@ def _standalone_server(tmp_path_factory, shakespeare_corpus, mlflow_server, smtp
     home = make_home(tmp_path_factory.mktemp("fault-home"), shakespeare_corpus)
     server = AirflowStandalone(home, mlflow_server, [FAULT_SPEC, DIVERGE_SPEC, SYNC_SPEC,
                                                         DEADLINE_SPEC, ONCE_SPEC, STAGES_SPEC,
-                                                        APPROVAL_SPEC])
+                                                        APPROVAL_SPEC, CANCEL_SPEC])
     server.env["AIRFLOW_CONN_SMTP_DEFAULT"] = smtp_sink.connection()
     try:
         server.start()

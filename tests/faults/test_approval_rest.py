@@ -11,6 +11,12 @@ way a script (or the UI's required-actions page) answers it. One run of ``approv
 * the run waited past its ``pipeline.deadline`` (20 s): Airflow's deadline alert mailed the
   pipeline's recipients through ``smtp_default`` (the session's SMTP sink).
 
+A run of ``approval_cancel`` (its own model, so its version passes the gate; with
+``registry.approval.notify``): the request is mailed to the approvers; the approval task marked
+failed while it waits closes the request (Airflow's ``response_received``), the version
+says ``cancelled`` by ``admin``, and a late Approve is refused with 409; cleared, the task asks
+again with a fresh request (a new ``created_at``), which an answer still ends.
+
 An answer is sent only once the scheduler has seen the parked task's worker exit: Airflow
 3.3.2 fails a task resumed so fast that it is already queued again when the scheduler
 processes that exit (its resume-after-defer exception covers ``scheduled`` only), which a
@@ -31,12 +37,13 @@ pytestmark = [pytest.mark.airflow, pytest.mark.integration, pytest.mark.heavy]
 
 DAG = "approval_tiny"
 MODEL = "approval-tiny"
+CANCEL_DAG, CANCEL_MODEL = "approval_cancel", "approval-cancel"  # approval_cancel.yaml
 TASK = "approve_champion"
 REACH_APPROVAL_S = 600  # prepare_data, 10 steps of training, validation, export and register
 
 
-def _hitl_path(run_id: str) -> str:
-    return f"/api/v2/dags/{DAG}/dagRuns/{quote(run_id)}/taskInstances/{TASK}/-1/hitlDetails"
+def _hitl_path(run_id: str, dag: str = DAG) -> str:
+    return f"/api/v2/dags/{dag}/dagRuns/{quote(run_id)}/taskInstances/{TASK}/-1/hitlDetails"
 
 
 def _parks(server, run_id: str) -> int:
@@ -46,23 +53,23 @@ def _parks(server, run_id: str) -> int:
                if "TaskInstance Finished" in line)
 
 
-def _ask(server, run_id: str, times: int) -> dict:
+def _ask(server, run_id: str, times: int, dag: str = DAG) -> dict:
     """The request of ``run_id`` once its task waits for the ``times``-th answer."""
     def asked():
         try:
-            state = server.ti(DAG, run_id, TASK)["state"]
+            state = server.ti(dag, run_id, TASK)["state"]
         except urllib.error.HTTPError:
             return None
         if state in ("failed", "skipped", "upstream_failed"):
             pytest.fail(f"{TASK} ended {state} before asking: {server.tail()}")
         return (state == "awaiting_input" and _parks(server, run_id) >= times
-                and server.api("GET", _hitl_path(run_id)))
+                and server.api("GET", _hitl_path(run_id, dag)))
 
     return wait_for(f"{TASK} of {run_id} to ask (#{times})", asked, REACH_APPROVAL_S, 2)
 
 
-def _answer(server, run_id: str, option: str, reason: str) -> dict:
-    return server.api("PATCH", _hitl_path(run_id),
+def _answer(server, run_id: str, option: str, reason: str, dag: str = DAG) -> dict:
+    return server.api("PATCH", _hitl_path(run_id, dag),
                       {"chosen_options": [option], "params_input": {"reason": reason}})
 
 
@@ -76,6 +83,12 @@ def _asset_events(server) -> list[dict]:
 def _overdue_mails(sink, run_id: str) -> list[EmailMessage]:
     mails = [message_from_string(m, policy=policy.default) for m in sink.messages]
     return [m for m in mails if m["Subject"] == f"trainforge {DAG}: run {run_id} overdue (20s)"]
+
+
+def _request_mails(sink, version: str) -> list[EmailMessage]:
+    mails = [message_from_string(m, policy=policy.default) for m in sink.messages]
+    return [m for m in mails
+            if m["Subject"] == f"Promote {CANCEL_MODEL} v{version} to champion?"]
 
 
 def test_reject_then_approve_through_the_rest_api(airflow_standalone, mlflow_server, smtp_sink):
@@ -124,3 +137,49 @@ def test_reject_then_approve_through_the_rest_api(airflow_standalone, mlflow_ser
                       lambda: _overdue_mails(smtp_sink, run_id), 120, 1)
     assert mail["To"] == "ml-platform@example.org"
     assert "is still running 20s after it was queued" in mail.get_body(("html",)).get_content()
+
+
+def test_marked_failed_while_waiting_closes_the_request(airflow_standalone, mlflow_server,
+                                                         smtp_sink):
+    from mlflow import MlflowClient
+
+    server, client = airflow_standalone, MlflowClient(mlflow_server)
+    wait_for(f"the {CANCEL_DAG} DAG", lambda: has_dag(server, CANCEL_DAG), 120, 2)
+
+    run_id = server.trigger(CANCEL_DAG)
+    request = _ask(server, run_id, 1, CANCEL_DAG)
+    version = request["subject"].split(" v")[1].split(" ")[0]
+    [mail] = wait_for("the request mailed to the approvers",
+                      lambda: _request_mails(smtp_sink, version), 60, 1)
+    assert mail["To"] == "approvers@example.org"
+    html = mail.get_body(("html",)).get_content()
+    assert f"| candidate | v{version} |" in html and "/required_actions" in html
+
+    server.set_state(CANCEL_DAG, run_id, TASK, "failed")
+    closed = server.api("GET", _hitl_path(run_id, CANCEL_DAG))
+    assert closed["response_received"] is True, closed
+    assert closed["responded_by_user"]["id"] == "trainforge"
+    assert "the task was marked failed by admin" in closed["params_input"]["reason"]
+    tags = client.get_model_version(CANCEL_MODEL, version).tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"]) == (
+        "cancelled", "admin")
+    assert "the task was marked failed by admin" in tags["trainforge.approval.reason"]
+    with pytest.raises(urllib.error.HTTPError) as late:
+        _answer(server, run_id, "Approve", "too late", CANCEL_DAG)
+    assert late.value.code == 409
+    assert wait_run_end(server, CANCEL_DAG, run_id, 300) == "failed", server.tail()
+    assert "champion" not in client.get_registered_model(CANCEL_MODEL).aliases
+    assert client.get_model_version(CANCEL_MODEL, version).tags["trainforge.approval.status"] == (
+        "cancelled")
+
+    server.clear(CANCEL_DAG, run_id, TASK)
+    again = _ask(server, run_id, 2, CANCEL_DAG)
+    assert again["response_received"] is False
+    assert again["created_at"] > request["created_at"], (request, again)
+    tags = client.get_model_version(CANCEL_MODEL, version).tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"]) == (
+        "pending", "none")
+    _answer(server, run_id, "Reject", "asked again, rejected", CANCEL_DAG)
+    assert wait_run_end(server, CANCEL_DAG, run_id, 300) == "success", server.tail()
+    assert client.get_model_version(CANCEL_MODEL, version).tags["trainforge.approval.status"] == (
+        "rejected")

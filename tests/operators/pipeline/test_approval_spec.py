@@ -35,6 +35,13 @@ def test_a_full_block_and_a_deadline():
     assert spec.pipeline.deadline == 7200
 
 
+def test_notify_mails_through_smtp_default_within_30s_unless_told():
+    spec = _spec("  approval:\n    notify:\n      email:\n        to: [a@example.org]\n")
+    email = spec.registry.approval.notify.email
+    assert (email.to, email.conn_id, email.timeout) == (["a@example.org"], "smtp_default", 30)
+    assert _spec("  approval: {}\n").registry.approval.notify is None
+
+
 @pytest.mark.parametrize(("approval", "pipeline", "validation", "where", "fragment"), [
     ("  approval:\n    approvers: []\n", "", "", "p.yaml:54:", "an empty list lets nobody answer (got []"),
     ("  approval:\n    approvers: [alice, alice]\n", "", "", "registry.approval.approvers",
@@ -58,6 +65,15 @@ def test_a_full_block_and_a_deadline():
     ("", "  deadline: 0s\n" + MAIL, "", "pipeline.deadline", "longer than zero"),
     ("", "  deadline: 2h\n", "", "p.yaml:7:13: pipeline.deadline",
      "notifies through pipeline.notifications, but none is set"),
+    ("  approval:\n    notify:\n      email:\n        to: [approvers]\n", "", "",
+     "p.yaml:56:9: registry.approval.notify.email.to", "not an email address (got 'approvers')"),
+    ("  approval:\n    notify:\n      email:\n        to: []\n", "", "",
+     "registry.approval.notify.email.to", ""),
+    ("  approval:\n    notify:\n      email:\n        to: [a@example.org]\n"
+     "        timeout: 0s\n", "", "", "p.yaml:57:18: registry.approval.notify.email.timeout",
+     "longer than zero"),
+    ("  approval:\n    notify:\n      slack: {channel: '#ml'}\n", "", "",
+     "registry.approval.notify.slack", "unknown field"),
 ])
 def test_bad_values_are_spec_errors_at_their_line(approval, pipeline, validation, where,
                                                   fragment):

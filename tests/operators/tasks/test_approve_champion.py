@@ -32,10 +32,13 @@ ALICE = {"id": "alice", "name": "alice"}
 class FakeTI:
     def __init__(self, xcoms: dict[str, Any]) -> None:
         self.dag_id, self.run_id, self.task_id = "fault_tiny", "manual__a1", "approve_champion"
-        self.try_number, self.xcoms = 1, xcoms
+        self.try_number, self.xcoms, self.id = 1, xcoms, "ti-1"
 
     def xcom_pull(self, task_ids: str, key: str = "return_value") -> Any:
         return self.xcoms.get(task_ids)
+
+    def xcom_push(self, key: str, value: Any) -> None:
+        self.xcoms[(self.task_id, key)] = value
 
 
 @pytest.fixture
@@ -134,6 +137,27 @@ def test_a_timeout_with_on_timeout_fail_fails_the_task(registry, mlflow_server):
     assert client.get_registered_model(name).aliases == {"champion": "1"}
 
 
+def test_a_timeout_with_on_timeout_fail_closes_the_request(registry, mlflow_server,
+                                                           monkeypatch):
+    """Answered Reject by nobody through the execution API, so a late answer gets a 409."""
+    from airflow.sdk.execution_time import hitl
+
+    client, name = registry
+    closed = []
+    monkeypatch.setattr(hitl, "update_hitl_detail_response",
+                        lambda **answer: closed.append(answer))
+    event = {"error": "no response", "error_type": "timeout"}
+    with pytest.raises(HITLTimeoutError):
+        _operator(mlflow_server, name, "fail").execute_complete(_context(name), event)
+    [answer] = closed
+    assert (answer["ti_id"], answer["chosen_options"]) == ("ti-1", [REJECT])
+    assert answer["params_input"]["reason"].startswith("timed out: no answer within 1h ")
+    tags = client.get_model_version(name, "2").tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"]) == (
+        "timed_out", "none")
+    assert tags["trainforge.approval.reason"] == answer["params_input"]["reason"]
+
+
 def test_an_approved_version_that_disappeared_fails_the_task(registry, mlflow_server):
     client, name = registry
     client.delete_model_version(name, "2")
@@ -169,3 +193,28 @@ def test_nothing_to_approve_skips_the_task(registry, mlflow_server, gate, fragme
     with pytest.raises(AirflowSkipException, match=fragment):
         _operator(mlflow_server, name).execute(_context(name, **gate))
     assert "trainforge.approval.status" not in client.get_model_version(name, "2").tags
+
+
+def test_asking_resets_the_tags_and_names_the_version_for_the_listener(registry, mlflow_server,
+                                                                      monkeypatch):
+    """A re-asked request (after a reject or a cancel) says pending, not the old who and why;
+    the XCom tells trainforge.approval_close which version to tag if the task is marked."""
+    from airflow.providers.standard.operators import hitl
+    from airflow.sdk.exceptions import TaskAwaitingInput
+
+    client, name = registry
+    client.set_model_version_tag(name, "2", "trainforge.approval.by", "admin")
+    client.set_model_version_tag(name, "2", "trainforge.approval.reason", "cancelled: marked")
+    posted = []
+    monkeypatch.setattr(hitl, "upsert_hitl_detail", lambda **request: posted.append(request))
+    context = _context(name)
+    context["task_instance"] = context["ti"]
+    with pytest.raises(TaskAwaitingInput) as parked:
+        _operator(mlflow_server, name).execute(context)
+    assert parked.value.timeout == dt.timedelta(hours=1)
+    assert [p["subject"] for p in posted] == [f"Promote {name} v2 to champion?"]
+    tags = client.get_model_version(name, "2").tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"],
+            tags["trainforge.approval.reason"]) == ("pending", "none", "none")
+    assert context["ti"].xcoms[("approve_champion", "trainforge_approval_request")] == {
+        "name": name, "version": "2", "tracking_uri": mlflow_server}
