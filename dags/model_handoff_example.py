@@ -2,10 +2,13 @@
 
 When a pipeline's eval gate moves the ``champion`` alias, its ``register_model`` task emits an
 event for ``Asset("trainforge-model-<registered model name>")`` with extra ``{"name", "version",
-"alias": "champion", "model_uri", "previous_champion"}``. The DAG ``<pipeline>_model_handoff``
-below is scheduled on that asset: it loads ``models:/<name>@champion`` with MLflow (tracking URI
-from ``MLFLOW_TRACKING_URI``) and runs a short greedy generation from the pipeline's sample
-prompt — a smoke test a deployment step would follow.
+"alias": "champion", "model_uri", "previous_champion"}``; a person's move reaches the same asset
+through the MLflow webhook. The DAG ``<pipeline>_model_handoff`` below is built by
+``trainforge.handoff.handoff_dag``: it re-reads ``champion`` from MLflow (tracking URI from
+``MLFLOW_TRACKING_URI``), loads that version and runs a short greedy generation from the
+pipeline's sample prompt (a smoke test a deployment step would follow), once per move, one run
+at a time, and requeues itself when events came after its own so none is left unconsumed
+(docs/registry.md, "Consumers of the champion asset").
 
 Parsing this file reads the specs (like ``trainforge_pipelines.py``) and imports no MLflow, no
 torch; a spec that does not load is skipped here (``trainforge_pipelines.py`` reports it).
@@ -13,25 +16,26 @@ torch; a spec that does not load is skipped here (``trainforge_pipelines.py`` re
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from trainforge.dag_builder import spec_files
-from trainforge.tasks.register_model import model_asset, model_asset_name
+from trainforge.handoff import handoff_dag
 from trainforge.pipeline.loader import SpecError, load_spec
 
 log = logging.getLogger("trainforge.handoff")
 
 
 def smoke_generate(model_name: str, prompt: str, max_new_tokens: int = 20,
-                   event_version: str | None = None) -> dict[str, Any]:
-    """Load ``models:/<model_name>@champion`` and generate greedily from ``prompt``.
+                   event_version: str | None = None,
+                   version: str | None = None) -> dict[str, Any]:
+    """Load ``version`` of ``model_name`` (default: the one ``champion`` points at now) and
+    generate greedily from ``prompt``.
 
-    Returns ``{"model_uri", "version", "event_version", "prompt", "text"}``; ``version`` is the
-    version ``champion`` points at now (it may have moved again since the event).
+    Returns ``{"model_uri", "version", "event_version", "prompt", "text"}``; without
+    ``version``, it is the version ``champion`` points at now (it may have moved since the event).
 
     Raises:
         RuntimeError: the generation is empty (the model does not work).
@@ -40,9 +44,9 @@ def smoke_generate(model_name: str, prompt: str, max_new_tokens: int = 20,
     import mlflow
     import mlflow.transformers
 
-    client = mlflow.MlflowClient()
-    version = client.get_model_version_by_alias(model_name, "champion").version
-    uri = f"models:/{model_name}@champion"
+    if version is None:
+        version = mlflow.MlflowClient().get_model_version_by_alias(model_name, "champion").version
+    uri = f"models:/{model_name}/{version}"
     generator = mlflow.transformers.load_model(uri)
     text = generator(prompt, max_new_tokens=max_new_tokens, do_sample=False)[0]["generated_text"]
     if len(text) <= len(prompt):
@@ -55,31 +59,16 @@ def smoke_generate(model_name: str, prompt: str, max_new_tokens: int = 20,
 
 
 def build_handoff_dag(dag_id: str, model_name: str, prompt: str):
-    """The example DAG for one registered model, scheduled on its champion asset."""
-    from airflow.sdk import DAG, task
+    """The example DAG for one registered model: smoke-test each new champion (module doc)."""
 
-    asset = model_asset(model_name)
-    with DAG(
-        dag_id=dag_id,
-        description=f"Smoke-test {model_name}@champion whenever the eval gate moves it",
-        schedule=[asset],
-        start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
-        catchup=False,
-        tags=["trainforge", "example", "handoff"],
-    ) as dag:
+    def smoke(name: str, version: str) -> dict[str, Any]:
+        result = smoke_generate(name, prompt, version=version)
+        log.info("%s: %r", result["model_uri"], result["text"])
+        return result
 
-        @task(task_id="smoke_generate")
-        def smoke(**context: Any) -> dict[str, Any]:
-            events = (context.get("triggering_asset_events") or {}).get(asset) or []
-            extra = dict(events[-1].extra or {}) if events else {}
-            log.info("triggered by %s event(s) of %s: %s", len(events),
-                     model_asset_name(model_name), extra)
-            result = smoke_generate(model_name, prompt, event_version=extra.get("version"))
-            log.info("%s v%s: %r", result["model_uri"], result["version"], result["text"])
-            return result
-
-        smoke()
-    return dag
+    return handoff_dag(dag_id, model_name, smoke,
+                       description=f"Smoke-test {model_name}@champion whenever it moves",
+                       tags=("trainforge", "example", "handoff"))
 
 
 def _build_all() -> dict[str, Any]:
