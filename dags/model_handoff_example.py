@@ -12,6 +12,7 @@ at a time, and requeues itself when events came after its own so none is left un
 
 Parsing this file reads the specs (like ``trainforge_pipelines.py``) and imports no MLflow, no
 torch; a spec that does not load is skipped here (``trainforge_pipelines.py`` reports it).
+Airflow's DAG processor (safe mode) reads only files that name "airflow" and "dag": this does.
 """
 
 from __future__ import annotations

@@ -96,3 +96,14 @@ def test_requeue_emits_only_when_events_came_after_the_run():
     with pytest.raises(AirflowSkipException):  # skipped: its outlet emits nothing
         requeue.python_callable(dag_run=run, inlet_events=Inlets(given))
     assert requeue.python_callable(dag_run=run, inlet_events=Inlets([*given, later])) == [2]
+
+
+def test_the_example_dag_file_is_found_by_airflows_safe_mode():
+    """The DAG processor skips a file that names neither "airflow" nor "dag"; the example
+    imports Airflow only through trainforge.handoff."""
+    from pathlib import Path
+
+    from airflow.utils.file import might_contain_dag_via_default_heuristic
+
+    example = Path(__file__).resolve().parents[2] / "dags" / "model_handoff_example.py"
+    assert might_contain_dag_via_default_heuristic(str(example))
