@@ -5,7 +5,8 @@ The demo pipeline on a tiny config with ``resources.nodes: 2`` (one rank per nod
 through ``trainforge run`` (``airflow dags test``) on the submit host, with its MLflow server on
 the submit host's bridge address so that rank 0 reaches it from either host. Then, on the same
 cluster and through the backend: a two-node job cancelled while running leaves no process on
-either host, and a job asking for more nodes than the cluster has fails with what it asked for.
+either host, a job asking for more nodes than the cluster has fails with what it asked for,
+and a socket interface the nodes lack fails the job permanently at once, naming node and endpoint.
 """
 
 from __future__ import annotations
@@ -210,5 +211,32 @@ def test_more_nodes_than_the_cluster_has_fails_with_what_was_asked(cluster):
     assert "3 bundles of {'CPU': 1.0}, strategy STRICT_SPREAD" in status.message
     assert "the cluster has 2 alive nodes" in status.message, status.message
     assert "rank0 line" not in backend._client().get_job_logs(handle["submission_id"])
+    _nothing_running(ray)
+    assert not _job_processes(hosts)
+
+
+def test_an_interface_the_nodes_lack_fails_permanently_at_once_naming_node_and_endpoint(cluster):
+    from trainforge.contract import FailureKind
+    from trainforge.engines.base import JobState
+    from trainforge.engines.ray.backend import RayBackend
+
+    hosts, ray = cluster
+    backend = RayBackend(address=ray.address)
+    job = _fake_job("r-ifname", {"lines": 1}, nodes=2, startup_timeout_s=60.0)
+    job.engine_options["env_vars"] = {"GLOO_SOCKET_IFNAME": "eth9"}
+    started = time.monotonic()
+    handle = backend.submit(job)
+    status = _wait(backend, handle)
+    logs = backend._client().get_job_logs(handle["submission_id"])
+    assert status.state is JobState.FAILED and status.failure is FailureKind.PERMANENT, \
+        (status.message, logs[-3000:])
+    assert time.monotonic() - started < 60, status  # at once, not at the startup timeout
+    message = status.message
+    assert re.search(r"preflight failed on node [01] of 2 on h[01] \(10\.[\d.]+\)", message), \
+        message
+    assert "GLOO_SOCKET_IFNAME=eth9 names eth9, which this node does not have" in message
+    assert re.search(r"rendezvous 10\.[\d.]+:\d+; its own address 10\.[\d.]+ on eth0", message), \
+        message
+    assert "rank0 line" not in logs
     _nothing_running(ray)
     assert not _job_processes(hosts)

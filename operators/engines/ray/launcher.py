@@ -16,8 +16,12 @@ Runs on the cluster (the node Ray picks for the job's entrypoint), as rendered b
    the address Ray reaches it on, never loopback) and a free port on it: the c10d rendezvous
    endpoint, hosted there (``is_host=true`` on that node only).
 3. One task per bundle, holding the bundle's CPUs and GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``),
-   runs the torchrun command with the placeholders filled in: a job folder
-   ``$TMPDIR/trainforge-<key>.node-<N>.XXXXXX/`` on that node (``job.json`` from
+   runs the node's preflight (:mod:`trainforge.engines.node_preflight`: ``GLOO_SOCKET_IFNAME``
+   and ``NCCL_SOCKET_IFNAME`` set to the interface of its route to the endpoint unless the user
+   set them; the endpoint reached over TCP within what is left of ``--startup-timeout-s``, else
+   the job fails permanently, exit 78 with a ``bad_config`` result naming node and address),
+   then the torchrun command, its ``join_timeout`` the time left, with the placeholders filled
+   in: a job folder ``$TMPDIR/trainforge-<key>.node-<N>.XXXXXX/`` on that node (``job.json`` from
    ``$TRAINFORGE_JOB_CONFIG``, every rank's log under ``ranks/``, the node's whole console in
    ``ranks/node-<N>.log``), ``--local-addr`` its own address. Each console line also goes to the
    task's stdout, which Ray forwards to the job log prefixed ``(trainforge-node-<N> pid=...,
@@ -32,7 +36,8 @@ Stopping the job (``ray job stop``: SIGTERM to this process) cancels every node 
 which stops its torchrun (SIGTERM, SIGKILL after a grace period); torchrun is also started with
 ``PR_SET_PDEATHSIG`` so that it gets SIGTERM if its Ray worker is killed outright.
 
-Imports only the job contract of trainforge; ``ray`` is imported in :func:`main`.
+Imports only the job contract of trainforge (and, on the nodes, its node preflight); ``ray`` is
+imported in :func:`main`.
 """
 
 from __future__ import annotations
@@ -131,10 +136,14 @@ def probe(with_port: bool) -> dict[str, Any]:
 
 
 def run_node(node: int, nodes: int, key: str, config: str, argv: list[str],
-             endpoint: str) -> dict[str, Any]:
-    """Ray task: node ``node``'s torchrun, to its end; returns ``{"node", "address", "host",
-    "exit_code", "result", "job_dir"}`` (``result``: the result file's JSON if rank 0 ran here)."""
+             endpoint: str, deadline_epoch_s: float | None = None) -> dict[str, Any]:
+    """Ray task: node ``node``'s preflight (:mod:`trainforge.engines.node_preflight`: socket
+    interface, rendezvous reachable by ``deadline_epoch_s``, else exit 78 with a ``bad_config``
+    result), then its torchrun, to its end; returns ``{"node", "address", "host", "exit_code",
+    "result", "job_dir"}`` (``result``: the result file's JSON if rank 0 ran here)."""
     import ray
+
+    from trainforge.engines import node_preflight
 
     address = ray.util.get_node_ip_address()
     job_dir = tempfile.mkdtemp(prefix=f"trainforge-{key}.node-{node}.")
@@ -145,9 +154,29 @@ def run_node(node: int, nodes: int, key: str, config: str, argv: list[str],
     command = fill(argv, {JOB_DIR: job_dir, RDZV_ENDPOINT: endpoint, LOCAL_ADDR: address,
                           IS_HOST: "true" if node == 0 else "false"})
     console = os.path.join(job_dir, "ranks", f"node-{node}.log")
-    _say(f"node {node} of {nodes} on {socket.gethostname()} ({address}): job folder {job_dir}, "
-         f"console {console}")
-    proc = subprocess.Popen(command, env={**os.environ, RESULT_FILE_ENV: result_file},
+    where = f"{node} of {nodes} on {socket.gethostname()} ({address})"
+    _say(f"node {where}: job folder {job_dir}, console {console}")
+    timeout_s = (node_preflight.DEFAULT_TIMEOUT_S if deadline_epoch_s is None
+                 else max(1.0, deadline_epoch_s - time.time()))
+    env = {**os.environ, RESULT_FILE_ENV: result_file}
+    ready_at = time.time()
+    try:
+        net, extra = node_preflight.prepare(endpoint, node == 0, timeout_s, env)
+    except (node_preflight.PreflightError, ValueError) as err:
+        message = node_preflight.failure(where, getattr(err, "net", None), endpoint, timeout_s,
+                                         str(err))
+        _say(message)
+        node_preflight.write_result(message, env)
+        return {"node": node, "address": address, "host": socket.gethostname(),
+                "exit_code": node_preflight.EXIT_CONFIG, "job_dir": job_dir,
+                "result": {"status": node_preflight.STATUS_BAD_CONFIG,
+                           "exit_code": node_preflight.EXIT_CONFIG, "message": message}}
+    left = node_preflight.join_seconds(timeout_s, time.time() - ready_at, node == 0)
+    command = node_preflight.with_join_timeout(command, left)
+    _say(f"node {node} reaches the rendezvous {net.endpoint} from {net.own}; set "
+         f"{' '.join(f'{k}={v}' for k, v in extra.items()) or 'nothing (set by the user)'}")
+    env.update(extra)
+    proc = subprocess.Popen(command, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, preexec_fn=_pdeathsig())
     pump = threading.Thread(target=_pump, args=(proc.stdout, console), daemon=True)
@@ -277,6 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # By their module's name (not __main__'s), so Ray ships them by reference.
         from trainforge.engines.ray import launcher
 
+        deadline = (None if args.startup_timeout_s is None
+                    else time.time() + args.startup_timeout_s - (time.monotonic() - started))
         head = ray.get(ray.remote(launcher.probe).options(
             num_cpus=0, scheduling_strategy=in_bundle(0), max_retries=0).remote(True))
         endpoint = host_port(head["address"], head["port"])
@@ -287,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 name=f"trainforge-node-{i}", num_cpus=args.cpus_per_node,
                 num_gpus=args.gpus_per_node, memory=args.memory_bytes or None,
                 scheduling_strategy=in_bundle(i), max_retries=0,
-            ).remote(i, args.nodes, args.key, config, list(args.torchrun), endpoint))
+            ).remote(i, args.nodes, args.key, config, list(args.torchrun), endpoint, deadline))
         return _collect(ray, refs, args.nodes)
     except KeyboardInterrupt:
         _say("stopping: cancelling every node's torchrun")
@@ -312,7 +343,8 @@ def _collect(ray: Any, refs: list[Any], nodes: int) -> int:
                 info = ray.get(ref)
             except Exception as err:  # noqa: BLE001 - the worker or its node died, cancelled
                 info = {"node": node, "exit_code": None, "result": None,
-                        "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
+                        "error": f"{type(err).__name__}: "
+                                 f"{(str(err).strip().splitlines() or [''])[0][:300]}"}
             ended.append(info)
             if info.get("exit_code") != 0 and pending:
                 _say(f"node {node} failed ({_ending(info)}): stopping the other nodes")

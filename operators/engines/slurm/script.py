@@ -30,6 +30,8 @@ from typing import Any
 
 from trainforge.engines.base import JobState, TrainingJob
 from trainforge.engines.launch import python_torchrun, rank_env, torchrun_argv
+from trainforge.engines.node_preflight import DEFAULT_TIMEOUT_S as DEFAULT_PREFLIGHT_TIMEOUT_S
+from trainforge.engines.node_preflight import MODULE as PREFLIGHT_MODULE
 
 SCRIPT_NAME = "job.sbatch"
 LOG_NAME = "job.log"
@@ -117,6 +119,14 @@ IS_HOST_CONF = f"is_host={IS_HOST}"
 """torchrun's default rendezvous port; a job without a fixed one uses 29500 + job id % 10000."""
 
 
+def preflight_timeout(job: TrainingJob) -> int:
+    """The preflight's ``--timeout``: ``fault.startup_timeout`` in whole seconds, else the
+    preflight's default (torchrun's join timeout)."""
+    if job.startup_timeout_s:
+        return math.ceil(job.startup_timeout_s)
+    return math.ceil(DEFAULT_PREFLIGHT_TIMEOUT_S)
+
+
 def reason_text(reason: str) -> str:
     """Slurm's pending reason with its meaning, e.g. ``"Resources (waiting for nodes ...)"``."""
     code = reason.split(",")[0].strip()
@@ -186,9 +196,11 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
     # file system, is waited for as long as the job may take to start, not torchrun's 600 s.)
     rendezvous = ["--rdzv-backend=c10d", '--rdzv-endpoint="$rdzv_host:$rdzv_port"',
                   '--rdzv-id="$SLURM_JOB_ID"', f"--rdzv-conf={','.join([*conf, IS_HOST_CONF])}"]
+    # Each node's preflight (trainforge.engines.node_preflight) runs first and execs torchrun.
+    preflight = [python, "-m", PREFLIGHT_MODULE, f"--timeout={preflight_timeout(job)}", "--"]
     torchrun = torchrun_argv(
         job, q(f"{folder}/job.json"),
-        launcher=python_torchrun(python),
+        launcher=(*preflight, *python_torchrun(python)),
         standalone=False, nnodes='"$SLURM_NNODES"',
         rendezvous=tuple(rendezvous),
         log_dir=q(folder + "/ranks"), module=q(job.module))
@@ -268,13 +280,15 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
         "",
         "# Each node's torchrun names itself to the others by its own NodeAddr (--local-addr, as",
         "# PET_LOCAL_ADDR), not by a host name that may resolve differently on another node. The",
-        "# first node's console is the job log; the others' go to ranks/node-<N>.log.",
+        "# first node's console is the job log; the others' go to ranks/node-<N>.log. Before it,",
+        "# each node's preflight sets the socket interface of its route to the rendezvous and",
+        "# checks it reaches it within fault.startup_timeout (else 78, not retried).",
         # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it on.
         "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 "
         "--cpus-per-task=\"$SLURM_CPUS_PER_TASK\" \\",
         "  --kill-on-bad-exit=1 \\",
         "  bash -c " + q(_NODE_PREAMBLE) + " trainforge-node \\",
-        "  " + " \\\n    ".join(_pairs(torchrun)),
+        "  " + " \\\n    ".join(_pairs(torchrun, len(preflight))),
         'finish "$?"',
     ]
     return "\n".join(lines) + "\n"
@@ -289,16 +303,19 @@ _NODE_PREAMBLE = "; ".join([
     '$SLURMD_NODENAME cannot resolve the first node\'s address $TRAINFORGE_RDZV_ADDR (the '
     'rendezvous); fix its name resolution or set NodeAddr in slurm.conf" >&2; exit 78; }',
     '[ "$SLURM_NODEID" = 0 ] || exec >>"$TRAINFORGE_JOB_DIR/ranks/node-$SLURM_NODEID.log" 2>&1',
+    'export TRAINFORGE_NODE="$SLURMD_NODENAME (node $SLURM_NODEID of $SLURM_NNODES)"',
     'h=false; [ "$SLURM_NODEID" = 0 ] && h=true',
     'args=(); for a in "$@"; do args+=("${a//' + IS_HOST + '/$h}"); done',
     'exec "${args[@]}"',
 ])
 
 
-def _pairs(argv: list[str]) -> list[str]:
-    """torchrun's arguments grouped for a readable script: one option per line."""
-    groups: list[str] = [" ".join(argv[:3])]
-    i = 3
+def _pairs(argv: list[str], lead: int = 0) -> list[str]:
+    """The preflight (the first ``lead`` words) on a line, then torchrun's arguments grouped
+    for a readable script: one option per line."""
+    groups: list[str] = [" ".join(argv[:lead])] if lead else []
+    groups.append(" ".join(argv[lead:lead + 3]))
+    i = lead + 3
     while i < len(argv):
         if argv[i] in ("-m", "--config"):
             groups.append(f"{argv[i]} {argv[i + 1]}")

@@ -1,9 +1,15 @@
 """The ray engine's node launcher (trainforge.engines.ray.launcher) without a cluster: its
 command line, and its wait for the node tasks against a fake ``ray`` (which node's result and
 exit code the job gets, the other nodes stopped when one fails). The launcher on real Ray nodes:
-tests/e2e/test_ray_two_nodes.py."""
+tests/e2e/test_ray_two_nodes.py. A node's preflight (run_node) on this machine's loopback."""
 
 from __future__ import annotations
+
+import json
+import re
+import socket
+import time
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +78,56 @@ def test_the_launcher_waits_for_every_node_and_stops_the_rest_on_a_failure(
     assert "node 0 of 2 ended" in out and "node 1 of 2 ended" in out, out
     if exit_code:
         assert "stopping the other nodes" in out
+
+
+def test_a_failed_preflight_is_the_jobs_result_when_the_other_node_is_cancelled_silently(
+        monkeypatch, capsys):
+    # Ray's TaskCancelledError may carry no message at all.
+    monkeypatch.setattr(launcher, "LOG_FLUSH_S", 0.0)
+    failed = {"status": "bad_config", "exit_code": 78, "message": "preflight failed on node 0"}
+    fake = _FakeRay([_node(0, 78, failed), _node(1, 0)])
+    cancel = fake.cancel
+    fake.cancel = lambda ref, force=False: (cancel(ref), fake.outcomes.update({ref: KeyError()}))
+    assert launcher._collect(fake, [0, 1], 2) == 78
+    out = capsys.readouterr().out
+    assert parse_result(out) == failed
+    assert "node 1 of 2 ended: no exit code: KeyError: " in out, out
+
+
+def _run_node(monkeypatch, tmp_path, node: int, endpoint: str, deadline_s: float):
+    """run_node on this machine as Ray node ``node`` at 127.0.0.1, its "torchrun" a shell that
+    prints its socket interface and arguments."""
+    import ray.util
+
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))
+    argv = ["sh", "-c", 'echo "gloo=$GLOO_SOCKET_IFNAME nccl=$NCCL_SOCKET_IFNAME args=$*"', "sh",
+            f"--rdzv-endpoint={launcher.RDZV_ENDPOINT}", f"--rdzv-conf=is_host={launcher.IS_HOST}"]
+    return launcher.run_node(node, 2, "k", "{}", argv, endpoint, time.time() + deadline_s)
+
+
+def test_a_node_that_cannot_reach_the_rendezvous_fails_permanently_before_torchrun(
+        monkeypatch, tmp_path, capsys):
+    with socket.socket() as held:  # bound, never listening: connections are refused
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        started = time.monotonic()
+        info = _run_node(monkeypatch, tmp_path, 1, f"127.0.0.1:{port}", 1.5)
+    assert 1.4 < time.monotonic() - started < 4
+    assert info["exit_code"] == 78 and info["result"]["status"] == "bad_config", info
+    message = info["result"]["message"]
+    for fragment in ("preflight failed on node 1 of 2 on", "(127.0.0.1)",
+                     f"rendezvous 127.0.0.1:{port}", "its own address 127.0.0.1 on lo"):
+        assert fragment in message, (fragment, message)
+    assert "gloo=" not in capsys.readouterr().out  # torchrun never started
+    assert json.loads(Path(info["job_dir"], "result.json").read_text())["message"] == message
+
+
+def test_a_node_runs_torchrun_with_the_interface_of_its_route_and_the_time_left(
+        monkeypatch, tmp_path):
+    info = _run_node(monkeypatch, tmp_path, 0, "127.0.0.1:29400", 30)  # node 0: it hosts the store
+    assert info["exit_code"] == 0, info
+    console = Path(info["job_dir"], "ranks", "node-0.log").read_text()
+    # 30 s left, and 5 more on the store's host.
+    assert re.search(r"gloo=lo nccl=lo args=--rdzv-endpoint=127\.0\.0\.1:29400 "
+                     r"--rdzv-conf=join_timeout=3[45],is_host=true$", console, re.M), console

@@ -41,7 +41,11 @@ exit $rc
 """
 PYTHON = """#!/bin/bash
 if [ "$1" = -c ]; then exec {python} "$@"; fi
-echo "torchrun on $SLURMD_NODENAME local_addr=$PET_LOCAL_ADDR args: $*"
+if [ "$2" = trainforge.engines.node_preflight ] && [ -n "${{REAL_PREFLIGHT:-}}" ]; then
+  exec {python} "$@"
+fi
+echo "torchrun on $SLURMD_NODENAME local_addr=$PET_LOCAL_ADDR \
+gloo=${{GLOO_SOCKET_IFNAME:-}} nccl=${{NCCL_SOCKET_IFNAME:-}} args: $*"
 """
 
 
@@ -55,7 +59,7 @@ def _job(nodes: int, port: int | None = None) -> TrainingJob:
 
 
 def _run(tmp_path: Path, nodes: dict[str, str], port: int | None = None,
-         job_id: int = 7) -> tuple[int, str, Path]:
+         job_id: int = 7, **extra_env: str) -> tuple[int, str, Path]:
     """Run the script of a job on ``nodes`` (name -> NodeAddr): (exit code, console, job dir)."""
     fake = tmp_path / "bin"
     fake.mkdir(exist_ok=True)
@@ -70,7 +74,7 @@ def _run(tmp_path: Path, nodes: dict[str, str], port: int | None = None,
     env = {"PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "FAKE_NODES": " ".join(nodes),
            "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_NNODES": str(len(nodes)),
            "SLURM_JOB_ID": str(job_id), "SLURM_CPUS_PER_TASK": "1",
-           **{f"FAKE_ADDR_{name}": addr for name, addr in nodes.items()}}
+           **{f"FAKE_ADDR_{name}": addr for name, addr in nodes.items()}, **extra_env}
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
                           timeout=60)
     return proc.returncode, proc.stdout + proc.stderr, job_dir
@@ -85,6 +89,9 @@ def test_every_node_meets_at_the_first_nodes_address_and_names_itself_by_its_own
     assert rc == 0 and _exit_record(job_dir) == 0, out
     assert "rendezvous 192.0.2.10:29507" in out
     assert "torchrun on n0 local_addr=192.0.2.10 " in out
+    # Each node's preflight comes first, with the job's startup timeout, then execs torchrun.
+    assert ("args: -m trainforge.engines.node_preflight --timeout=300 -- python-on-nodes -m "
+            "torch.distributed.run") in out
     assert "--rdzv-endpoint=192.0.2.10:29507" in out and "join_timeout=300" in out
     second = (job_dir / "ranks" / "node-1.log").read_text()
     assert "torchrun on n1 local_addr=192.0.2.11 " in second
@@ -161,3 +168,23 @@ def test_a_taken_fixed_port_fails_naming_the_node_and_the_setting(tmp_path):
     assert rc == 1 and _exit_record(job_dir) == 1, out
     assert (f"the rendezvous port {port} (training.slurm.rendezvous_port) is in use on the first "
             "node n0") in out
+
+
+def test_the_preflight_sets_the_interface_of_the_route_to_the_rendezvous(tmp_path):
+    rc, out, job_dir = _run(tmp_path, {"localhost": "127.0.0.1"}, REAL_PREFLIGHT="1")
+    assert rc == 0 and _exit_record(job_dir) == 0, out
+    assert "trainforge: node localhost (node 0 of 1) reaches the rendezvous 127.0.0.1:29507" in out
+    assert "torchrun on localhost local_addr=127.0.0.1 gloo=lo nccl=lo " in out, out
+    # What is left of the startup timeout, and a few seconds more on the store's host.
+    assert "--rdzv-conf=join_timeout=305,is_host=true" in out or \
+        "--rdzv-conf=join_timeout=304,is_host=true" in out, out
+
+
+def test_a_first_node_that_cannot_host_its_address_fails_permanently_naming_it(tmp_path):
+    # TEST-NET-3, no address of this machine: binding it fails, and nothing is sent to it.
+    rc, out, job_dir = _run(tmp_path, {"n0": "203.0.113.10"}, REAL_PREFLIGHT="1")
+    assert rc == 78 and _exit_record(job_dir) == 78, out
+    assert "preflight failed on node n0 (node 0 of 1) within 300 s" in out, out
+    assert "rendezvous 203.0.113.10:29507" in out and "torchrun on" not in out, out
+    result = json.loads((job_dir / "result.json").read_text())
+    assert result["status"] == "bad_config" and "203.0.113.10:29507" in result["message"]
