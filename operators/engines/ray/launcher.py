@@ -196,8 +196,22 @@ def run_node(node: int, nodes: int, key: str, config: str, argv: list[str],
                 result = json.load(fh)
             except json.JSONDecodeError:
                 result = None
+    if result is None and proc.returncode and _said(console, b"RendezvousTimeoutError"):
+        result = {"status": STATUS_ERROR, "exit_code": proc.returncode, "message": (
+            f"the rendezvous timed out on node {where} at fault.startup_timeout ({left} s left "
+            f"after its preflight): every node reached the store, but not all joined in time")}
     return {"node": node, "address": address, "host": socket.gethostname(),
             "exit_code": proc.returncode, "result": result, "job_dir": job_dir}
+
+
+def _said(path: str, words: bytes) -> bool:
+    """Whether the console ``path`` contains ``words`` (a rendezvous timeout, once the preflight
+    passed: named in the result)."""
+    try:
+        with open(path, "rb") as fh:
+            return words in fh.read()
+    except OSError:
+        return False
 
 
 def _pump(stream: Any, path: str) -> None:

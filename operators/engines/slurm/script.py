@@ -119,6 +119,12 @@ IS_HOST_CONF = f"is_host={IS_HOST}"
 """torchrun's default rendezvous port; a job without a fixed one uses 29500 + job id % 10000."""
 
 
+RENDEZVOUS_TIMEOUT = ("the rendezvous timed out at fault.startup_timeout ({timeout} s): every "
+                      "node reached the store in its preflight, but not all nodes joined in time "
+                      "(a node slow to start, or one that failed before joining: see ranks/)")
+"""The job's message when torchrun's rendezvous timed out after the preflight passed."""
+
+
 def preflight_timeout(job: TrainingJob) -> int:
     """The preflight's ``--timeout``: ``fault.startup_timeout`` in whole seconds, else the
     preflight's default (torchrun's join timeout)."""
@@ -289,7 +295,18 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
         "  --kill-on-bad-exit=1 \\",
         "  bash -c " + q(_NODE_PREAMBLE) + " trainforge-node \\",
         "  " + " \\\n    ".join(_pairs(torchrun, len(preflight))),
-        'finish "$?"',
+        "rc=$?",
+        "# Every node passed its preflight (it reached the store), yet not all joined in time.",
+        'if [ "$rc" != 0 ] && [ ! -s "$TRAINFORGE_RESULT_FILE" ] && grep -qs '
+        'RendezvousTimeoutError "$TRAINFORGE_JOB_DIR"/job.log '
+        '"$TRAINFORGE_JOB_DIR"/ranks/node-*.log; then',
+        f"  {python} -c " + q('import json, sys; json.dump({"status": "error", "exit_code": '
+                              'int(sys.argv[1]), "message": sys.argv[2]}, '
+                              'open(sys.argv[3], "w"))')
+        + f' "$rc" {q(RENDEZVOUS_TIMEOUT.format(timeout=preflight_timeout(job)))} '
+        '"$TRAINFORGE_RESULT_FILE"',
+        "fi",
+        'finish "$rc"',
     ]
     return "\n".join(lines) + "\n"
 

@@ -94,14 +94,16 @@ def test_a_failed_preflight_is_the_jobs_result_when_the_other_node_is_cancelled_
     assert "node 1 of 2 ended: no exit code: KeyError: " in out, out
 
 
-def _run_node(monkeypatch, tmp_path, node: int, endpoint: str, deadline_s: float):
+def _run_node(monkeypatch, tmp_path, node: int, endpoint: str, deadline_s: float,
+              then: str = "true"):
     """run_node on this machine as Ray node ``node`` at 127.0.0.1, its "torchrun" a shell that
-    prints its socket interface and arguments."""
+    prints its socket interface and arguments, then runs ``then``."""
     import ray.util
 
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     monkeypatch.setattr(launcher.tempfile, "tempdir", str(tmp_path))
-    argv = ["sh", "-c", 'echo "gloo=$GLOO_SOCKET_IFNAME nccl=$NCCL_SOCKET_IFNAME args=$*"', "sh",
+    argv = ["sh", "-c", f'echo "gloo=$GLOO_SOCKET_IFNAME nccl=$NCCL_SOCKET_IFNAME args=$*"; {then}',
+            "sh",
             f"--rdzv-endpoint={launcher.RDZV_ENDPOINT}", f"--rdzv-conf=is_host={launcher.IS_HOST}"]
     return launcher.run_node(node, 2, "k", "{}", argv, endpoint, time.time() + deadline_s)
 
@@ -131,3 +133,16 @@ def test_a_node_runs_torchrun_with_the_interface_of_its_route_and_the_time_left(
     # 30 s left, and 5 more on the store's host.
     assert re.search(r"gloo=lo nccl=lo args=--rdzv-endpoint=127\.0\.0\.1:29400 "
                      r"--rdzv-conf=join_timeout=3[45],is_host=true$", console, re.M), console
+
+
+def test_a_rendezvous_timeout_after_the_preflight_is_named_as_such(monkeypatch, tmp_path):
+    info = _run_node(monkeypatch, tmp_path, 0, "127.0.0.1:29400", 30,
+                     then="echo torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError;"
+                          " exit 1")
+    assert info["exit_code"] == 1, info
+    assert info["result"]["status"] == "error", info  # transient: a retry may find all nodes
+    assert info["result"]["message"].startswith(
+        "the rendezvous timed out on node 0 of 2 on "), info
+    assert "at fault.startup_timeout (3" in info["result"]["message"], info
+    other = _run_node(monkeypatch, tmp_path, 0, "127.0.0.1:29400", 30, then="exit 1")
+    assert other["exit_code"] == 1 and other["result"] is None, other

@@ -46,6 +46,7 @@ if [ "$2" = trainforge.engines.node_preflight ] && [ -n "${{REAL_PREFLIGHT:-}}" 
 fi
 echo "torchrun on $SLURMD_NODENAME local_addr=$PET_LOCAL_ADDR \
 gloo=${{GLOO_SOCKET_IFNAME:-}} nccl=${{NCCL_SOCKET_IFNAME:-}} args: $*"
+if [ -n "${{FAKE_FAILURE:-}}" ]; then echo "$FAKE_FAILURE"; exit 1; fi
 """
 
 
@@ -188,3 +189,21 @@ def test_a_first_node_that_cannot_host_its_address_fails_permanently_naming_it(t
     assert "rendezvous 203.0.113.10:29507" in out and "torchrun on" not in out, out
     result = json.loads((job_dir / "result.json").read_text())
     assert result["status"] == "bad_config" and "203.0.113.10:29507" in result["message"]
+
+
+@pytest.mark.parametrize("failure, named", [
+    ("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError", True),
+    ("RuntimeError: something else", False),
+])
+def test_a_rendezvous_timeout_after_the_preflight_is_named_as_such(tmp_path, failure, named):
+    rc, out, job_dir = _run(tmp_path, {"n0": "192.0.2.10", "n1": "192.0.2.11"},
+                            FAKE_FAILURE=failure)
+    assert rc == 1 and _exit_record(job_dir) == 1, out
+    result = job_dir / "result.json"
+    if named:
+        record = json.loads(result.read_text())
+        assert record["status"] == "error" and record["exit_code"] == 1, record  # transient
+        assert record["message"].startswith("the rendezvous timed out at fault.startup_timeout "
+                                            "(300 s): every node reached the store"), record
+    else:
+        assert not result.exists(), result.read_text()
