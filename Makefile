@@ -71,18 +71,9 @@ IMAGES_ARGS ?=
 images:
 	python3 docker/build.py $(IMAGES_ARGS)
 
-# docker/.env is checked before the corpus (and the venv it needs) is made.
+# docker/.env is checked before the corpus or anything else is made (docker/stack-prepare.sh).
 stack-env:
-	@test -f docker/.env || { echo "docker/.env is missing: cp docker/.env.example docker/.env and set its values" >&2; exit 2; }
-	@awk -F= '/^[A-Za-z_][A-Za-z0-9_]*=/ { v = substr($$0, length($$1) + 2); gsub(/^["'\'']|["'\'']$$/, "", v); \
-	    if (v ~ /^CHANGE-/) { printf "docker/.env:%d: %s is still the placeholder of .env.example\n", NR, $$1; bad = 1 } \
-	    else if (v == "") { printf "docker/.env:%d: %s is empty\n", NR, $$1; bad = 1 } } \
-	    END { if (bad) { print "docker/.env: set the values named above (values are never printed)"; exit 2 } }' docker/.env >&2
-	@missing="$$(comm -23 <(grep -o '$${[A-Z0-9_]*:?' docker/compose.yaml | tr -d '$${:?' | sort -u) \
-	    <(sed -n 's/^\([A-Za-z_][A-Za-z0-9_]*\)=.*/\1/p' docker/.env | sort -u))"; \
-	    if [ -n "$$missing" ]; then for key in $$missing; do \
-	    echo "docker/.env: $$key is missing; compose requires it (docker/.env.example says what it is)" >&2; \
-	    done; exit 2; fi
+	@COMPOSE="$(COMPOSE)" docker/stack-prepare.sh env
 
 # The stack's data folder is named once: TRAINFORGE_DATA (the environment, else docker/.env;
 # relative paths are relative to docker/, as compose reads them). The demo corpus is fetched
@@ -98,11 +89,13 @@ stack-up: stack-env
 	@COMPOSE="$(COMPOSE)" docker/stack-prepare.sh images
 	@$(MAKE) --no-print-directory stack-data
 	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env up -d
-	@echo "Airflow UI: http://127.0.0.1:$$(sed -n 's/^AIRFLOW_PORT=//p' docker/.env) (user admin, AIRFLOW_ADMIN_PASSWORD of docker/.env)"
-	@echo "MLflow UI:  http://127.0.0.1:$$(sed -n 's/^MLFLOW_PORT=//p' docker/.env)"
+	@port="$$(sed -n 's/^AIRFLOW_PORT=//p' docker/.env | tail -1)"; echo "Airflow UI: http://127.0.0.1:$${port:-8080} (user admin, AIRFLOW_ADMIN_PASSWORD of docker/.env)"
+	@port="$$(sed -n 's/^MLFLOW_PORT=//p' docker/.env | tail -1)"; echo "MLflow UI:  http://127.0.0.1:$${port:-5000}"
 
-stack-down: stack-env
-	$(COMPOSE) -f docker/compose.yaml --env-file docker/.env down
+# Stopping needs no valid docker/.env (compose only fills its variables in): without one, the
+# example's values stand in.
+stack-down:
+	$(COMPOSE) -f docker/compose.yaml --env-file "$$(test -f docker/.env && echo docker/.env || echo docker/.env.example)" down
 
 clean:
 	rm -rf "$(TRAINFORGE_HOME)"

@@ -12,6 +12,7 @@ a task token signed as this container's executor signs them must be accepted by 
     python -m trainforge.preflight record FILE                      # airflow-init
     python -m trainforge.preflight check FILE [ROLE [REFUSED_FILE]] # each container; 3: refused
     python -m trainforge.preflight token                            # 0: the API server accepts it
+    python -m trainforge.preflight health FILE                      # 0: keys still as recorded
 
 Without a recorded file (a deployment that does not record one) ``check`` compares nothing.
 """
@@ -149,6 +150,30 @@ def _refuse(reasons: list[str], role: str, refused_file: Path | None) -> int:
     return REFUSED_EXIT if lines else 0
 
 
+def health(path: Path) -> int:
+    """The health check's share (light: no Airflow import): the shared keys this container's
+    environment sets still match what airflow-init recorded last. A key changed in docker/.env
+    and one service recreated re-runs airflow-init too, which leaves the others behind."""
+    try:
+        recorded = json.loads(path.read_text())
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError) as err:
+        print(f"trainforge preflight: cannot read {path}: {err}")
+        return 1
+    current = {env_name(section, option): fingerprint(section, option, value)
+               for section, option in SHARED_KEYS
+               if (value := os.environ.get(env_name(section, option)))}
+    lines = [f"trainforge preflight: {name} differs from the value airflow-init recorded last: "
+             f"the Airflow containers of this deployment no longer share one value; recreate "
+             f"them all from one docker/.env (`up -d` with no service named)"
+             for name in sorted(current) if isinstance(recorded, dict)
+             and name in recorded and recorded[name] != current[name]]
+    for line in lines:
+        print(line)
+    return 1 if lines else 0
+
+
 def execution_api_url(conf) -> str:
     """Where task processes reach the Execution API (Airflow's own default when unset)."""
     url = conf.get("core", "execution_api_server_url", fallback=None)
@@ -179,16 +204,25 @@ def token_check(timeout_s: float = 10.0) -> int:
         return 1
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s):
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            body = answer.read(2000).decode("utf-8", "replace")
+        if "trainforge-preflight-token-check" in body:
             return 0
+        print(f"trainforge preflight: {url} is not Airflow's Execution API (HTTP 200 "
+              f"{body[:200]!r}): check [core] execution_api_server_url", file=sys.stderr)
+        return 1
     except urllib.error.HTTPError as err:
-        if err.code == 404:  # the token passed; the DAG does not exist
-            return 0
-        detail = err.read(300).decode("utf-8", "replace").strip()
-        why = ("its [api_auth] jwt_secret (or jwt_private_key_path) differs from the API "
-               "server's" if err.code in (401, 403) else "the API server answered an error")
-        print(f"trainforge preflight: the API server at {url} refused this container's task "
-              f"token (HTTP {err.code} {detail}): {why}", file=sys.stderr)
+        detail = err.read(2000).decode("utf-8", "replace").strip()
+        if err.code == 404 and "trainforge-preflight-token-check" in detail:
+            return 0  # the Execution API took the token and looked for the (missing) DAG
+        if err.code in (401, 403) and "Invalid auth token" in detail:  # the Execution API's
+            print(f"trainforge preflight: the API server at {url} refused this container's "
+                  f"task token (HTTP {err.code} {detail[:300]}): its [api_auth] jwt_secret (or "
+                  f"jwt_private_key_path) differs from the API server's", file=sys.stderr)
+        else:
+            print(f"trainforge preflight: {url} is not Airflow's Execution API (HTTP "
+                  f"{err.code} {detail[:200]}): check [core] execution_api_server_url",
+                  file=sys.stderr)
     except (OSError, ValueError) as err:
         print(f"trainforge preflight: cannot reach the Execution API at {url}: {err}",
               file=sys.stderr)
@@ -199,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["token"]:
         return token_check()
+    if args[:1] == ["health"] and len(args) == 2:
+        return health(Path(args[1]))
     if len(args) < 2 or args[0] not in ("record", "check"):
         print(__doc__.split("\n\n")[2], file=sys.stderr)
         return 2

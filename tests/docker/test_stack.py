@@ -200,6 +200,52 @@ def test_a_container_with_another_jwt_secret_refuses_to_start_and_names_the_key(
     assert health.returncode == 0, health
 
 
+def test_a_key_changed_for_one_service_leaves_the_others_unhealthy_naming_it(stack):
+    """The compose path: the JWT secret edited in docker/.env and `up -d airflow-scheduler`.
+    compose re-runs airflow-init too (a dependency whose settings changed), which records the
+    new key, so the new scheduler passes its preflight; the containers still running with the
+    old key then fail their health check naming the key, and the scheduler's token is refused
+    by the API server. `up -d` of the whole stack from the old file makes it whole again."""
+    original = stack.env_file.read_text()
+    changed = re.sub(r"(?m)^AIRFLOW_JWT_SECRET=.*$", "AIRFLOW_JWT_SECRET=" + "n" * 64, original)
+    assert changed != original
+
+    def health(service: str):
+        (container,) = stack.containers(service)
+        return stack.engine.run("exec", container, "airflow-entrypoint", "healthcheck",
+                                check=False)
+
+    try:
+        stack.env_file.write_text(changed)
+        stack.compose_run("up", "-d", "airflow-scheduler", timeout=600)
+        api = health("airflow-api-server")
+        assert api.returncode == 1, api
+        assert ("AIRFLOW__API_AUTH__JWT_SECRET differs from the value airflow-init recorded last"
+                in api.stdout), api
+        assert "n" * 64 not in api.stdout
+        wait_for("the new scheduler's token check", lambda: "refused this container's task token"
+                 in health("airflow-scheduler").stdout, 180, 3.0,
+                 lambda: str(health("airflow-scheduler")))
+        (api_server,) = stack.containers("airflow-api-server")
+        wait_for("the reason in the API server's log", lambda: "differs from the value airflow-init"
+                 in stack.engine.run("logs", api_server, check=False).stderr, 120, 3.0)
+    finally:
+        stack.env_file.write_text(original)
+        stack.compose_run("up", "-d", timeout=900)
+    wait_for("the stack to be whole again", lambda: stack.healthy() and all(
+        health(s).returncode == 0 for s in ("airflow-api-server", "airflow-scheduler",
+                                            "airflow-worker")), 420, 5.0, stack.diagnostics)
+
+
+def _in_container(proc: psutil.Process, container: str) -> bool:
+    """Whether ``proc`` runs in ``container`` (its cgroup path names the container's id)."""
+    try:
+        with open(f"/proc/{proc.pid}/cgroup") as cgroup:
+            return container in cgroup.read()
+    except OSError:
+        return False
+
+
 def _training_processes(dag_id: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
@@ -221,9 +267,12 @@ def test_a_killed_worker_container_is_survived_and_down_leaves_nothing(stack):
 
     workers = stack.containers("airflow-worker")
     assert len(workers) == 1
+    in_worker = [p for p in _training_processes(dag) if _in_container(p, workers[0])]
+    assert in_worker, "no training process in the worker container"
     stack.engine.run("kill", workers[0])
     # The container took its processes with it: the job is not orphaned.
-    wait_for("the killed worker's training processes to be gone", lambda: not _training_processes(dag), 30, 1.0)
+    wait_for("the killed worker's training processes to be gone",
+             lambda: not any(p.is_running() for p in in_worker), 30, 1.0)
     stack.compose_run("start", "airflow-worker")
 
     assert stack.wait_run(dag, run_id, 1200) == "success", stack.diagnostics()

@@ -48,8 +48,9 @@ def test_an_image_that_is_not_built_is_named_before_anything_starts(fresh_clone)
     started = time.monotonic()
     done = stack.make("stack-up", path)
     assert done.returncode != 0
-    assert ("stack: image trainforge-airflow:0.0.0-never-built is not built: make images"
-            in done.stderr), done.stderr[-3000:]
+    assert ("stack: image trainforge-airflow:0.0.0-never-built (AIRFLOW_IMAGE) is not built: "
+            f"make images builds the tags of this checkout's version ({VERSION}); set "
+            "AIRFLOW_IMAGE in docker/.env to one, or build it" in done.stderr), done.stderr[-3000:]
     assert time.monotonic() - started < 60
     assert stack.containers(all_states=True) == []  # compose made nothing
     assert not (stack.checkout / ".trainforge").exists()  # nor was the corpus fetched

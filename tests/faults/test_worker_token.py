@@ -44,3 +44,12 @@ def test_an_unreachable_api_server_is_said(airflow_standalone):
     done = _token_check(env)
     assert done.returncode == 1
     assert "cannot reach the Execution API at http://127.0.0.1:" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("path", ["/wrongpath/", "/api/v2/"])
+def test_a_url_that_is_not_the_execution_api_is_said(airflow_standalone, path):
+    env = dict(airflow_standalone.env, AIRFLOW__CORE__EXECUTION_API_SERVER_URL=(
+        f"{airflow_standalone.url}{path}"))
+    done = _token_check(env)
+    assert done.returncode == 1, done.stderr
+    assert "is not Airflow's Execution API" in done.stderr, done.stderr

