@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from trainforge.engines.base import JobState
 from trainforge.engines.local.backend import LocalBackend
@@ -297,7 +298,7 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         try:
             spec = derived_spec(spec, engine)
         except ValueError as err:
-            console.print(f"[red]{spec_file}: cannot run on engine {engine!r}: {err}[/]")
+            console.print(Text(f"{spec_file}: cannot run on engine {engine!r}: {err}", style="red"))
             return False
         spec_file = home / "specs" / f"{spec_file.stem}.{engine}.yaml"
         console.print(f"Engine {engine}: running the derived spec {spec_file}")

@@ -100,8 +100,10 @@ class ConsoleFilter:
             return self._once(("input", ids), f"    waiting for a person's answer to {ids} "
                                               "(Airflow UI or REST API: docs/registry.md)")
         if "TrainingJobTrigger" in logger:
-            # "[job-key] [default0]:<time> rank0 INFO trainforge.trainer.train: step 10/300 | ..."
-            return "    " + re.sub(r"^\[[^\]]+\] (\[default\d+\]:)?(\S+ \S+ )?", "", event)
+            # "[job-key] [default0]:<date> <time> rank0 INFO trainforge.trainer.train: step 10/..."
+            # loses its key, local rank and time; any other line (a traceback) stays whole.
+            return "    " + re.sub(r"^\[[^\]]+\] (\[default\d+\]:)?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[,.]\d+ )?",
+                                 "", event)
         # The operators log through Airflow's task logger (airflow.task.operators.<module>.<class>
         # with modules under trainforge), everything else of ours through trainforge.* loggers.
         if logger.startswith(("airflow.task.operators.trainforge.", "trainforge.")):

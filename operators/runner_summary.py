@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from trainforge.graph import REGISTER_MODEL_TASK_ID, TaskGraph, task_graph
 from trainforge.hooks.mlflow import TAG_FAILED_TRY, MlflowHook
@@ -79,7 +80,7 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
         "checkpoint": tags.get("trainforge.validation.checkpoint"),
         "accounting": {k.split("/", 1)[1]: v for k, v in metrics.items()
                        if k.startswith("accounting/")},
-        "currency": spec.cost.currency,
+        "currency": tags.get("cost/currency") or spec.cost.currency,  # the price's own
         "registered_model": tags.get("trainforge.registered_model"),
         "model_version": tags.get("trainforge.model_version"),
         "aliases": list(spec.registry.aliases)
@@ -204,6 +205,6 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     for task, info in (summary.get("teardown") or {}).items():
         rows.append((f"teardown {task}", f"{info.get('state')} in "
                      f"{fmt(info.get('seconds'), '.1f')} s (does not decide the run's state)"))
-    for what, value in rows:
-        table.add_row(what, value)
+    for what, value in rows:  # plain text: a reason may hold "[/path:553]", not markup
+        table.add_row(Text(str(what)), Text(str(value)))
     console.print(table)

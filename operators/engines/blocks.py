@@ -54,8 +54,8 @@ def check_socket_ifname(name: str, value: str) -> None:
                              f"and '=' (exact names), then interface names or prefixes separated "
                              f"by ',' (got {value!r}; e.g. 'eth', '^docker0,lo' or '=ib0')")
     elif not all(IFNAME.match(item) and item[0] not in "^=" for item in items):
-        nccl = " ('^' and '=' are NCCL's syntax, which Gloo does not read)" if value[:1] in "^=" \
-            else ""
+        nccl = (" ('^' and '=' are NCCL's syntax, which Gloo does not read)"
+                if value[:1] and value[0] in "^=" else "")
         raise ValueError(f"{name} must be the names of network interfaces separated by ',', as "
                          f"Gloo opens each one (got {value!r}; e.g. 'eth0' or 'eth0,eth1'){nccl}")
 

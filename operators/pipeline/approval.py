@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from trainforge.pipeline.data import StorageSection
 from trainforge.pipeline.durations import DurationS
 from trainforge.pipeline.pipeline import EmailNotifications
 from trainforge.sections import SpecModel, check_length
@@ -38,6 +39,7 @@ class ApprovalEmail(SpecModel):
         "and the request waits for its answer all the same.")
 
     _addresses = field_validator("to")(EmailNotifications._addresses.__func__)
+    _conn_id = field_validator("conn_id")(StorageSection._conn_id.__func__)
 
 
 class ApprovalNotify(SpecModel):

@@ -73,6 +73,14 @@ def size_errors(training: Any) -> list[tuple]:
                        f"group on one machine (got resources.nodes {resources.nodes}; expected "
                        f"1; use the {several} engine for several nodes)", resources.nodes,
                        ("engine",)))
+    env = getattr(engine_block(training), "env_vars", None) or {}
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if resources.nodes > 1 and name in env and _loopback_only(env[name]):
+            errors.append(((training.engine, "env_vars"), f"{name} names only the loopback "
+                           f"interface, which reaches no other node (got {env[name]!r} with "
+                           f"resources.nodes {resources.nodes}; expected an interface the nodes "
+                           f"route to, e.g. 'eth0', or none: each node finds its own)",
+                           env[name], ("resources", "nodes")))
     backend = getattr(engine_block(training), "distributed_backend", None)
     if backend == "nccl" and not resources.gpus_per_node:
         errors.append(((training.engine, "distributed_backend"), "NCCL runs on GPUs only (got "
@@ -84,6 +92,16 @@ def size_errors(training: Any) -> list[tuple]:
                        f"resources.image, the trainer's container image (got none; expected "
                        f"e.g. 'ghcr.io/acme/trainforge-trainer:0.1.0')", None, ("engine",)))
     return errors
+
+
+def _loopback_only(value: str) -> bool:
+    """Whether a socket interface setting can match nothing but ``lo`` (Gloo's names, NCCL's
+    prefixes; an NCCL exclusion list never is)."""
+    if value.startswith("^"):
+        return False
+    names = value.lstrip("=").split(",")
+    return all(name == "lo" or (not value.startswith("=") and "lo".startswith(name) and name)
+               for name in names)
 
 
 def needs_s3(engine: str) -> bool:

@@ -273,7 +273,7 @@ class TrainOperator(ClusterJobOperator):
                 reached = {f"train/{prefix}final_step": result.get("final_step"),
                            f"train/{prefix}tokens_seen": result.get("tokens_seen")}
                 self.mlflow_hook.log_metrics(parent, {k: float(v) for k, v in reached.items()
-                                                      if v is not None})
+                                                      if v is not None}, step=ti.try_number)
         except Exception:  # noqa: BLE001 - never mask the try's own failure
             self.log.warning("could not record the failed try in MLflow", exc_info=True)
             return
@@ -293,18 +293,19 @@ class TrainOperator(ClusterJobOperator):
         # the ledger's window (every try and attempt), else the engine's wall time of this job
         wall_s = ledger.books.wall_s if ledger is not None else event.get("wall_s")
         if wall_s is not None:
-            usage = account(spec, wall_s, self._price(spec))
+            price = self._price(spec)
+            usage = account(spec, wall_s, price)
             final.update({f"accounting/{prefix}{k}": v for k, v in usage.items()})
             self.log.info("Accounting: %.1f s wall, %.4f GPU-hours, %.4f CPU-core-hours, "
                           "%.4f %s, %.5f kWh", usage["wall_s"], usage["gpu_hours"],
-                          usage["cpu_core_hours"], usage["cost"], spec.cost.currency,
-                          usage["energy_kwh"])
+                          usage["cpu_core_hours"], usage["cost"],
+                          getattr(price, "currency", spec.cost.currency), usage["energy_kwh"])
         if self.stage:
             final = {k.replace("train/", f"train/{prefix}", 1): v for k, v in final.items()}
             self.mlflow_hook.end_run(self._stage_run_id(spec, mlflow_run_id), "FINISHED")
-        self.mlflow_hook.log_metrics(
-            mlflow_run_id, {k: float(v) for k, v in final.items() if v is not None}
-        )
+        self.mlflow_hook.log_metrics(  # at the try's number: one value per step, like the ledger
+            mlflow_run_id, {k: float(v) for k, v in final.items() if v is not None},
+            step=ti.try_number)
         return {
             "stage": self.stage,
             # The job config's init block: validation expects the same.

@@ -17,6 +17,14 @@ def test_task_boundaries_trainer_lines_and_failures_are_shown_and_chatter_is_not
             "    !! trainforge.data.errors.SourceNotFoundError: no files match source pattern 'x'",
         "  - eval: val_perplexity 900 does not beat the unigram baseline 560":
             "    !! - eval: val_perplexity 900 does not beat the unigram baseline 560",
+        "2026-11-29T20:07:50.100000Z [info     ] [shakespeare-llm-train-t1-dc7ff02cca] "
+        "[default1]:RuntimeError: [/w/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[trainforge.triggers.TrainingJobTrigger] loc=triggers.py:98":
+            "    RuntimeError: [/w/gloo/transport/tcp/pair.cc:553] Connection closed by peer",
+        "2026-11-29T20:07:50.200000Z [info     ] [shakespeare-llm-train-t1-dc7ff02cca] "
+        "[default1]:Traceback (most recent call last): "
+        "[trainforge.triggers.TrainingJobTrigger] loc=triggers.py:98":
+            "    Traceback (most recent call last):",
         "2026-11-29T20:06:29.227360Z [info     ] Task instance state updated    "
         "[airflow.api_fastapi.execution_api.routes.task_instances] loc=task_instances.py:485": None,
         '  File "/x/operators/tasks/prepare_data.py", line 51, in execute': None,

@@ -49,10 +49,12 @@ def test_the_summary_lists_every_failed_try_not_only_the_last_state():
 
     tags = {"trainforge.failed_try.train.2": "job k failed after training: post-training "
                                              "collective timeout on rank 1",
+            "trainforge.failed_try.train.3": "RuntimeError: [/w/gloo/tcp/pair.cc:553] Connection "
+                                             "closed by peer [rank1] [bold]",
             "trainforge.failed_try.train.1": "job k failed (transient): node lost",
             "trainforge.failed_task": "x"}
     tries = failed_tries(tags)
-    assert [(t["task"], t["try"]) for t in tries] == [("train", 1), ("train", 2)]
+    assert [(t["task"], t["try"]) for t in tries] == [("train", 1), ("train", 2), ("train", 3)]
     console = Console(record=True, width=200)
     print_summary({"dag_id": "d", "airflow_run_id": "r", "state": "success",
                    "stages": {"train": {"state": "success", "seconds": 9.0}},
@@ -60,6 +62,8 @@ def test_the_summary_lists_every_failed_try_not_only_the_last_state():
     text = console.export_text()
     assert "failed try train #1" in text and "node lost" in text
     assert "failed try train #2" in text and "collective timeout on rank 1" in text
+    # a reason is text, never rich markup (a closing-tag look-alike used to crash the summary)
+    assert "[/w/gloo/tcp/pair.cc:553] Connection closed by peer [rank1] [bold]" in text
 
 
 def test_the_summary_shows_each_ledger_in_one_row():

@@ -68,3 +68,30 @@ def test_nccl_with_gpus_and_gloo_without_pass():
     assert parse_spec_text(with_gpus, "net.yaml").training.resources.gpus_per_node == 2
     on_cpu = _spec("  local:\n    distributed_backend: gloo\n")
     assert parse_spec_text(on_cpu, "net.yaml").training.engine_block.distributed_backend == "gloo"
+
+
+@pytest.mark.parametrize("name,value", [("GLOO_SOCKET_IFNAME", "lo"),
+                                        ("NCCL_SOCKET_IFNAME", "lo"),
+                                        ("NCCL_SOCKET_IFNAME", "=lo")])
+def test_loopback_only_with_several_nodes_is_refused(name, value):
+    text = _spec(f"  engine: slurm\n  resources: {{nodes: 2}}\n  slurm:\n    env_vars:\n"
+                 f"      {name}: '{value}'\n")
+    issue = _issue(text, "training.slurm.env_vars")
+    assert "names only the loopback interface" in issue.message, issue.message
+    assert "resources.nodes 2" in issue.message
+
+
+@pytest.mark.parametrize("name,value,nodes", [("GLOO_SOCKET_IFNAME", "lo", 1),
+                                              ("NCCL_SOCKET_IFNAME", "^lo", 2),
+                                              ("GLOO_SOCKET_IFNAME", "lo,eth0", 2)])
+def test_loopback_on_one_node_or_beside_another_interface_passes(name, value, nodes):
+    spec = parse_spec_text(_spec(f"  engine: slurm\n  resources: {{nodes: {nodes}, processes_per_node: 1}}\n  slurm:\n"
+                                 f"    env_vars:\n      {name}: '{value}'\n"), "net.yaml")
+    assert spec.training.engine_block.env_vars[name] == value
+
+
+def test_an_empty_gloo_interface_is_refused_without_the_nccl_hint():
+    issue = _issue(_spec("  engine: slurm\n  slurm:\n    env_vars:\n      GLOO_SOCKET_IFNAME: ''\n"),
+                   "training.slurm.env_vars")
+    assert "must be the names of network interfaces" in issue.message
+    assert "NCCL's syntax" not in issue.message

@@ -74,6 +74,9 @@ def test_notify_mails_through_smtp_default_within_30s_unless_told():
      "longer than zero"),
     ("  approval:\n    notify:\n      slack: {channel: '#ml'}\n", "", "",
      "registry.approval.notify.slack", "unknown field"),
+    ("  approval:\n    notify:\n      email:\n        to: [a@example.org]\n"
+     "        conn_id: 'smtp://user:pw@mail.example.com:587'\n", "", "",
+     "registry.approval.notify.email.conn_id", "not an Airflow connection id"),
 ])
 def test_bad_values_are_spec_errors_at_their_line(approval, pipeline, validation, where,
                                                   fragment):
