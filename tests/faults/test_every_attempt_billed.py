@@ -36,7 +36,10 @@ from trainforge.trainer.goodput import FLUSH_EVERY_S
 pytestmark = [pytest.mark.integration]
 
 SPEC = REPO_ROOT / "tests" / "faults" / "fault_tiny.yaml"
-MAX_STEPS, CHECKPOINT_EVERY = 1200, 400
+# A flush between two checkpoints needs FLUSH_EVERY_S of training after one (a checkpoint
+# flushes too, and starts the interval again): checkpoints far enough apart on a fast machine,
+# and the kill well before the end.
+MAX_STEPS, CHECKPOINT_EVERY = 3600, 1500
 LEDGER_ROOTS = ("goodput/", "badput/", "gpu_hours/", "energy/", "cost/", "tps", "tflops", "mfu_pct",
                 "disruptions/", "recovery/", "checkpoint/background")
 
@@ -62,12 +65,15 @@ def _record_file(job_dir):
 
 def _flushed_between_checkpoints(job_dir) -> bool:
     record = _record_file(job_dir)
-    return bool(record and not record["final"] and record["step"] > CHECKPOINT_EVERY
-                and record["step"] % CHECKPOINT_EVERY)
+    return bool(record and not record["final"]
+                and CHECKPOINT_EVERY < record["step"] < 2 * CHECKPOINT_EVERY)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:
-    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return  # it ended already: the assertion before says how
     for p in tree:
         try:
             p.send_signal(signal.SIGKILL)
