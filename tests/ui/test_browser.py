@@ -28,7 +28,7 @@ DAG = "fault_tiny"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-background-networking", "--disable-gpu",
                  "--disable-component-update", "--disable-sync"]
-MAX_STEPS = 1000  # about a minute and a half of training: time to watch the curve grow
+MAX_STEPS = 4000  # half a minute or more of training: time to watch the curve grow and the job run
 DOCS_SCREENSHOTS = "TRAINFORGE_UI_DOCS"  # a folder: screenshots are copied there as ui-*.png
 
 

@@ -166,7 +166,8 @@ def test_an_unreachable_rendezvous_fails_permanently_within_the_startup_timeout(
     drop = ["OUTPUT", "-p", "tcp", "-d", hosts.address(0), "--dport", str(port), "-j", "DROP"]
     made = hosts.run(1, ["iptables", "-w", "-A", *drop])
     if made.returncode != 0:
-        pytest.skip(f"iptables in a test host's network namespace: {made.stderr.strip()}")
+        pytest.skip(f"needs iptables in a test host's network namespace (install iptables): "
+                    f"{made.stderr.strip()}")
     try:
         backend = SlurmBackend(tmp_path / "runs")
         job = _job(tmp_path, dataset, "unreachable", rendezvous_port=port)
