@@ -12,17 +12,13 @@ preamble; the Ray launcher calls :func:`prepare` in each node's task)::
    (``ip -o route get ADDR``; without ``ip``, a UDP socket connected to it and the interface
    holding its source address). ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` are set to it,
    unless already set (the spec's ``env_vars`` or the node's environment): then the named
-   interfaces must exist here, and must not be loopback when the rendezvous is not. Without it,
-   Gloo may pick the address the host name maps to (``127.0.1.1`` on Debian-style hosts files).
+   interfaces must exist here, and must not be loopback when the rendezvous is not.
 2. The rendezvous: the node that hosts the c10d store (``is_host=true``) checks the address is
    its own (it can bind it); every other node connects over TCP, retrying until the store's
    host listens, within ``--timeout`` (``fault.startup_timeout``).
 3. Then torchrun is exec'd, its ``join_timeout`` cut to what is left of ``--timeout`` (the
    store's host: a few seconds more, :data:`HOST_GRACE_S`): the whole start fails at the
-   configured timeout, not preflight plus a full join timeout. (torch's store client also has
-   its own connect timeout, ``read_timeout``, 60 s, retried once after a back-off: a node that
-   cannot reach the store used to fail only after about twice that; the preflight reaches the
-   store first, so the client connects at once.)
+   configured timeout, not preflight plus a full join timeout (docs/slurm.md: why).
 
 A failure prints one ``trainforge:`` line naming the node, the endpoint tried and the node's
 own address and interface, writes it as a ``bad_config`` result to ``$TRAINFORGE_RESULT_FILE``

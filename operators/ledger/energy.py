@@ -10,12 +10,11 @@ spec's estimate, else unknown: never a 0 that means "not read".
 * ``unknown``: NVML read neither (a MIG instance, most vGPUs), with the reason. Such a device is
   not estimated: the spec's per-GPU power is a whole board's, and it is a share of one.
 
-A device's source over several attempts is its weakest one. The ``gpu`` kind's source is its
-devices' one source, or ``mixed``; its kWh is the devices read, summed.
+Over several attempts a device keeps its weakest source; the ``gpu`` kind's is its devices'
+one source, or ``mixed`` (docs/contracts.md, "Run ledger").
 
-When an attempt read no GPU at all (no NVML on rank 0's machine, ``CUDA_VISIBLE_DEVICES`` naming
-no device NVML knows, a trainer from before per-device records) or there is no attempt record,
-the ``gpu`` kind is ``estimated`` from the spec, with the reason::
+When an attempt read no GPU at all, or there is no attempt record, the ``gpu`` kind is
+``estimated`` from the spec, with the reason::
 
     gpu kWh = gpu_hours x cost.gpu_power_watts / 1000
 
