@@ -292,6 +292,10 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
         # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it on.
         "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 "
         "--cpus-per-task=\"$SLURM_CPUS_PER_TASK\" \\",
+        # --kill-on-bad-exit ends the step when one srun task, a node's torchrun agent, exits
+        # non-zero: its restarts (fault.max_restarts) are spent, or its node is lost. A crashed
+        # rank does not end its task: its agent restarts the worker group on every node in
+        # the same step (docs/slurm.md, "Restarts").
         "  --kill-on-bad-exit=1 \\",
         "  bash -c " + q(_NODE_PREAMBLE) + " trainforge-node \\",
         "  " + " \\\n    ".join(_pairs(torchrun, len(preflight))),

@@ -1,0 +1,198 @@
+"""``fault.max_restarts`` on a two-node Slurm job, for real: two test hosts (tests/hosts.py), a
+slurmd on each, the trainer under srun + torchrun with one rank per node (gloo).
+
+Past the first checkpoint the rank on the second host is SIGKILLed (its torchrun agent lives on):
+
+* with ``max_restarts: 1`` torchrun restarts the worker group on both nodes inside the same Slurm
+  job (one job, one script run), the ranks resume from the newest checkpoint, and the job ends
+  at ``max_steps``;
+* with ``max_restarts: 0`` the agent gives up, srun ends the step, and the job fails as before;
+* with ``max_restarts: 1`` but the second host's torchrun agent killed with its rank (the node's
+  processes gone), srun ends the step at once (``--kill-on-bad-exit``): the first host's agent
+  does not wait in a new rendezvous for a node that will not come.
+
+Nothing of a job is left running on either host after each.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from trainforge.engines.base import JobIdentity, JobState, TrainingJob
+from trainforge.engines.slurm.backend import SlurmBackend
+from tests import hosts as test_hosts
+from tests.conftest import skip_without
+from tests.slurm_cluster import SlurmCluster, missing_binaries
+from tests.trainer.conftest import build_dataset, make_job
+
+pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
+
+MAX_STEPS = 300
+KILL_AFTER_STEP = 12
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if missing_binaries():
+        skip_without("slurm", f"missing: {', '.join(missing_binaries())}")
+    test_hosts.skip_if_unavailable()
+    before = os.environ.get("SLURM_CONF")
+    with test_hosts.test_hosts(2) as hosts:
+        slurm = SlurmCluster(Path(tempfile.mkdtemp(prefix="tf-slurm-rs-")), hosts=hosts)
+        try:
+            slurm.start()
+            os.environ["SLURM_CONF"] = str(slurm.conf)
+            yield hosts, slurm
+        finally:
+            slurm.stop()
+            if before is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = before
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return build_dataset(tmp_path_factory.mktemp("data") / "tiny")
+
+
+def _job(tmp_path: Path, dataset: Path, key: str, max_restarts: int) -> TrainingJob:
+    config = make_job(dataset, tmp_path / "checkpoints",
+                      optim={"max_steps": MAX_STEPS, "warmup_steps": 1},
+                      checkpoint={"interval_steps": 10, "keep_last": 2},
+                      logging={"log_every_steps": 1},
+                      distributed={"collective_timeout_s": 20})
+    return TrainingJob(identity=JobIdentity("restarts", key, "train", 1), config=config,
+                       module="trainforge.trainer.train", nodes=2, processes_per_node=1,
+                       engine_options={"python": sys.executable}, max_runtime_s=600.0,
+                       startup_timeout_s=60.0, max_restarts=max_restarts)
+
+
+def _newest_step(log: Path) -> int:
+    found = re.findall(r"step (\d+)/\d+ \|", log.read_text(errors="replace")) if log.exists() else []
+    return int(found[-1]) if found else 0
+
+
+def _processes(hosts, i: int, word: str) -> list[psutil.Process]:
+    found = []
+    for pid in hosts.pids(i):
+        try:
+            proc = psutil.Process(pid)
+            if word in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def _rank(hosts, i: int) -> psutil.Process | None:
+    """The trainer rank on host ``i`` (a child of torchrun's agent), if one runs."""
+    ranks = [p for p in _processes(hosts, i, "trainforge.trainer.train")
+             if "torch.distributed.run" not in " ".join(p.cmdline())]
+    return ranks[0] if ranks else None
+
+
+def _wait(what: str, ready, timeout_s: float, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = ready()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+        time.sleep(interval_s)
+
+
+def _logs(backend, job) -> str:
+    folder = backend.job_dir(job.identity)
+    parts = [folder / "job.log", *sorted((folder / "ranks").glob("node-*.log"))]
+    return "\n".join(p.read_text(errors="replace") for p in parts if p.exists())
+
+
+def _kill_a_rank_on_the_second_host(backend, handle, job, hosts) -> int:
+    """SIGKILL host 1's rank past the first checkpoint; the step it was at."""
+    log = backend.job_dir(job.identity) / "job.log"
+    _wait("the job past its step-10 checkpoint", lambda: _newest_step(log) >= KILL_AFTER_STEP
+          or backend.status(handle).state.terminal, 240)
+    assert not backend.status(handle).state.terminal, _logs(backend, job)[-3000:]
+    rank = _wait("the rank on the second host", lambda: _rank(hosts, 1), 30)
+    step = _newest_step(log)
+    os.kill(rank.pid, signal.SIGKILL)
+    return step
+
+
+def _wait_nothing_left(hosts, timeout_s: float = 30.0) -> None:
+    def left():
+        return [f"h{i}: {' '.join(p.cmdline())[:200]}" for i in range(hosts.count)
+                for word in ("trainforge.trainer.train", "node_preflight", "torch.distributed.run")
+                for p in _processes(hosts, i, word)]
+    deadline = time.monotonic() + timeout_s
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left(), left()
+
+
+def test_a_killed_rank_is_restarted_inside_the_same_job(tmp_path, cluster, dataset):
+    hosts, _ = cluster
+    backend = SlurmBackend(tmp_path / "runs")
+    job = _job(tmp_path, dataset, "restart", max_restarts=1)
+    handle = backend.submit(job)
+    killed_at = _kill_a_rank_on_the_second_host(backend, handle, job, hosts)
+    status = _wait("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
+                   300, 0.5)
+    text = _logs(backend, job)
+    assert status.state is JobState.SUCCEEDED, (status, text[-4000:])
+    # One job, one run of its script: the restart happened inside the step.
+    assert len(re.findall(r"trainforge: Slurm job \d+ on", text)) == 1, text[-4000:]
+    assert "will restart worker group" in text, text[-4000:]  # torchrun's agent, not a new job
+    resumed = re.findall(r"resuming from \S*step-(\d+)", text)
+    assert resumed and 10 <= int(resumed[-1]) <= killed_at, (resumed, killed_at, text[-4000:])
+    assert f"step {MAX_STEPS}/{MAX_STEPS} |" in text
+    _wait_nothing_left(hosts)
+
+
+def test_without_restarts_a_killed_rank_fails_the_job(tmp_path, cluster, dataset):
+    hosts, _ = cluster
+    backend = SlurmBackend(tmp_path / "runs")
+    job = _job(tmp_path, dataset, "no-restart", max_restarts=0)
+    handle = backend.submit(job)
+    _kill_a_rank_on_the_second_host(backend, handle, job, hosts)
+    status = _wait("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
+                   120, 0.5)
+    text = _logs(backend, job)
+    assert status.state is JobState.FAILED, (status, text[-4000:])
+    assert f"step {MAX_STEPS}/{MAX_STEPS} |" not in text
+    _wait_nothing_left(hosts)
+
+
+def test_a_lost_agent_still_ends_the_job_at_once_with_restarts_left(tmp_path, cluster, dataset):
+    hosts, _ = cluster
+    backend = SlurmBackend(tmp_path / "runs")
+    job = _job(tmp_path, dataset, "agent-lost", max_restarts=1)
+    handle = backend.submit(job)
+    log = backend.job_dir(job.identity) / "job.log"
+    _wait("the job past its step-10 checkpoint", lambda: _newest_step(log) >= KILL_AFTER_STEP
+          or backend.status(handle).state.terminal, 240)
+    agents = _processes(hosts, 1, "torch.distributed.run")
+    assert agents, _logs(backend, job)[-3000:]
+    for proc in [p for a in agents for p in a.children(recursive=True)] + agents:
+        proc.kill()
+    killed = time.monotonic()
+    status = _wait("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
+                   60, 0.25)
+    took = time.monotonic() - killed
+    text = _logs(backend, job)
+    assert status.state is JobState.FAILED, (status, text[-4000:])
+    # Well before the 60 s rendezvous join timeout a new round would wait for the lost node.
+    assert took < 20, (took, text[-4000:])
+    assert f"step {MAX_STEPS}/{MAX_STEPS} |" not in text
+    _wait_nothing_left(hosts)
