@@ -23,7 +23,9 @@ optimizer, and the step's logging; less its ``data_wait`` and ``save``.
 
 :meth:`AttemptClock.snapshot` renders the record as the MLflow tag
 ``trainforge.ledger.attempt.<process start, epoch ms>`` (JSON) and writes it to
-``$TRAINFORGE_JOB_DIR/ledger/attempt-<ms>.json`` (tmp file + ``os.replace``); rank 0 takes one
+``$TRAINFORGE_JOB_DIR/ledger/attempt-<ms>.json`` (tmp file + ``os.replace``), and to
+``$TRAINFORGE_LEDGER_DIR/attempt-<ms>.json`` (the task's folder every try shares, a path or an
+``s3://`` prefix: :data:`LEDGER_DIR_ENV`); rank 0 takes one
 at each log interval (the tag goes in the step metrics' ``log_batch`` call), after a step once
 :data:`FLUSH_EVERY_S` have passed since the last (:meth:`AttemptClock.flush_due`), after every
 checkpoint, and once more when training ends. A SIGKILLed attempt's record so holds its time,
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -45,6 +48,7 @@ from typing import Any, TypeVar
 import psutil
 
 from trainforge.contract import LEDGER_DIR, LEDGER_TAG_PREFIX
+from trainforge.storage import StorageError, is_s3, storage_for
 from trainforge.storage.files import atomic_write_bytes
 from trainforge.trainer.energy import EnergyMeter
 
@@ -53,6 +57,10 @@ RECORD_VERSION = 1
 FLUSH_EVERY_S = 5.0
 """The longest a record goes unwritten while steps run (seconds): what a SIGKILL can lose."""
 T = TypeVar("T")
+LEDGER_DIR_ENV = "TRAINFORGE_LEDGER_DIR"
+"""Where every try of a task keeps its attempt records (a path or an ``s3://`` prefix), set by
+the ``train`` task: the next try, on a new job folder, still finds them (trainforge.ledger).
+(Its place is trainforge.contract, beside ``JOB_DIR_ENV``, once that module can take it.)"""
 
 
 def flops_per_token(non_embedding_params: int, layers: int, heads: int, head_dim: int,
@@ -68,12 +76,19 @@ class AttemptClock:
 
     def __init__(self, *, world_size: int, tokens_per_step: int, flops_per_token: int,
                  device: str, energy: EnergyMeter | None = None,
-                 started_at: float | None = None, job_dir: str | None = None) -> None:
+                 started_at: float | None = None, job_dir: str | None = None,
+                 ledger_dir: str | None = None) -> None:
         self.started_at = psutil.Process().create_time() if started_at is None else started_at
         self.world_size, self.tokens_per_step = world_size, tokens_per_step
         self.flops_per_token, self.device, self.energy = flops_per_token, device, energy
-        self.file = (Path(job_dir) / LEDGER_DIR / f"attempt-{int(self.started_at * 1000)}.json"
-                     if job_dir else None)
+        name = f"attempt-{int(self.started_at * 1000)}.json"
+        self.file = Path(job_dir) / LEDGER_DIR / name if job_dir else None
+        # the task's folder of every try's records: $TRAINFORGE_LEDGER_DIR unless given
+        ledger_dir = ledger_dir if ledger_dir is not None else os.environ.get(LEDGER_DIR_ENV)
+        self.shared = storage_for(ledger_dir) if ledger_dir else None
+        self.shared_dir: str | Path | None = (
+            (ledger_dir if is_s3(ledger_dir) else Path(ledger_dir)) if ledger_dir else None)
+        self.shared_file = self.shared.join(self.shared_dir, name) if self.shared else None
         self.seconds = {"startup": 0.0, "restore": 0.0, "data_wait": 0.0, "save": 0.0,
                         "eval": 0.0, "wasted": 0.0, "productive": 0.0}
         self.resumed_step = self.reached_step = self.step = 0
@@ -92,18 +107,34 @@ class AttemptClock:
         self.reached_step = max(reached_step, resumed_step, self._reached_in_job_folder())
 
     def _reached_in_job_folder(self) -> int:
-        """The newest step an earlier attempt of this job recorded in the job folder: a job
-        without MLflow (or whose run was not reachable) still counts re-trained steps as
-        wasted. An unreadable record is left out."""
-        if self.file is None:
-            return 0
-        newest = 0
-        for path in self.file.parent.glob("attempt-*.json"):
-            if path == self.file:
-                continue
+        """The newest step an earlier attempt recorded in the job folder or in the task's
+        ledger folder (earlier tries, on other job folders): a job without MLflow (or whose run
+        was not reachable) still counts re-trained steps as wasted. An unreadable record is
+        left out."""
+        texts = []
+        if self.file is not None:
+            for path in self.file.parent.glob("attempt-*.json"):
+                if path != self.file:
+                    try:
+                        texts.append(path.read_text())
+                    except OSError:
+                        continue
+        if self.shared is not None:
             try:
-                newest = max(newest, int(json.loads(path.read_text())["step"]))
-            except (OSError, ValueError, KeyError, TypeError):
+                for name in self.shared.list_files(self.shared_dir):
+                    if name.startswith("attempt-") and name.endswith(".json"):
+                        location = self.shared.join(self.shared_dir, name)
+                        if location != self.shared_file:
+                            texts.append((self.shared.read_bytes(location) or b"").decode())
+            except (StorageError, UnicodeDecodeError) as err:
+                log.warning("could not read the earlier attempts' records in %s (%s): steps "
+                            "trained again count as wasted only as far as MLflow knows them",
+                            self.shared_dir, err)
+        newest = 0
+        for text in texts:
+            try:
+                newest = max(newest, int(json.loads(text)["step"]))
+            except (ValueError, KeyError, TypeError):
                 continue
         return newest
 
@@ -203,4 +234,14 @@ class AttemptClock:
                 log.warning("could not write the ledger record %s (%s): from now on only MLflow "
                             "holds it", self.file, err)
                 self.file = None
+        if self.shared is not None and self.shared_file is not None:
+            try:
+                if isinstance(self.shared_dir, Path):
+                    self.shared_dir.mkdir(parents=True, exist_ok=True)
+                self.shared.write_bytes(self.shared_file, text.encode("utf-8"))
+            except (OSError, StorageError) as err:
+                log.warning("could not write the ledger record %s (%s): a later try sees this "
+                            "attempt only through MLflow or this job's folder", self.shared_file,
+                            err)
+                self.shared = None
         return {f"{LEDGER_TAG_PREFIX}{int(self.started_at * 1000)}": text}

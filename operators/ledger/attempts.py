@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.contract import LEDGER_DIR, LEDGER_TAG_PREFIX as RECORD_TAG_PREFIX
+from trainforge.storage import Location, Storage, storage_for
 
 _SECONDS = {"startup": "program_startup", "restore": "checkpoint_restore",
             "data_wait": "data_loading", "save": "checkpoint_save", "eval": "evaluation",
@@ -35,9 +36,45 @@ class AttemptRecordError(ValueError):
 def job_dir_records(job_dir: str | Path) -> dict[str, str]:
     """The attempt records a job folder holds (``ledger/attempt-<ms>.json``), keyed as their
     MLflow tags are, for :func:`attempt_records` (a job run without MLflow, e.g. a benchmark)."""
-    folder = Path(job_dir) / LEDGER_DIR
-    return {f"{RECORD_TAG_PREFIX}{p.stem.removeprefix('attempt-')}": p.read_text()
-            for p in sorted(folder.glob("attempt-*.json"))}
+    return folder_records(Path(job_dir) / LEDGER_DIR)
+
+
+def folder_records(folder: Location, storage: Storage | None = None) -> dict[str, str]:
+    """The attempt records in ``folder`` (``attempt-<ms>.json``: a job folder's ``ledger/``, or
+    the task's ledger folder every try writes to, ``$TRAINFORGE_LEDGER_DIR``), keyed as their
+    MLflow tags are; empty when the folder does not exist.
+
+    Raises:
+        StorageError: the folder or a record cannot be read (names the location).
+    """
+    storage = storage or storage_for(folder)
+    found = {}
+    for name in storage.list_files(folder):
+        if name.startswith("attempt-") and name.endswith(".json"):
+            data = storage.read_bytes(storage.join(folder, name))
+            if data is not None:
+                found[f"{RECORD_TAG_PREFIX}{name[len('attempt-'):-len('.json')]}"] = data.decode()
+    return found
+
+
+def merge_records(*sources: dict[str, str]) -> dict[str, str]:
+    """Attempt records from several places (MLflow tags, record files), one per attempt: of two
+    copies of one attempt's record, the later one (``recorded_at``); other keys pass as they are."""
+    merged: dict[str, str] = {}
+    for source in sources:
+        for key, value in source.items():
+            if key in merged and key.startswith(RECORD_TAG_PREFIX):
+                if _recorded_at(value) < _recorded_at(merged[key]):
+                    continue
+            merged[key] = value
+    return merged
+
+
+def _recorded_at(text: str) -> float:
+    try:
+        return float(json.loads(text)["recorded_at"])
+    except (ValueError, KeyError, TypeError):
+        return float("-inf")
 
 
 def attempt_records(tags: dict[str, str]) -> list[dict[str, Any]]:

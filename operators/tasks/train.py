@@ -44,7 +44,9 @@ from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec, stage_task_id
 from trainforge.tasks.model_init import InitSourceError, registered_init
-from trainforge.tasks.train_ledger import record_ledger, record_try_started
+from trainforge.tasks.prepare_data import connection_s3_client
+from trainforge.tasks.train_ledger import (ledger_dir, ledger_env, record_ledger,
+                                           record_try_started, task_records)
 
 MAX_TAG_CHARS = 5000  # MLflow's tag value limit is 8000 characters
 
@@ -197,7 +199,8 @@ class TrainOperator(ClusterJobOperator):
         init = self._stage_init(spec, ti)
         if init is None and spec.model.init_from:
             init = self._registered_init(spec, prepared)
-        env = {"MLFLOW_RUN_ID": self._mlflow_run_id}
+        env = {"MLFLOW_RUN_ID": self._mlflow_run_id,
+               **ledger_env(self._checkpoint_dir(spec, ti))}  # every try's attempt records
         tracking_uri = self.mlflow_hook.tracking_uri
         if tracking_uri:
             env["MLFLOW_TRACKING_URI"] = tracking_uri
@@ -334,10 +337,14 @@ class TrainOperator(ClusterJobOperator):
         """The job's ledger over every try so far, logged (trainforge.tasks.train_ledger); None
         when it could not be: never fails the task, the training it describes succeeded."""
         try:
+            ti = context["ti"]
+            records = task_records(
+                ledger_dir(self._checkpoint_dir(spec, ti)),
+                (lambda: connection_s3_client(spec)) if spec.storage.aws_conn_id else None)
             return record_ledger(self.mlflow_hook, spec, event, self._price(spec),
                           own_run=self._stage_run_id(spec, parent), parent_run=parent,
                           stage=self.stage, task_started_s=self._first_start_s,
-                          try_number=int(context["ti"].try_number))
+                          try_number=int(ti.try_number), records=records)
         except Exception:  # noqa: BLE001 - the ledger is worth less than the model
             self.log.warning("could not record the job's ledger in MLflow", exc_info=True)
             return None

@@ -10,6 +10,10 @@ step ``<try number>`` with the tag ``ledger/try``: two outcomes never put two va
 step, and a metric's latest value is the latest outcome's. The ledger's own tags (``ledger/*``,
 ``energy/*``, ``cost/*``) that the new ledger does not set are deleted, so no earlier try's tag
 contradicts it. The try's record (trainforge.ledger.tries) is written beside the attempt records.
+
+The attempt records are read from the run's tags and from the task's ledger folder
+(:func:`ledger_dir`, beside the checkpoints every try shares), where the trainer writes them
+too: a trainer without MLflow, on any engine, is still on the bill of every later try.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ import logging
 import time
 from typing import Any
 
+from trainforge.contract import LEDGER_DIR
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.hooks.mlflow_calls import mlflow_errors
 from trainforge.ledger import names as n
+from trainforge.ledger.attempts import folder_records, merge_records
 from trainforge.ledger.build import Ledger, build_ledger
 from trainforge.ledger.catalog import Price
 from trainforge.ledger.tries import earlier_tries, encode, try_ended, try_records, try_started, try_tag
 from trainforge.pipeline.model import PipelineSpec
+from trainforge.storage import StorageError, storage_for
 
 log = logging.getLogger(__name__)
 OWN_TAG_ROOTS = ("ledger", "energy", "cost")
@@ -34,6 +41,33 @@ OWN_TAG_ROOTS = ("ledger", "energy", "cost")
 def stage_key(stage: str, name: str) -> str:
     """A stage's metric or tag on the DAG run's run: ``stage/<stage>/<name>``."""
     return f"stage/{stage}/{name}"
+
+
+def ledger_dir(checkpoint_dir: str) -> str:
+    """The task's ledger folder: ``<checkpoint folder>/ledger``, keyed like the checkpoints by
+    DAG, run and stage, so shared by every try of the task on every engine (a path or an
+    ``s3://`` prefix); the ranks get it as ``$TRAINFORGE_LEDGER_DIR``."""
+    return str(storage_for(checkpoint_dir).join(checkpoint_dir, LEDGER_DIR))
+
+
+def ledger_env(checkpoint_dir: str) -> dict[str, str]:
+    """The ranks' environment naming the task's ledger folder (trainforge.trainer.goodput)."""
+    from trainforge.trainer.goodput import LEDGER_DIR_ENV  # the trainer's name for it
+
+    return {LEDGER_DIR_ENV: ledger_dir(checkpoint_dir)}
+
+
+def task_records(folder: str | None, s3_client: Any = None) -> dict[str, str]:
+    """Every try's attempt records in the task's ledger folder, keyed as their MLflow tags; empty
+    (with a warning naming the folder) when it cannot be read."""
+    if not folder:
+        return {}
+    try:
+        return folder_records(folder, storage_for(folder, s3_client))
+    except (StorageError, UnicodeDecodeError) as err:
+        log.warning("could not read the attempt records in %s (%s): the ledger counts those "
+                    "in MLflow only", folder, err)
+        return {}
 
 
 def record_try_started(hook: MlflowHook, run_id: str, try_number: int,
@@ -58,13 +92,16 @@ def _replace_tags(hook: MlflowHook, run_id: str, tags: dict[str, str], old: dict
 
 def record_ledger(hook: MlflowHook, spec: PipelineSpec, event: dict[str, Any], price: Price | str,
                   *, own_run: str, parent_run: str, stage: str | None,
-                  task_started_s: float | None, try_number: int) -> Ledger:
+                  task_started_s: float | None, try_number: int,
+                  records: dict[str, str] | None = None) -> Ledger:
     """Build the job's ledger over every try so far (trainforge.ledger.build) and log it at step
-    ``try_number``; returns it."""
+    ``try_number``; returns it. ``records``: attempt records found outside MLflow
+    (:func:`task_records`), merged with the run's."""
     job = (event.get("handle") or {}).get("identity") or {}
     tags = hook.get_run(own_run).data.tags
     now = time.time()
-    ledger = build_ledger(spec, event, tags, price, task_started_s=task_started_s, now_s=now,
+    ledger = build_ledger(spec, event, merge_records(tags, records or {}), price,
+                          task_started_s=task_started_s, now_s=now,
                           submitted_by_this_try=int(job.get("try_number") or 0) == try_number,
                           earlier_tries=earlier_tries(tags, try_number))
     ledger.tags[n.TRY] = str(try_number)
