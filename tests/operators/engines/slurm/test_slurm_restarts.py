@@ -153,7 +153,7 @@ def test_a_killed_rank_is_restarted_inside_the_same_job(tmp_path, cluster, datas
     assert status.state is JobState.SUCCEEDED, (status, text[-4000:])
     # One job, one run of its script: the restart happened inside the step.
     assert len(re.findall(r"trainforge: Slurm job \d+ on", text)) == 1, text[-4000:]
-    assert "will restart worker group" in text, text[-4000:]  # torchrun's agent, not a new job
+    assert "failed (exitcode: -9) local_rank: 0" in text, text[-4000:]  # the agent saw the kill
     resumed = re.findall(r"resuming from \S*step-(\d+)", text)
     assert resumed and 10 <= int(resumed[-1]) <= killed_at, (resumed, killed_at, text[-4000:])
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" in text
