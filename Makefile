@@ -54,7 +54,7 @@ test-all: venv
 
 airflow: venv
 	$(PY) -m trainforge.dag_files dags/pipelines
-	$(PY) -m trainforge.standalone --dags-folder dags
+	$(PY) -m trainforge.cli.standalone --dags-folder dags
 
 # Regenerate the committed JSON Schema and spec reference after changing the spec model.
 schema: venv

@@ -10,7 +10,7 @@ curves' last values, accounting) and one registered model per pipeline with a ve
 runs; then starts an MLflow server on it. It times, in this process through FastAPI's
 TestClient:
 
-* ``GET /trainforge/api/training`` (trainforge.ui.app): pipelines, their last 5 runs, live
+* ``GET /trainforge/api/training`` (trainforge.plugins.ui.app): pipelines, their last 5 runs, live
   training, the champion and trend, the last 30 days' figures from MLflow;
 * the same listing through Airflow's REST API (its ``core`` FastAPI app): ``GET /api/v2/dags``
   with ``tags=trainforge``, then ``GET /api/v2/dags/{dag_id}/dagRuns`` (newest 5) for each —
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # tests.ui.airflow_db: the metadata fixture the API tests use
+sys.path.insert(0, str(ROOT))  # tests.plugins.ui.airflow_db: the metadata fixture the API tests use
 
 GOAL_S = 1.0
 TASKS = ("prepare_data", "train", "validate_checkpoint", "register_model", "close_run")
@@ -41,7 +41,7 @@ TASKS = ("prepare_data", "train", "validate_checkpoint", "register_model", "clos
 def seed_airflow(pipelines: int, runs: int) -> list[tuple[str, str]]:
     from airflow.utils.session import create_session
 
-    from tests.ui.airflow_db import seed_dag, seed_run
+    from tests.plugins.ui.airflow_db import seed_dag, seed_run
 
     today = dt.datetime.now(dt.timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
     made = []
@@ -124,7 +124,7 @@ def main() -> int:
         os.environ.setdefault("AIRFLOW_HOME", str(tmp / "airflow"))
         from fastapi.testclient import TestClient
 
-        from tests.ui.airflow_db import airflow_metadata, token
+        from tests.plugins.ui.airflow_db import airflow_metadata, token
         from trainforge.mlflow_setup import start_server
 
         with airflow_metadata(tmp / "airflow.db"):
@@ -141,7 +141,7 @@ def main() -> int:
                 os.environ["MLFLOW_TRACKING_URI"] = mlflow.url
                 from airflow.api_fastapi.app import create_app
 
-                from trainforge.ui.app import app as ui
+                from trainforge.plugins.ui.app import app as ui
 
                 headers = {"Authorization": f"Bearer {token('admin', 'admin')}"}
                 ours = TestClient(ui)

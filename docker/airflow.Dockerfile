@@ -42,7 +42,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
     pip-install /opt/venv wheel --no-deps --wheel-dir /wheels /src; \
     /opt/venv/bin/pip install --no-deps /wheels/trainforge-*.whl; \
     /opt/venv/bin/pip check; \
-    /opt/venv/bin/python -c "import airflow, trainforge.plugin, trainforge.trainer.train, airflow.providers.celery, airflow.providers.postgres"
+    /opt/venv/bin/python -c "import airflow, trainforge.plugins.plugin, trainforge.trainer.train, airflow.providers.celery, airflow.providers.postgres"
 
 FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="trainforge-airflow" \

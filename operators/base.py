@@ -17,9 +17,9 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
 from trainforge.hooks.mlflow import MlflowHook
-from trainforge.links import XCOM_MLFLOW_RUN_URL, MlflowRunLink
 from trainforge.pipeline.loader import SpecError, validate_overrides
 from trainforge.pipeline.model import PipelineSpec
+from trainforge.plugins.links import XCOM_MLFLOW_RUN_URL, MlflowRunLink
 
 # DAG param name -> dotted spec path. These are the fields a researcher may override in the
 # Airflow UI's trigger form; the DAG builder turns each into a typed Param. They change the

@@ -28,7 +28,7 @@ TAG_SUPERSEDED_BY = "trainforge.superseded_by"
 TAG_PIPELINE_ALIAS_MOVE = "trainforge.pipeline_alias_move"
 """Prefix of ``<prefix>.<alias>`` (unix seconds), set on a version just before the pipeline moves
 ``alias`` to it: the webhook receiver then leaves that move's asset event to the pipeline
-(trainforge.webhooks.receiver)."""
+(trainforge.plugins.webhooks.receiver)."""
 MAX_TAG_VALUE_CHARS = 5000  # mlflow.utils.validation.MAX_MODEL_REGISTRY_TAG_VALUE_LENGTH
 
 

@@ -137,7 +137,7 @@ def test_the_run_has_its_ledger_and_trainforge_report_reads_it(demo_run, mlflow_
     from mlflow import MlflowClient
     from typer.testing import CliRunner
 
-    from trainforge.cli import app
+    from trainforge.cli.main import app
     from trainforge.ledger import names as n
 
     _, summary, output = demo_run

@@ -162,7 +162,7 @@ class AirflowStandalone:
     """``airflow standalone`` on loopback with the suite's pipeline; REST calls as ``admin``."""
 
     def __init__(self, home: Path, mlflow_url: str, pipelines: list[Path]):
-        from trainforge.runner import airflow_env
+        from trainforge.cli.runner import airflow_env
 
         self.home = home
         self.port = free_port()
@@ -210,7 +210,7 @@ class AirflowStandalone:
         wait_for(f"airflow standalone to serve the {ready_dag} DAG", ready, timeout_s)
 
     def stop(self) -> None:
-        from trainforge.standalone import _stop_tree
+        from trainforge.cli.standalone import _stop_tree
 
         for proc in self.extra:
             _stop_tree(proc, grace_s=20)

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from trainforge.broker import ENV, EXECUTOR_ENV, Broker, environment_broker, visibility_warnings
-from trainforge.cli import app
+from trainforge.cli.main import app
 from trainforge.dag_builder import build_dag
 from trainforge.graph import task_timeouts
 from trainforge.pipeline import load_spec, parse_spec_text

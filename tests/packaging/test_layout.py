@@ -57,5 +57,5 @@ def test_wheel_registers_the_plugin_and_the_cli(built_wheel: Path):
         (entry_points,) = [n for n in wheel.namelist() if n.endswith(".dist-info/entry_points.txt")]
         parser = configparser.ConfigParser()
         parser.read_string(wheel.read(entry_points).decode())
-    assert dict(parser["airflow.plugins"]) == {"trainforge": "trainforge.plugin:TrainforgePlugin"}
-    assert dict(parser["console_scripts"]) == {"trainforge": "trainforge.cli:app"}
+    assert dict(parser["airflow.plugins"]) == {"trainforge": "trainforge.plugins.plugin:TrainforgePlugin"}
+    assert dict(parser["console_scripts"]) == {"trainforge": "trainforge.cli.main:app"}

@@ -152,15 +152,17 @@ def test_airflow_plugins_lists_the_entry_point_plugin(venv: Venv):
     out = venv.run("airflow", "plugins", "--output", "json", **_deployment(venv, "plugins"))
     plugins = _json(out)
     assert [p["name"] for p in plugins] == ["trainforge"]
-    assert "trainforge.links.MlflowRunLink" in plugins[0]["operator_extra_links"][0]
+    assert "trainforge.plugins.links.MlflowRunLink" in plugins[0]["operator_extra_links"][0]
 
 
 def test_checkout_plugins_folder_adds_no_second_plugin(venv: Venv):
-    """A deployment whose plugins folder is a copy of the checkout's plugins/ still has the
-    plugin once, from the entry point, and no plugin import error."""
+    """A deployment whose plugins folder is a copy of the checkout's plugins/ (the plugin's own
+    code) still has the plugin once, from the entry point, and no plugin import error: the
+    folder's .airflowignore keeps the plugins manager from importing its files again."""
     settings = _deployment(venv, "checkout-plugins")
-    for path in (REPO / "plugins").iterdir():
-        shutil.copy2(path, settings["AIRFLOW__CORE__PLUGINS_FOLDER"])
+    shutil.copytree(REPO / "plugins", settings["AIRFLOW__CORE__PLUGINS_FOLDER"], dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    assert (Path(settings["AIRFLOW__CORE__PLUGINS_FOLDER"]) / "plugin.py").is_file()
     probe = venv.run("python", "-c",
                      "import json; from airflow import plugins_manager as pm; "
                      "plugins, errors = pm._get_plugins(); "
@@ -209,7 +211,7 @@ def test_dummy_top_level_packages_change_nothing(venv: Venv):
     try:
         assert before == _validate_and_render(venv)
         out = venv.run("python", "-c", "import operators, trainer, trainforge.trainer.train, "
-                       "trainforge.plugin; print(operators.WHO, trainer.WHO)")
+                       "trainforge.plugins.plugin; print(operators.WHO, trainer.WHO)")
         assert out.stdout.split() == ["dummy", "operators", "dummy", "trainer"]
     finally:
         venv.run("pip", "uninstall", "--yes", "dummy-generic-names")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from trainforge.cli import app
+from trainforge.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[3]
 PIPELINES = sorted((ROOT / "dags" / "pipelines").glob("*.yaml"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from trainforge.cli import app
+from trainforge.cli.main import app
 from trainforge.dag_files import write_companions
 
 ROOT = Path(__file__).resolve().parents[3]

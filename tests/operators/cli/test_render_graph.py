@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from trainforge.cli import app
+from trainforge.cli.main import app
 from trainforge.dag_builder import build_dag
 from trainforge.graph import CLOSE_RUN_TASK_ID
 from trainforge.pipeline import load_spec
@@ -89,7 +89,7 @@ def test_render_imports_no_airflow():
     import subprocess
     import sys
 
-    code = ("import sys; from typer.testing import CliRunner; from trainforge.cli import app; "
+    code = ("import sys; from typer.testing import CliRunner; from trainforge.cli.main import app; "
             f"r = CliRunner().invoke(app, ['render', {str(DEMO)!r}]); assert r.exit_code == 0; "
             "print(sorted(m for m in sys.modules if m == 'airflow' or m.startswith('airflow.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from trainforge.cli.report import print_report
 from trainforge.ledger import names as n
 from trainforge.ledger.build import build_ledger
 from trainforge.ledger.catalog import Price
 from trainforge.ledger.energy import job_energy
 from trainforge.ledger.read import ledger_figures, ledger_line
 from trainforge.pipeline import load_spec, validate_overrides
-from trainforge.report import print_report
-from trainforge.ui.ledger import figures
+from trainforge.plugins.ui.ledger import figures
 
 DEMO = Path(__file__).resolve().parents[3] / "dags" / "pipelines" / "shakespeare_llm.yaml"
 
@@ -136,7 +136,7 @@ def test_the_report_and_the_run_view_show_the_source_per_device(gpu_spec):
 
 
 def test_a_staged_run_is_partial_when_any_stage_is():
-    from trainforge.report import _combined
+    from trainforge.cli.report import _combined
 
     metrics = {f"stage/{s}/{n.GOODPUT}": 50.0 for s in ("a", "b")}
     tags = {f"stage/a/{n.ENERGY_STATUS}": "partial", f"stage/b/{n.ENERGY_STATUS}": "complete",

@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from trainforge.cli import app
+from trainforge.cli.main import app
 from trainforge.pipeline import PipelineSpec, SpecError, parse_spec_text
 
 ROOT = Path(__file__).resolve().parents[3]

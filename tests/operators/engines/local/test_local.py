@@ -168,7 +168,7 @@ def test_a_vanished_supervisor_is_a_transient_failure(tmp_path):
 
 
 def test_an_interrupted_run_cancels_only_its_own_pipelines_jobs(tmp_path):
-    from trainforge.runner import cancel_running_jobs
+    from trainforge.cli.runner import cancel_running_jobs
 
     backend = LocalBackend(tmp_path / "runs", cwd=str(FAKES))
     mine = backend.submit(_job(JobIdentity("mine", "r", "train", 1), {"lines": 1, "sleep_s": 120}, 1))

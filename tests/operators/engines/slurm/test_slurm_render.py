@@ -18,7 +18,7 @@ from trainforge.engines.registry import backend_kwargs, get_backend
 from trainforge.engines.base import JobIdentity, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
 from trainforge.engines.slurm.script import time_limit
-from trainforge.cli import app
+from trainforge.cli.main import app
 from trainforge.errors import BackendError
 from trainforge.pipeline import SpecError, parse_spec_text
 from trainforge.engines.slurm.spec import SlurmEngine

@@ -1,0 +1,118 @@
+"""The FastAPI app of the Training, run and Cluster pages (mounted at trainforge.plugins.ui.asgi.URL_PREFIX).
+
+Pages (HTML shells filled by ``static/ui.js``) and their JSON:
+
+* ``GET /training`` and ``GET /api/training``: every pipeline (trainforge.plugins.ui.training);
+* ``GET /run?dag_id=&run_id=`` and ``GET /api/runs/{dag_id}/{run_id}``: one DAG run
+  (trainforge.plugins.ui.runview; 404 for an unknown run);
+* ``GET /cluster`` and ``GET /api/cluster``: the live training jobs (trainforge.plugins.ui.cluster).
+
+Every route needs Airflow's signed-in user (401) and reads only DAGs the auth manager lets
+that user read (403 for one DAG's data; lists leave the others out). Routes are plain ``def``:
+Starlette runs them in its thread pool, never on the API server's event loop. Nothing is
+written; responses carry no secret (no connection, no environment, no trigger settings); a
+Content-Security-Policy lets only the same origin frame the pages and allows no script, style
+or connection from elsewhere.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query, Request, status
+from fastapi.responses import HTMLResponse, Response
+
+from airflow.api_fastapi.common.db.common import SessionDep
+
+from trainforge.plugins.ui import cluster, metadata
+from trainforge.plugins.ui.access import SignedInUser, readable_dag_ids, require_dag_read
+from trainforge.plugins.ui.mlflow_reader import MlflowReader, tracking_uri
+from trainforge.plugins.ui.runview import RunNotFound, run_view
+from trainforge.plugins.ui.training import overview
+
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "connect-src 'self'; font-src 'self'; base-uri 'none'; form-action 'none'; "
+       "frame-ancestors 'self'")
+STATIC = {"ui.js": "text/javascript", "charts.js": "text/javascript", "ui.css": "text/css"}
+PAGES = ("training", "run", "cluster")
+TITLES = {"training": "Training", "run": "Training run", "cluster": "Cluster"}
+
+app = FastAPI(title="trainforge UI", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@app.middleware("http")
+async def security_headers(request: Request, call_next):
+    response = await call_next(request)
+    response.headers["Content-Security-Policy"] = CSP
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "same-origin"
+    if "/api/" in request.url.path:
+        response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+def _reader() -> MlflowReader | None:
+    uri = tracking_uri()
+    return MlflowReader(uri) if uri else None
+
+
+def _static_text(name: str) -> str:
+    return resources.files("trainforge.plugins.ui").joinpath("static", name).read_text(encoding="utf-8")
+
+
+# -- pages --------------------------------------------------------------------------------------
+def _page(name: str) -> HTMLResponse:
+    html = (_static_text("page.html").replace("{{page}}", name)
+            .replace("{{title}}", TITLES[name]))
+    return HTMLResponse(html)
+
+
+@app.get("/training", response_class=HTMLResponse)
+def training_page(user: SignedInUser) -> HTMLResponse:
+    return _page("training")
+
+
+@app.get("/run", response_class=HTMLResponse)
+def run_page(user: SignedInUser, session: SessionDep, dag_id: str = Query(...),
+             run_id: str = Query(...)) -> HTMLResponse:
+    require_dag_read(user, dag_id, session)
+    return _page("run")
+
+
+@app.get("/cluster", response_class=HTMLResponse)
+def cluster_page(user: SignedInUser) -> HTMLResponse:
+    return _page("cluster")
+
+
+@app.get("/static/{name}")
+def static_file(name: str, user: SignedInUser) -> Response:
+    if name not in STATIC:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no static file {name!r}")
+    return Response(_static_text(name), media_type=STATIC[name],
+                    headers={"Cache-Control": "private, max-age=300"})
+
+
+# -- JSON ---------------------------------------------------------------------------------------
+@app.get("/api/training")
+def training_api(user: SignedInUser, session: SessionDep) -> dict[str, Any]:
+    return overview(session, readable_dag_ids(user), _reader())
+
+
+@app.get("/api/runs/{dag_id}/{run_id:path}")
+def run_api(dag_id: str, run_id: str, user: SignedInUser, session: SessionDep
+            ) -> dict[str, Any]:
+    require_dag_read(user, dag_id, session)
+    try:
+        return run_view(session, dag_id, run_id, _reader())
+    except RunNotFound as err:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(err)) from err
+
+
+@app.get("/api/cluster")
+def cluster_api(user: SignedInUser, session: SessionDep) -> dict[str, Any]:
+    dag_ids = metadata.pipeline_ids(session, readable_dag_ids(user))
+    jobs, unavailable = cluster.live_jobs(metadata.live_train_tasks(session, dag_ids))
+    engines = sorted({j["engine"] for j in jobs if j["engine"]})
+    return {"jobs": jobs, "engines": engines, "partial": bool(unavailable),
+            "unavailable": [{"source": u["engine"], "error": u["error"]} for u in unavailable]}

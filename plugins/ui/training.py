@@ -1,0 +1,188 @@
+"""The Training page's answer: every trainforge pipeline the user may read, its last runs,
+what trains now, its champion and the champion metric's trend, and the last 30 days.
+
+Airflow's metadata answers first (one session, a few queries); MLflow is then asked, in the
+UI's threads, for the runs of the last 30 days (one paginated search) and the model registry
+(registered models and versions: two calls), all under one deadline. When MLflow does not
+answer the page still lists the pipelines and runs, and ``unavailable`` says what is missing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from trainforge.ledger.attempts import AttemptRecordError, attempt_records
+from trainforge.plugins.ui import metadata
+from trainforge.plugins.ui.ledger import figures
+from trainforge.plugins.ui.mlflow_reader import MlflowReader, MlflowUnavailable
+from trainforge.plugins.ui.pool import POOL
+
+RUNS_PER_PIPELINE = 5
+WINDOW_DAYS = 30
+CHAMPION_ALIAS = "champion"
+TAG_DAG_ID = "trainforge.dag_id"
+TAG_RUN_ID = "trainforge.airflow_run_id"
+TAG_MODEL = "trainforge.registered_model"
+
+
+def progress(run: dict[str, Any], history: list[dict[str, Any]] | None = None
+             ) -> dict[str, Any]:
+    """Step, max steps, ETA (s), tokens/s and last loss of an MLflow run (``search_runs``
+    form). The ETA is the remaining steps at the pace between the first and last logged points
+    of ``history`` (``train_loss``), else at the pace of the newest attempt's ledger record
+    (first step to last record, docs/contracts.md "Run ledger"): never from the run's start,
+    which counts data preparation and the trainer's startup as training time."""
+    metrics, steps = run["metrics"], run["metric_steps"]
+    step = steps.get("train_loss")
+    max_steps = _number(run["params"].get("optim.max_steps"))
+    eta = None
+    if step and max_steps and step < max_steps:
+        pace = None
+        if history and len(history) >= 2 and history[-1]["step"] > history[0]["step"]:
+            first, last = history[0], history[-1]
+            pace = (last["timestamp"] - first["timestamp"]) / 1000 / (last["step"] - first["step"])
+        else:
+            pace = _attempt_pace(run["tags"])
+        eta = pace * (max_steps - step) if pace is not None else None
+    return {"step": step, "max_steps": int(max_steps) if max_steps else None,
+            "eta_s": eta, "tokens_per_s": metrics.get("tokens_per_s", metrics.get("tps")),
+            "loss": metrics.get("train_loss"), "learning_rate": metrics.get("learning_rate")}
+
+
+def _attempt_pace(tags: dict[str, str]) -> float | None:
+    """Seconds per step of the newest attempt that has trained a step, from the run's ledger
+    records (trainforge.ledger.attempts); None when there is none or a record is unreadable."""
+    try:
+        records = attempt_records(tags)
+    except AttemptRecordError:
+        return None
+    for record in reversed(records):
+        try:
+            first, last = float(record["first_step_at"]), float(record["recorded_at"])
+            done = int(record["step"]) - int(record.get("resumed_step") or 0)
+        except (TypeError, ValueError, KeyError):
+            continue
+        if done > 0 and last > first:
+            return (last - first) / done
+    return None
+
+
+def _number(text: Any) -> float | None:
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return None
+
+
+def _mlflow_runs(reader: MlflowReader, since: dt.datetime) -> list[dict[str, Any]]:
+    start_ms = int(since.timestamp() * 1000)
+    return reader.search_runs(f"attributes.start_time >= {start_ms}", max_runs=10_000)
+
+
+def _models(reader: MlflowReader, names: set[str]) -> dict[str, dict[str, Any]]:
+    """For each registered model named: its champion version and the gate metric's trend over
+    its versions (two calls whatever the number of models)."""
+    aliases = {m["name"]: {a["alias"]: a["version"] for a in m.get("aliases", [])}
+               for m in reader.registered_models() if m.get("name") in names}
+    trends: dict[str, list[dict[str, Any]]] = {name: [] for name in aliases}
+    for version in reader.model_versions():
+        if version.get("name") not in trends:
+            continue
+        tags = version["tags"]
+        trends[version["name"]].append({
+            "version": version["version"], "metric": tags.get("trainforge.gate.metric"),
+            "value": _number(tags.get("trainforge.gate.candidate_value")),
+            "decision": tags.get("trainforge.gate.decision"),
+            "created": version.get("creation_timestamp")})
+    out = {}
+    for name, trend in trends.items():
+        champion = None
+        if CHAMPION_ALIAS in aliases[name]:
+            version = aliases[name][CHAMPION_ALIAS]
+            found = [t for t in trend if t["version"] == version]
+            champion = {"model": name, "version": version,
+                        "metric": found[0]["metric"] if found else None,
+                        "value": found[0]["value"] if found else None,
+                        "url": reader.version_url(name, version)}
+        out[name] = {"model": name, "aliases": aliases[name], "champion": champion,
+                     "trend": trend}
+    return out
+
+
+def overview(session: Session, readable: set[str] | None, reader: MlflowReader | None,
+             timeout_s: float = 8.0) -> dict[str, Any]:
+    """The Training page's JSON (module doc)."""
+    now = dt.datetime.now(dt.timezone.utc)
+    since = now - dt.timedelta(days=WINDOW_DAYS)
+    dag_ids = metadata.pipeline_ids(session, readable)
+    info = metadata.pipelines(session, dag_ids)
+    runs = metadata.recent_runs(session, dag_ids, RUNS_PER_PIPELINE)
+    counts = metadata.run_counts(session, dag_ids, since)
+    live = {(t["dag_id"], t["run_id"]) for t in metadata.live_train_tasks(session, dag_ids)}
+    unavailable: list[dict[str, str]] = []
+    mlflow_runs: dict[tuple[str, str], dict[str, Any]] = {}
+    models: dict[str, dict[str, Any]] = {}
+    if reader is None:
+        unavailable.append({"source": "mlflow", "error": "no MLflow tracking URI configured "
+                                                          "(MLFLOW_TRACKING_URI)"})
+    elif dag_ids:
+        deadline = time.monotonic() + timeout_s
+        try:
+            found = POOL.submit(_mlflow_runs, reader, since).result(timeout=timeout_s)
+        except (MlflowUnavailable, TimeoutError) as err:
+            unavailable.append({"source": "mlflow", "error": str(err) or "no answer in time"})
+            found = []
+        wanted = set(dag_ids)
+        for run in found:
+            key = (run["tags"].get(TAG_DAG_ID), run["tags"].get(TAG_RUN_ID))
+            if key[0] in wanted and key not in mlflow_runs:
+                mlflow_runs[key] = run
+        names = {}
+        for (dag_id, _), run in mlflow_runs.items():
+            if run["tags"].get(TAG_MODEL):
+                names.setdefault(dag_id, run["tags"][TAG_MODEL])
+        if names:
+            try:
+                by_name = POOL.submit(_models, reader, set(names.values())).result(
+                    timeout=max(0.1, deadline - time.monotonic()))
+                models = {dag_id: by_name[name] for dag_id, name in names.items()
+                          if name in by_name}
+            except (MlflowUnavailable, TimeoutError) as err:
+                unavailable.append({"source": "mlflow", "error": "model registry: "
+                                                                  f"{err or 'no answer in time'}"})
+    pipelines = []
+    for dag_id in dag_ids:
+        window = [r for (d, _), r in mlflow_runs.items() if d == dag_id]
+        shown = []
+        for run in runs[dag_id]:
+            ml = mlflow_runs.get((dag_id, run["run_id"]))
+            shown.append({**run, "training": (dag_id, run["run_id"]) in live,
+                          "progress": progress(ml) if ml else None,
+                          "mlflow_url": reader.run_url(ml["info"]["experiment_id"],
+                                                       ml["info"]["run_id"]) if ml else None})
+        pipelines.append({**info[dag_id], "runs": shown, "runs_30d": counts.get(dag_id, {}),
+                          "last_30d": _totals([figures(r["metrics"], r["tags"]) for r in window]),
+                          **{k: models.get(dag_id, {}).get(k) for k in ("model", "champion",
+                                                                        "trend")}})
+    return {"generated_at": now.isoformat(), "window_days": WINDOW_DAYS,
+            "pipelines": pipelines, "partial": bool(unavailable), "unavailable": unavailable}
+
+
+def _totals(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sums over a pipeline's runs of the window; goodput as the GPU-hour-weighted mean of the
+    runs that have one."""
+    def total(key: str) -> float | None:
+        values = [r[key] for r in runs if r[key] is not None]
+        return sum(values) if values else None
+
+    weighted = [(r["goodput_percent"], r["gpu_hours"] or 0.0) for r in runs
+                if r["goodput_percent"] is not None]
+    weight = sum(w for _, w in weighted)
+    goodput = (sum(g * w for g, w in weighted) / weight if weight
+               else (sum(g for g, _ in weighted) / len(weighted) if weighted else None))
+    return {"runs": len(runs), "gpu_hours": total("gpu_hours"), "cost": total("cost"),
+            "energy_kwh": total("energy_kwh"), "goodput_percent": goodput}
