@@ -3,7 +3,7 @@
 An attempt is one start of the trainer (a torchrun restart or a new job is a new attempt). Rank 0
 times, with local ``perf_counter`` readings and no collective:
 
-* ``startup``: process start (the OS's process creation time) to the first step, less restore;
+* ``startup``: process start (the kernel's, `process_started_at`) to the first step, less restore;
 * ``restore``: loading the newest checkpoint (`trainforge.trainer.train.resume`);
 * ``data_wait``: waiting for the next micro-batch;
 * ``save``: a checkpoint's blocking part (waiting for the write before, the copy to host
@@ -45,12 +45,11 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import psutil
-
 from trainforge.contract import LEDGER_DIR, LEDGER_TAG_PREFIX
 from trainforge.storage import StorageError, is_s3, storage_for
 from trainforge.storage.files import atomic_write_bytes
 from trainforge.trainer.energy import EnergyMeter
+from trainforge.trainer.startup import process_started_at
 
 log = logging.getLogger(__name__)
 RECORD_VERSION = 1
@@ -78,7 +77,7 @@ class AttemptClock:
                  device: str, energy: EnergyMeter | None = None,
                  started_at: float | None = None, job_dir: str | None = None,
                  ledger_dir: str | None = None) -> None:
-        self.started_at = psutil.Process().create_time() if started_at is None else started_at
+        self.started_at = process_started_at() if started_at is None else started_at
         self.world_size, self.tokens_per_step = world_size, tokens_per_step
         self.flops_per_token, self.device, self.energy = flops_per_token, device, energy
         name = f"attempt-{int(self.started_at * 1000)}.json"

@@ -40,9 +40,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import psutil
 import torch
 import torch.distributed as dist
+
+from trainforge.trainer.startup import import_llama, process_started_at
+
+import_llama()  # before any other import loads transformers: trainer/startup.py
 
 from trainforge.contract import (EXIT_ERROR, EXIT_OK, JOB_DIR_ENV, RESULT_FILE_ENV, STATUS_ERROR,
                                  STATUS_SUCCESS)
@@ -134,7 +137,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     torch.manual_seed(o.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's; FSDP2 relies on it)
 
     # Startup phases, logged before the first step; imports and the process group come before train().
-    since_start_s, marks = time.time() - psutil.Process().create_time(), [("setup", time.perf_counter())]
+    since_start_s, marks = time.time() - process_started_at(), [("setup", time.perf_counter())]
     dataset = open_dataset(cfg.data.dataset_dir)
     marks.append(("dataset", time.perf_counter()))
     sampler = BatchSampler(TokenStream(dataset, "train"), T, o.micro_batch_size, accum, d.world_size, o.seed)
