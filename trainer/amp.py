@@ -23,7 +23,6 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 # The loss scale starts at 2**16 (GradScaler's default) and halves on every overflow. Below 1
 # even the unscaled fp16 backward overflows: that is divergence, not a range problem.
@@ -44,8 +43,12 @@ class Precision:
         self.device_type = device.type
         self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         self.scaler: torch.amp.GradScaler | None = None
-        if precision == "fp16":
-            self.scaler = ShardedGradScaler(device.type) if sharded else torch.amp.GradScaler(device.type)
+        if precision == "fp16" and sharded:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # FSDP only: startup cost
+
+            self.scaler = ShardedGradScaler(device.type)
+        elif precision == "fp16":
+            self.scaler = torch.amp.GradScaler(device.type)
 
     def autocast(self) -> AbstractContextManager:
         """Context for the forward pass (and the loss): autocast to the dtype, or nothing for fp32."""

@@ -41,6 +41,7 @@ either parallelism and any world size.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,16 +50,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainforge.trainer.compile import compile_layers, missing_compiler
@@ -68,9 +59,8 @@ from trainforge.trainer.model import check_weights, enable_activation_checkpoint
 from trainforge.trainer.powersgd import PowerSGDHook, powersgd_hook
 
 log = logging.getLogger(__name__)
-
-_FULL_TO_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
-_FULL = StateDictOptions(full_state_dict=True)
+# What only FSDP2 uses (torch.distributed.fsdp, .tensor, .checkpoint.state_dict) is imported where
+# it is used, so a DDP run's startup does not pay for it: docs/trainer.md, "Startup".
 
 
 @dataclass
@@ -102,8 +92,11 @@ class Parallel:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the global L2 norm of all gradients to ``max_norm``; returns the norm before clipping."""
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(norm, DTensor):  # FSDP2: a replicated DTensor, the same on every rank
-            norm = norm.full_tensor()
+        if self.kind == "fsdp":
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(norm, DTensor):  # a replicated DTensor, the same on every rank
+                norm = norm.full_tensor()
         return norm.item()
 
     def nonfinite_parameters(self) -> int:
@@ -117,8 +110,12 @@ class Parallel:
         collective (every rank must call it); otherwise only rank 0 does any work.
         """
         if self.kind == "fsdp":
-            weights = get_model_state_dict(self.model, options=_FULL_TO_CPU)  # {} on ranks > 0
-            by_name = get_optimizer_state_dict(self.model, optimizer, options=_FULL_TO_CPU)
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                                 get_optimizer_state_dict)
+
+            full_to_cpu = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = get_model_state_dict(self.model, options=full_to_cpu)  # {} on ranks > 0
+            by_name = get_optimizer_state_dict(self.model, optimizer, options=full_to_cpu)
             if self.rank != 0:
                 return None, None
             weights = {n: t.contiguous() for n, t in weights.items() if n not in self.aliases}
@@ -138,13 +135,16 @@ class Parallel:
             load_weights(self.model, weights)
             optimizer.load_state_dict(optimizer_state)
             return
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
         check_weights(self.shapes, set(self.aliases), weights)
         full = dict(weights)  # set_model_state_dict replaces the values in place
         for alias, name in self.aliases.items():
             full[alias] = full[name]
-        set_model_state_dict(self.model, full, options=_FULL)  # each rank keeps its shard
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))  # each rank keeps its shard
         by_name = optimizer_state_by_name(optimizer_state, self.param_names(optimizer))
-        set_optimizer_state_dict(self.model, optimizer, by_name, options=_FULL)
+        set_optimizer_state_dict(self.model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
     def param_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
         """Parameter names in the optimizer's numbering (param groups in order, then parameters)."""
@@ -153,6 +153,10 @@ class Parallel:
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
+    if "torch.distributed.tensor" not in sys.modules:  # then no tensor is a DTensor
+        return p
+    from torch.distributed.tensor import DTensor
+
     return p.to_local() if isinstance(p, DTensor) else p
 
 
@@ -198,6 +202,9 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, d: Dist) -> Parallel:
                      "have nothing to shard or compress", fw.parallelism, fw.gradient_compression)
         return Parallel("single", model, model, shapes, aliases, d.rank, compiled=compiled)
     if fw.parallelism == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh(d.device.type, (d.world_size,))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
