@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -52,9 +53,11 @@ def setup_distributed(cfg: JobConfig) -> Dist:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    started = time.perf_counter()
     dist.init_process_group(backend, timeout=timedelta(seconds=cfg.distributed.collective_timeout_s),
                             device_id=device if backend == "nccl" else None)
-    log.info("process group up: backend=%s world_size=%d device=%s", backend, world, device)
+    log.info("process group up: backend=%s world_size=%d device=%s (%.1fs of startup)", backend, world, device,
+             time.perf_counter() - started)
     return Dist(True, rank, local_rank, world, device)
 
 
