@@ -9,6 +9,10 @@ them in Airflow's UI: Training and Cluster in the navigation, the run view on a 
 receiver of MLflow registry webhooks (trainforge.plugins.webhooks), which turns alias moves into asset
 events. Its listener (trainforge.approval_close) closes an approval request whose task ended
 without an answer, and a cleared approval task posts a fresh request.
+
+It reports instead of crashing: an Airflow or MLflow outside the ranges the wheel declares stops
+the plugin in ``on_load`` (Airflow lists the message with its plugin import errors), and pages
+that cannot be built are listed there too and answer 503 (trainforge.plugins.ui.asgi).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 from airflow.plugins_manager import AirflowPlugin
 
 from trainforge import approval_close
+from trainforge.plugins.compat import check_supported
 from trainforge.plugins.links import MlflowRunLink
 from trainforge.plugins.ui.asgi import URL_PREFIX, ui_app
 from trainforge.plugins.webhooks import app as webhook_app
@@ -45,4 +50,7 @@ class TrainforgePlugin(AirflowPlugin):
 
     @classmethod
     def on_load(cls, *args, **kwargs) -> None:
+        """Raises trainforge.plugins.compat.UnsupportedVersion for an Airflow or MLflow outside
+        the declared ranges: the plugins manager records it and loads nothing of the plugin."""
+        check_supported()
         approval_close.install_clear_hook()
