@@ -8,7 +8,8 @@ Pages (HTML shells filled by ``static/ui.js``) and their JSON:
 * ``GET /cluster`` and ``GET /api/cluster``: the live training jobs (trainforge.plugins.ui.cluster).
 
 Every route needs Airflow's signed-in user (401) and reads only DAGs the auth manager lets
-that user read (403 for one DAG's data; lists leave the others out). Routes are plain ``def``:
+that user read (403 for one DAG's data; lists leave the others out); a page refused answers a
+readable HTML page, a data route JSON (trainforge.plugins.ui.errors). Routes are plain ``def``:
 Starlette runs them in its thread pool, never on the API server's event loop. Nothing is
 written; responses carry no secret (no connection, no environment, no trigger settings); a
 Content-Security-Policy lets only the same origin frame the pages and allows no script, style
@@ -17,28 +18,27 @@ or connection from elsewhere.
 
 from __future__ import annotations
 
-from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from airflow.api_fastapi.common.db.common import SessionDep
 
 from trainforge.plugins.ui import cluster, metadata
+from trainforge.plugins.ui import static_files
 from trainforge.plugins.ui.access import SignedInUser, readable_dag_ids, require_dag_read
+from trainforge.plugins.ui.errors import CSP, http_error
 from trainforge.plugins.ui.mlflow_reader import MlflowReader, tracking_uri
 from trainforge.plugins.ui.runview import RunNotFound, run_view
 from trainforge.plugins.ui.training import overview
 
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-       "connect-src 'self'; font-src 'self'; base-uri 'none'; form-action 'none'; "
-       "frame-ancestors 'self'")
-STATIC = {"ui.js": "text/javascript", "charts.js": "text/javascript", "ui.css": "text/css"}
 PAGES = ("training", "run", "cluster")
 TITLES = {"training": "Training", "run": "Training run", "cluster": "Cluster"}
 
-app = FastAPI(title="trainforge UI", docs_url=None, redoc_url=None, openapi_url=None)
+app = FastAPI(title="trainforge UI", docs_url=None, redoc_url=None, openapi_url=None,
+              exception_handlers={StarletteHTTPException: http_error})
 
 
 @app.middleware("http")
@@ -57,13 +57,9 @@ def _reader() -> MlflowReader | None:
     return MlflowReader(uri) if uri else None
 
 
-def _static_text(name: str) -> str:
-    return resources.files("trainforge.plugins.ui").joinpath("static", name).read_text(encoding="utf-8")
-
-
 # -- pages --------------------------------------------------------------------------------------
 def _page(name: str) -> HTMLResponse:
-    html = (_static_text("page.html").replace("{{page}}", name)
+    html = (static_files.read_text(static_files.PAGE).replace("{{page}}", name)
             .replace("{{title}}", TITLES[name]))
     return HTMLResponse(html)
 
@@ -87,9 +83,9 @@ def cluster_page(user: SignedInUser) -> HTMLResponse:
 
 @app.get("/static/{name}")
 def static_file(name: str, user: SignedInUser) -> Response:
-    if name not in STATIC:
+    if name not in static_files.MEDIA_TYPES:
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no static file {name!r}")
-    return Response(_static_text(name), media_type=STATIC[name],
+    return Response(static_files.read_text(name), media_type=static_files.MEDIA_TYPES[name],
                     headers={"Cache-Control": "private, max-age=300"})
 
 

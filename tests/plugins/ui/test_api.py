@@ -92,7 +92,10 @@ def mlflow_up(monkeypatch, mlflow_server):
                                   "/training", "/cluster", f"/run?dag_id={DAG}&run_id=x",
                                   "/static/ui.js"])
 def test_every_endpoint_needs_a_signed_in_user(api, path):
-    assert api.get(path).status_code == 401
+    refused = api.get(path)
+    assert refused.status_code == 401
+    html = refused.headers["content-type"].startswith("text/html")
+    assert html == ("/api/" not in path and "/static/" not in path)  # pages: a readable page
     assert api.get(path, cookies={"_token": "forged"}).status_code in (401, 403)
 
 
@@ -136,8 +139,14 @@ def test_unknown_run_is_404(api, admin, mlflow_up):
 
 def test_a_user_without_dag_access_gets_403_and_an_empty_list(api):
     nobody = {"Authorization": f"Bearer {token('nobody', None)}"}
-    assert api.get(f"/api/runs/{DAG}/{RUN}", headers=nobody).status_code == 403
-    assert api.get(f"/run?dag_id={DAG}&run_id={RUN}", headers=nobody).status_code == 403
+    data = api.get(f"/api/runs/{DAG}/{RUN}", headers=nobody)
+    assert data.status_code == 403 and data.json() == {"detail": f"no read access to DAG {DAG!r}"}
+    # the run tab shows a page a person reads, not the JSON above
+    page = api.get(f"/run?dag_id={DAG}&run_id={RUN}", headers=nobody)
+    assert page.status_code == 403 and page.headers["content-type"].startswith("text/html")
+    assert "<h1>Forbidden</h1>" in page.text
+    assert "no read access to DAG &#x27;ui_pipe&#x27;" in page.text  # escaped, never HTML
+    assert "frame-ancestors 'self'" in page.headers["content-security-policy"]
     resp = api.get("/api/training", headers=nobody)
     assert resp.status_code == 200 and resp.json()["pipelines"] == []
 
