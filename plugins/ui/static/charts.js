@@ -27,15 +27,20 @@ function lineChart(id, series, opts) {
   const svg = svgEl("svg", { class: "chart", id, viewBox: `0 0 ${o.width} ${o.height}`,
                              role: "img", "aria-label": o.yLabel || id });
   const all = series.flatMap((s) => s.points);
+  if (!all.length) {
+    // HTML text, not SVG text: the viewBox scales with the card, so SVG text grew with it.
+    const empty = document.createElement("p");
+    empty.className = "muted chart-empty";
+    empty.id = id;
+    empty.dataset.points = "0";
+    empty.textContent = "no points yet";
+    return empty;
+  }
   svg.dataset.points = String(all.length);
   const pad = { l: 56, r: 24, t: 10, b: 28 };
   const w = o.width - pad.l - pad.r, h = o.height - pad.t - pad.b;
   svg.appendChild(svgEl("line", { class: "axis", x1: pad.l, y1: pad.t + h, x2: pad.l + w, y2: pad.t + h }));
   svg.appendChild(svgEl("line", { class: "axis", x1: pad.l, y1: pad.t, x2: pad.l, y2: pad.t + h }));
-  if (!all.length) {
-    svg.appendChild(svgEl("text", { x: pad.l + 8, y: pad.t + h / 2 }, "no points yet"));
-    return svg;
-  }
   const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]).filter((y) => Number.isFinite(y));
   let x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
   if (o.xMax !== undefined && o.xMax > x1) x1 = o.xMax;
