@@ -3,7 +3,8 @@
 MLflow posts registry events to ``<Airflow API server>/trainforge-webhooks/mlflow``
 (``python -m trainforge.mlflow_setup webhook`` registers that URL). MLflow cannot send an
 Airflow token, so the route is not behind Airflow's auth: the HMAC signature with the secret
-of Airflow connection ``trainforge_mlflow_webhook`` is what admits a delivery. Answers:
+of Airflow connection ``trainforge_mlflow_webhook``, checked by the route's dependency
+(:class:`SignedDelivery`), is what admits a delivery. Answers:
 
 - 200 ``{"status": "emitted" | "replayed" | "ignored", "detail", "asset"}``: handled
   (trainforge.plugins.webhooks.receiver says which deliveries emit);
@@ -19,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from trainforge.plugins.webhooks.receiver import AssetLedger, DeliveryError, PipelineMoves, handle
@@ -55,6 +56,35 @@ def _connection_secret() -> str:
     return webhook_secret()
 
 
+class SignedDelivery:
+    """The route's dependency that admits a delivery: HMAC signature and time window checked
+    (trainforge.plugins.webhooks.signature) before the route sees the body.
+
+    Answers 503 when the secret cannot be read (MLflow retries), 401 when the signature or the
+    timestamp is refused; otherwise gives the route ``(delivery id, raw body)``."""
+
+    def __init__(self, secret: Callable[[], str], clock: Callable[[], float]) -> None:
+        self.secret = secret
+        self.clock = clock
+
+    async def __call__(self, request: Request) -> tuple[str | None, bytes]:
+        body = await request.body()
+        headers = request.headers
+        delivery_id = headers.get(DELIVERY_ID_HEADER)
+        try:
+            key = self.secret()
+        except Exception as err:  # noqa: BLE001 - answered 503: MLflow retries
+            log.error("MLflow webhook delivery %s not handled: %s", delivery_id, err)
+            raise HTTPException(503, "the webhook secret cannot be read") from err
+        try:
+            verify(key, delivery_id, headers.get(TIMESTAMP_HEADER), body,
+                   headers.get(SIGNATURE_HEADER), self.clock())
+        except SignatureError as err:
+            log.warning("MLflow webhook delivery %s refused: %s", delivery_id, err)
+            raise HTTPException(401, f"signature refused: {err}") from err
+        return delivery_id, body
+
+
 def create_app(secret: Callable[[], str] = _connection_secret,
                ledger: Callable[[], AssetLedger] = _airflow_ledger,
                moves: Callable[[], PipelineMoves] = _mlflow_moves,
@@ -63,23 +93,12 @@ def create_app(secret: Callable[[], str] = _connection_secret,
     once). The defaults are the API server's: connection, metadata DB, MLflow."""
     app = FastAPI(title="trainforge MLflow webhooks", docs_url=None, redoc_url=None,
                   openapi_url=None)
+    signed = SignedDelivery(secret, clock)
 
     @app.post(ROUTE)
-    async def receive(request: Request) -> JSONResponse:
-        body = await request.body()
-        headers = request.headers
-        delivery_id = headers.get(DELIVERY_ID_HEADER)
-        try:
-            key = secret()
-        except Exception as err:  # noqa: BLE001 - answered 503: MLflow retries
-            log.error("MLflow webhook delivery %s not handled: %s", delivery_id, err)
-            return JSONResponse({"detail": "the webhook secret cannot be read"}, status_code=503)
-        try:
-            verify(key, delivery_id, headers.get(TIMESTAMP_HEADER), body,
-                   headers.get(SIGNATURE_HEADER), clock())
-        except SignatureError as err:
-            log.warning("MLflow webhook delivery %s refused: %s", delivery_id, err)
-            return JSONResponse({"detail": f"signature refused: {err}"}, status_code=401)
+    # a default, not Annotated: the closure's `signed` cannot be resolved from a string annotation
+    async def receive(delivery: tuple = Depends(signed)) -> JSONResponse:  # noqa: B008
+        delivery_id, body = delivery
         try:
             payload = json.loads(body)
             if not isinstance(payload, dict):
