@@ -13,6 +13,7 @@ import sys
 from importlib import resources
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from trainforge.plugins.ui import asgi
@@ -83,3 +84,23 @@ def test_a_complete_install_builds_the_pages(import_errors):
     with TestClient(shell) as client:
         assert shell.target() is app and source not in listed()
         assert client.get("/api/training").status_code == 401  # the real app: auth first
+
+
+def test_the_api_servers_lifespan_builds_the_pages_at_start(import_errors):
+    """Mounted as Airflow mounts plugin apps, under Airflow's own lifespan: built before any
+    request, so the import error is listed as soon as the API server is up."""
+    from airflow.api_fastapi.app import lifespan
+
+    source, listed = import_errors
+    built = []
+
+    def broken() -> None:
+        built.append(True)
+        raise ImportError("no module named 'access_helper'")
+
+    server = FastAPI(lifespan=lifespan)
+    server.mount(asgi.URL_PREFIX, asgi.UiApp(broken, source=source))
+    with TestClient(server) as client:
+        assert built == [True] and "no module named 'access_helper'" in listed()[source]
+        assert client.get(f"{asgi.URL_PREFIX}/training").status_code == 503
+    assert built == [True]  # once: the request used what the start built
