@@ -1,8 +1,8 @@
 """What the trainer program does to reach its first step sooner; nothing here changes training.
 
-`import_llama` imports transformers' Llama with the optional packages that transformers probes
-for at import time but training never uses (`UNUSED_BY_TRAINING`) hidden, so transformers does not
-load them; it must never hide a package the trainer uses. `process_started_at` is the process's
+`import_llama` (called by the trainer program only) imports transformers' Llama with the optional
+packages that transformers probes for at import time but training never uses (`UNUSED_BY_TRAINING`)
+hidden, so transformers does not load them; it must never hide a package the trainer uses. `process_started_at` is the process's
 start on the wall clock, to the kernel's tick. Why and what it saves: docs/trainer.md, "Startup".
 """
 

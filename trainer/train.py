@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from trainforge.trainer.startup import import_llama, process_started_at
 
-import_llama()  # before any other import loads transformers: trainer/startup.py
+if __name__ == "__main__":  # the program only, not its importers: trainer/startup.py
+    import_llama()
 
 from trainforge.contract import (EXIT_ERROR, EXIT_OK, JOB_DIR_ENV, RESULT_FILE_ENV, STATUS_ERROR,
                                  STATUS_SUCCESS)
