@@ -33,7 +33,7 @@ help:
 $(VENV)/.installed: pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip==26.3"
-	$(PY) -m pip install --quiet -c requirements.lock -e ".[test,ray]"
+	$(PY) -m pip install --quiet -c requirements.lock -e ".[test,ray,postgres]"
 	@touch $@
 
 venv: $(VENV)/.installed

@@ -21,7 +21,7 @@ WORKDIR /src
 COPY pyproject.toml requirements.lock ./
 COPY docker/pip-install.sh /usr/local/bin/pip-install
 # The dependencies first (pyproject.toml's, with the deploy extra: Airflow's Celery and PostgreSQL
-# providers), in a layer of their own: a change to trainforge's code rebuilds only the wheel's
+# providers, and the postgres extra: the metadata database's drivers), in a layer of their own: a change to trainforge's code rebuilds only the wheel's
 # layer. The machine's pip configuration and CA bundle arrive as build secrets (never in a layer).
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=secret,id=pip-constraints.txt \
     --mount=type=cache,target=/root/.cache/pip,id=trainforge-pip \
@@ -29,7 +29,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
     python3 -m venv /opt/venv; \
     pip-install /opt/venv --upgrade "pip==26.3"; \
     python3 -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-print("\n".join(d for d in p["dependencies"] + p["optional-dependencies"]["deploy"] if not d.startswith("torch")))' \
+print("\n".join(d for d in p["dependencies"] + p["optional-dependencies"]["deploy"] + p["optional-dependencies"]["postgres"] if not d.startswith("torch")))' \
         > /tmp/requirements.txt; \
     pip-install /opt/venv --torch "$TORCH_VARIANT" "$TORCH_VERSION" "$TORCH_CPU_INDEX" -r /tmp/requirements.txt
 COPY README.md ./
@@ -42,7 +42,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
     pip-install /opt/venv wheel --no-deps --wheel-dir /wheels /src; \
     /opt/venv/bin/pip install --no-deps /wheels/trainforge-*.whl; \
     /opt/venv/bin/pip check; \
-    /opt/venv/bin/python -c "import airflow, trainforge.plugins.plugin, trainforge.trainer.train, airflow.providers.celery, airflow.providers.postgres"
+    /opt/venv/bin/python -c "import airflow, trainforge.plugins.plugin, trainforge.trainer.train, airflow.providers.celery, airflow.providers.postgres, psycopg2, asyncpg"
 
 FROM ${BASE_IMAGE}
 LABEL org.opencontainers.image.title="trainforge-airflow" \
