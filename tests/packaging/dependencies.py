@@ -115,11 +115,17 @@ def _remove_replaced(venv: Path, names: set[str]) -> None:
                     shutil.rmtree(site / folder, ignore_errors=True)
 
 
-def place_dependencies(wheel: Path, venv: Path) -> list[str]:
-    """Put the wheel's dependency closure (:func:`dependency_closure`) into the fresh ``venv``
-    (made by ``python -m venv``, same Python version); return the distributions' names."""
+def place_dependencies(wheel: Path, venv: Path, extras: frozenset[str] = frozenset()) -> list[str]:
+    """Put the wheel's dependency closure (:func:`dependency_closure`; with ``extras``, those
+    extras' requirements too) into the fresh ``venv`` (made by ``python -m venv``, same Python
+    version); return the distributions' names."""
+    return place_requirements([r for r in wheel_requirements(wheel) if _applies(r, extras)], venv)
+
+
+def place_requirements(requirements: list[Requirement], venv: Path) -> list[str]:
+    """Put the closure of ``requirements`` into the fresh ``venv``; return the names."""
     python = venv / "bin" / "python"
-    closure = dependency_closure(wheel_requirements(wheel))
+    closure = dependency_closure(requirements)
     _remove_replaced(venv, {canonicalize_name(dist.metadata["Name"]) for dist in closure})
     names = []
     for dist in closure:
