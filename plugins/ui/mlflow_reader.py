@@ -83,10 +83,12 @@ class MlflowReader:
                          body={"max_results": 1000})
         return [e["experiment_id"] for e in out.get("experiments", [])]
 
-    def search_runs(self, filter_string: str, max_runs: int = SEARCH_PAGE) -> list[dict[str, Any]]:
-        """Runs matching ``filter_string`` in every experiment, newest first, as ``{"info",
-        "tags", "params", "metrics": {key: latest value}, "metric_steps", "metric_times"}``."""
-        experiments = self.experiment_ids()
+    def search_runs(self, filter_string: str, max_runs: int = SEARCH_PAGE,
+                    experiment_ids: list[str] | None = None) -> list[dict[str, Any]]:
+        """Runs matching ``filter_string`` in ``experiment_ids`` (None: every experiment, one
+        call more), newest first, as ``{"info", "tags", "params", "metrics": {key: latest
+        value}, "metric_steps", "metric_times"}``: a call per 1,000 runs."""
+        experiments = self.experiment_ids() if experiment_ids is None else experiment_ids
         if not experiments:
             return []
         runs: list[dict[str, Any]] = []

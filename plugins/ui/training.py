@@ -1,9 +1,10 @@
 """The Training page's answer: every trainforge pipeline the user may read, its last runs,
 what trains now, its champion and the champion metric's trend, and the last 30 days.
 
-Airflow's metadata answers first (one session, a few queries); MLflow is then asked, in the
-UI's threads, for the runs of the last 30 days (one paginated search) and the model registry
-(registered models and versions: two calls), all under one deadline. When MLflow does not
+Airflow's metadata answers first (one session, a few queries, only the DAGs the user may
+read); MLflow is then asked, in the UI's threads and under one deadline, for those DAGs' runs
+of the last 30 days and for the model registry (trainforge.plugins.ui.mlflow_cache: data per
+DAG kept a few seconds, two registry calls beside the runs' search). When MLflow does not
 answer the page still lists the pipelines and runs, and ``unavailable`` says what is missing.
 """
 
@@ -16,15 +17,15 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from trainforge.ledger.attempts import AttemptRecordError, attempt_records
-from trainforge.plugins.ui import metadata
+from trainforge.plugins.ui import metadata, mlflow_cache
 from trainforge.plugins.ui.ledger import figures
+from trainforge.plugins.ui.mlflow_cache import TAG_DAG_ID  # noqa: F401  (runview reads it here)
 from trainforge.plugins.ui.mlflow_reader import MlflowReader, MlflowUnavailable
 from trainforge.plugins.ui.pool import POOL
 
 RUNS_PER_PIPELINE = 5
 WINDOW_DAYS = 30
 CHAMPION_ALIAS = "champion"
-TAG_DAG_ID = "trainforge.dag_id"
 TAG_RUN_ID = "trainforge.airflow_run_id"
 TAG_MODEL = "trainforge.registered_model"
 
@@ -78,18 +79,13 @@ def _number(text: Any) -> float | None:
         return None
 
 
-def _mlflow_runs(reader: MlflowReader, since: dt.datetime) -> list[dict[str, Any]]:
-    start_ms = int(since.timestamp() * 1000)
-    return reader.search_runs(f"attributes.start_time >= {start_ms}", max_runs=10_000)
-
-
-def _models(reader: MlflowReader, names: set[str]) -> dict[str, dict[str, Any]]:
+def _models(aliases: dict[str, dict[str, str]], versions: list[dict[str, Any]],
+            names: set[str], reader: MlflowReader) -> dict[str, dict[str, Any]]:
     """For each registered model named: its champion version and the gate metric's trend over
-    its versions (two calls whatever the number of models)."""
-    aliases = {m["name"]: {a["alias"]: a["version"] for a in m.get("aliases", [])}
-               for m in reader.registered_models() if m.get("name") in names}
+    its versions, from the registry's aliases and versions (mlflow_cache.registry)."""
+    aliases = {name: found for name, found in aliases.items() if name in names}
     trends: dict[str, list[dict[str, Any]]] = {name: [] for name in aliases}
-    for version in reader.model_versions():
+    for version in versions:
         if version.get("name") not in trends:
             continue
         tags = version["tags"]
@@ -113,9 +109,47 @@ def _models(reader: MlflowReader, names: set[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _mlflow(reader: MlflowReader, dag_ids: list[str], since: dt.datetime, timeout_s: float
+            ) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, dict[str, Any]],
+                       list[dict[str, str]]]:
+    """The readable DAGs' MLflow runs of the window by (DAG id, Airflow run id), newest of
+    each, their registered models by DAG id, and what did not answer. The registry's calls
+    start first and run beside the runs' search (mlflow_cache); both share one deadline."""
+    deadline = time.monotonic() + timeout_s
+    unavailable: list[dict[str, str]] = []
+    registry = POOL.submit(mlflow_cache.registry, reader, deadline)
+    mlflow_runs: dict[tuple[str, str], dict[str, Any]] = {}
+    try:
+        by_dag = mlflow_cache.window_runs(reader, dag_ids, int(since.timestamp() * 1000),
+                                          deadline)
+    except (MlflowUnavailable, TimeoutError) as err:
+        unavailable.append({"source": "mlflow", "error": str(err) or "no answer in time"})
+        by_dag = {}
+    for dag_id, found in by_dag.items():
+        for run in found:
+            key = (dag_id, run["tags"].get(TAG_RUN_ID))
+            mlflow_runs.setdefault(key, run)
+    names = {}
+    for (dag_id, _), run in mlflow_runs.items():
+        if run["tags"].get(TAG_MODEL):
+            names.setdefault(dag_id, run["tags"][TAG_MODEL])
+    models: dict[str, dict[str, Any]] = {}
+    try:
+        aliases, versions = registry.result(timeout=max(0.1, deadline - time.monotonic()))
+    except (MlflowUnavailable, TimeoutError) as err:
+        if names:
+            unavailable.append({"source": "mlflow", "error": "model registry: "
+                                                              f"{err or 'no answer in time'}"})
+    else:
+        by_name = _models(aliases, versions, set(names.values()), reader)
+        models = {dag_id: by_name[name] for dag_id, name in names.items() if name in by_name}
+    return mlflow_runs, models, unavailable
+
+
 def overview(session: Session, readable: set[str] | None, reader: MlflowReader | None,
              timeout_s: float = 8.0) -> dict[str, Any]:
-    """The Training page's JSON (module doc)."""
+    """The Training page's JSON (module doc). Only the DAGs of ``readable`` (None: all) are
+    read and answered, on every call: the MLflow cache holds data per DAG, never an answer."""
     now = dt.datetime.now(dt.timezone.utc)
     since = now - dt.timedelta(days=WINDOW_DAYS)
     dag_ids = metadata.pipeline_ids(session, readable)
@@ -130,30 +164,7 @@ def overview(session: Session, readable: set[str] | None, reader: MlflowReader |
         unavailable.append({"source": "mlflow", "error": "no MLflow tracking URI configured "
                                                           "(MLFLOW_TRACKING_URI)"})
     elif dag_ids:
-        deadline = time.monotonic() + timeout_s
-        try:
-            found = POOL.submit(_mlflow_runs, reader, since).result(timeout=timeout_s)
-        except (MlflowUnavailable, TimeoutError) as err:
-            unavailable.append({"source": "mlflow", "error": str(err) or "no answer in time"})
-            found = []
-        wanted = set(dag_ids)
-        for run in found:
-            key = (run["tags"].get(TAG_DAG_ID), run["tags"].get(TAG_RUN_ID))
-            if key[0] in wanted and key not in mlflow_runs:
-                mlflow_runs[key] = run
-        names = {}
-        for (dag_id, _), run in mlflow_runs.items():
-            if run["tags"].get(TAG_MODEL):
-                names.setdefault(dag_id, run["tags"][TAG_MODEL])
-        if names:
-            try:
-                by_name = POOL.submit(_models, reader, set(names.values())).result(
-                    timeout=max(0.1, deadline - time.monotonic()))
-                models = {dag_id: by_name[name] for dag_id, name in names.items()
-                          if name in by_name}
-            except (MlflowUnavailable, TimeoutError) as err:
-                unavailable.append({"source": "mlflow", "error": "model registry: "
-                                                                  f"{err or 'no answer in time'}"})
+        mlflow_runs, models, unavailable = _mlflow(reader, dag_ids, since, timeout_s)
     pipelines = []
     for dag_id in dag_ids:
         window = [r for (d, _), r in mlflow_runs.items() if d == dag_id]
