@@ -11,13 +11,17 @@ runs; then starts an MLflow server on it. It times, in this process through Fast
 TestClient:
 
 * ``GET /trainforge/api/training`` (trainforge.plugins.ui.app): pipelines, their last 5 runs, live
-  training, the champion and trend, the last 30 days' figures from MLflow;
+  training, the champion and trend, the last 30 days' figures from MLflow; cold (the MLflow
+  cache, trainforge.plugins.ui.mlflow_cache, emptied before each call: a first visit) and warm
+  (within the cache's few seconds: the page's own 5 s poll, or a second user);
 * the same listing through Airflow's REST API (its ``core`` FastAPI app): ``GET /api/v2/dags``
-  with ``tags=trainforge``, then ``GET /api/v2/dags/{dag_id}/dagRuns`` (newest 5) for each —
-  the Airflow half only, since Airflow's API knows nothing of MLflow.
+  with ``tags=trainforge``, then the newest 5 runs of each DAG (``GET /api/v2/dags/~/dagRuns``
+  with ``dag_id_pattern``: the bench's DAGs are not serialized, so ``/dags/{dag_id}/dagRuns``
+  would answer 404) — the Airflow half only, since Airflow's API knows nothing of MLflow.
 
-Prints the median of ``--repeat`` calls of each, their ratio, and whether the Training page
-meets its goal of at most 1 s.
+Prints the median of ``--repeat`` calls of each, the MLflow calls a page load makes, the ratios
+page / REST, and whether the Training page meets its goal of at most 1 s, cold and warm (the
+exit status follows the cold figure).
 """
 
 from __future__ import annotations
@@ -147,33 +151,66 @@ def main() -> int:
                 ours = TestClient(ui)
                 airflow = TestClient(create_app("core"))
 
+                from trainforge.plugins.ui import mlflow_cache
+                from trainforge.plugins.ui.mlflow_reader import MlflowReader
+
+                calls = []
+                plain_call = MlflowReader._call
+
+                def counted(reader, method, path, *args, **kwargs):
+                    calls.append(path)
+                    return plain_call(reader, method, path, *args, **kwargs)
+
+                MlflowReader._call = counted
+
                 def training_page():
                     resp = ours.get("/api/training", headers=headers)
                     resp.raise_for_status()
                     return resp.json()
 
+                def cold_page():
+                    mlflow_cache.CACHE.clear()
+                    return training_page()
+
                 def through_airflow_rest():
                     dags = airflow.get("/api/v2/dags", params={"tags": "trainforge",
                                                                "limit": 100}, headers=headers)
                     dags.raise_for_status()
-                    return {d["dag_id"]: airflow.get(
-                        f"/api/v2/dags/{d['dag_id']}/dagRuns",
-                        params={"order_by": "-run_after", "limit": 5}, headers=headers).json()
-                        for d in dags.json()["dags"]}
+                    out = {}
+                    for d in dags.json()["dags"]:
+                        runs = airflow.get("/api/v2/dags/~/dagRuns", params={
+                            "dag_id_pattern": d["dag_id"], "order_by": "-run_after",
+                            "limit": 5}, headers=headers)
+                        runs.raise_for_status()
+                        out[d["dag_id"]] = runs.json()["dag_runs"]
+                    return out
 
-                training_page()  # warm: imports, connection pools
-                page_s, page = timed(training_page, args.repeat)
+                cold_page()  # warm imports and connection pools, not the cache
+                calls.clear()
+                cold_page()
+                cold_calls = len(calls)
+                calls.clear()
+                training_page()
+                warm_calls = len(calls)
+                cold_s, page = timed(cold_page, args.repeat)
+                training_page()
+                warm_s, _ = timed(training_page, args.repeat)
                 rest_s, rest = timed(through_airflow_rest, args.repeat)
     assert len(page["pipelines"]) == args.pipelines and not page["partial"], page["unavailable"]
-    assert len(rest) == args.pipelines
-    print(f"Training page API:       {page_s * 1000:7.0f} ms (median of {args.repeat}; "
+    assert len(rest) == args.pipelines and all(len(r) == min(5, args.runs) for r in rest.values())
+    print(f"Training page API, cold: {cold_s * 1000:7.0f} ms (median of {args.repeat}; "
           f"{args.pipelines} pipelines, last 5 runs each, MLflow figures of "
-          f"{sum(p['last_30d']['runs'] for p in page['pipelines'])} runs in 30 days)")
+          f"{sum(p['last_30d']['runs'] for p in page['pipelines'])} runs in 30 days; "
+          f"{cold_calls} MLflow calls)")
+    print(f"Training page API, warm: {warm_s * 1000:7.0f} ms (within the cache's "
+          f"{mlflow_cache.TTL_S:g} s; {warm_calls} MLflow calls)")
     print(f"Airflow REST (1 + {args.pipelines} calls): {rest_s * 1000:7.0f} ms "
           f"(DAGs and last 5 runs only)")
-    print(f"ratio Training page / Airflow REST: {page_s / rest_s:.2f}")
-    print(f"goal <= {GOAL_S:.0f} s: {'met' if page_s <= GOAL_S else 'NOT met'}")
-    return 0 if page_s <= GOAL_S else 1
+    print(f"ratio Training page / Airflow REST: cold {cold_s / rest_s:.2f}, "
+          f"warm {warm_s / rest_s:.2f}")
+    for name, took in (("cold", cold_s), ("warm", warm_s)):
+        print(f"goal <= {GOAL_S:.0f} s, {name}: {'met' if took <= GOAL_S else 'NOT met'}")
+    return 0 if cold_s <= GOAL_S else 1
 
 
 if __name__ == "__main__":
