@@ -112,20 +112,27 @@ def _quoted(value: str) -> str:
     return value.replace("\\", "\\\\").replace("'", "\\'")
 
 
-def registry(reader: MlflowReader, deadline: float, cache: TtlCache | None = None
-             ) -> tuple[dict[str, dict[str, str]], list[dict[str, Any]]]:
+class Registry:
     """Every registered model's aliases (name -> alias -> version) and every model version
-    (MlflowReader.model_versions form): two concurrent calls, or none while cached. Raises
-    MlflowUnavailable or TimeoutError (at ``deadline``, time.monotonic)."""
-    cache = CACHE if cache is None else cache
-    key = ("registry", reader.base_url)
-    found = cache.get(key)
-    if found is None:
-        models, versions = POOL.submit(reader.registered_models), POOL.submit(
-            reader.model_versions)
-        timeout_s = max(0.1, deadline - time.monotonic())
-        aliases = {m["name"]: {a["alias"]: a["version"] for a in m.get("aliases", [])}
-                   for m in models.result(timeout=timeout_s) if m.get("name")}
-        found = (aliases, versions.result(timeout=max(0.1, deadline - time.monotonic())))
-        cache.put(key, found)
-    return found
+    (MlflowReader.model_versions form): two calls started in the UI's threads when made (none
+    while cached), so that the caller can search runs meanwhile, then :meth:`result`."""
+
+    def __init__(self, reader: MlflowReader, cache: TtlCache | None = None) -> None:
+        self._cache = CACHE if cache is None else cache
+        self._key = ("registry", reader.base_url)
+        self._found = self._cache.get(self._key)
+        if self._found is None:
+            self._models = POOL.submit(reader.registered_models)
+            self._versions = POOL.submit(reader.model_versions)
+
+    def result(self, deadline: float) -> tuple[dict[str, dict[str, str]], list[dict[str, Any]]]:
+        """Aliases and versions. Raises MlflowUnavailable or TimeoutError (at ``deadline``,
+        time.monotonic)."""
+        if self._found is None:
+            models = self._models.result(timeout=max(0.1, deadline - time.monotonic()))
+            aliases = {m["name"]: {a["alias"]: a["version"] for a in m.get("aliases", [])}
+                       for m in models if m.get("name")}
+            versions = self._versions.result(timeout=max(0.1, deadline - time.monotonic()))
+            self._found = (aliases, versions)
+            self._cache.put(self._key, self._found)
+        return self._found

@@ -21,7 +21,6 @@ from trainforge.plugins.ui import metadata, mlflow_cache
 from trainforge.plugins.ui.ledger import figures
 from trainforge.plugins.ui.mlflow_cache import TAG_DAG_ID  # noqa: F401  (runview reads it here)
 from trainforge.plugins.ui.mlflow_reader import MlflowReader, MlflowUnavailable
-from trainforge.plugins.ui.pool import POOL
 
 RUNS_PER_PIPELINE = 5
 WINDOW_DAYS = 30
@@ -82,7 +81,7 @@ def _number(text: Any) -> float | None:
 def _models(aliases: dict[str, dict[str, str]], versions: list[dict[str, Any]],
             names: set[str], reader: MlflowReader) -> dict[str, dict[str, Any]]:
     """For each registered model named: its champion version and the gate metric's trend over
-    its versions, from the registry's aliases and versions (mlflow_cache.registry)."""
+    its versions, from the registry's aliases and versions (mlflow_cache.Registry)."""
     aliases = {name: found for name, found in aliases.items() if name in names}
     trends: dict[str, list[dict[str, Any]]] = {name: [] for name in aliases}
     for version in versions:
@@ -117,7 +116,7 @@ def _mlflow(reader: MlflowReader, dag_ids: list[str], since: dt.datetime, timeou
     start first and run beside the runs' search (mlflow_cache); both share one deadline."""
     deadline = time.monotonic() + timeout_s
     unavailable: list[dict[str, str]] = []
-    registry = POOL.submit(mlflow_cache.registry, reader, deadline)
+    registry = mlflow_cache.Registry(reader)
     mlflow_runs: dict[tuple[str, str], dict[str, Any]] = {}
     try:
         by_dag = mlflow_cache.window_runs(reader, dag_ids, int(since.timestamp() * 1000),
@@ -135,7 +134,7 @@ def _mlflow(reader: MlflowReader, dag_ids: list[str], since: dt.datetime, timeou
             names.setdefault(dag_id, run["tags"][TAG_MODEL])
     models: dict[str, dict[str, Any]] = {}
     try:
-        aliases, versions = registry.result(timeout=max(0.1, deadline - time.monotonic()))
+        aliases, versions = registry.result(deadline)
     except (MlflowUnavailable, TimeoutError) as err:
         if names:
             unavailable.append({"source": "mlflow", "error": "model registry: "

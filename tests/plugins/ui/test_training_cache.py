@@ -146,5 +146,5 @@ def test_a_failed_mlflow_call_caches_nothing(clock):
     with pytest.raises(MlflowUnavailable, match="did not answer"):
         mlflow_cache.window_runs(reader, [A], 0, time.monotonic() + 5.0)
     with pytest.raises(MlflowUnavailable, match="did not answer"):
-        mlflow_cache.registry(reader, time.monotonic() + 5.0)
+        mlflow_cache.Registry(reader).result(time.monotonic() + 5.0)
     assert mlflow_cache.CACHE._entries == {}
