@@ -34,6 +34,10 @@ LEDGER_TAG_PREFIX = "trainforge.ledger.attempt."
 """Rank 0's attempt records for the run ledger: MLflow tag ``<prefix><process start, epoch ms>``
 (JSON), and the same record as ``$TRAINFORGE_JOB_DIR/ledger/attempt-<ms>.json``."""
 LEDGER_DIR = "ledger"
+LEDGER_DIR_ENV = "TRAINFORGE_LEDGER_DIR"
+"""Environment variable naming the folder where every try of a task keeps its attempt records (a
+path or an ``s3://`` prefix), set by the ``train`` task: the next try, on a new job folder, still
+finds them."""
 
 EXIT_OK = 0
 EXIT_ERROR = 1

@@ -45,7 +45,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainforge.contract import LEDGER_DIR, LEDGER_TAG_PREFIX
+from trainforge.contract import LEDGER_DIR, LEDGER_DIR_ENV, LEDGER_TAG_PREFIX
 from trainforge.storage import StorageError, is_s3, storage_for
 from trainforge.storage.files import atomic_write_bytes
 from trainforge.trainer.energy import EnergyMeter
@@ -56,10 +56,6 @@ RECORD_VERSION = 1
 FLUSH_EVERY_S = 5.0
 """The longest a record goes unwritten while steps run (seconds): what a SIGKILL can lose."""
 T = TypeVar("T")
-LEDGER_DIR_ENV = "TRAINFORGE_LEDGER_DIR"
-"""Where every try of a task keeps its attempt records (a path or an ``s3://`` prefix), set by
-the ``train`` task: the next try, on a new job folder, still finds them (trainforge.ledger).
-(Its place is trainforge.contract, beside ``JOB_DIR_ENV``, once that module can take it.)"""
 
 
 def flops_per_token(non_embedding_params: int, layers: int, heads: int, head_dim: int,

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any
 
-from trainforge.contract import LEDGER_DIR
+from trainforge.contract import LEDGER_DIR, LEDGER_DIR_ENV
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.hooks.mlflow_calls import mlflow_errors
 from trainforge.ledger import names as n
@@ -52,8 +52,6 @@ def ledger_dir(checkpoint_dir: str) -> str:
 
 def ledger_env(checkpoint_dir: str) -> dict[str, str]:
     """The ranks' environment naming the task's ledger folder (trainforge.trainer.goodput)."""
-    from trainforge.trainer.goodput import LEDGER_DIR_ENV  # the trainer's name for it
-
     return {LEDGER_DIR_ENV: ledger_dir(checkpoint_dir)}
 
 

@@ -16,13 +16,14 @@ import time
 import pytest
 
 from tests.trainer.conftest import REPO_ROOT
+from trainforge.contract import LEDGER_DIR_ENV
 from trainforge.engines.base import JobIdentity
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.ledger import names as n
 from trainforge.pipeline import load_spec
 from trainforge.tasks.train import TrainOperator
 from trainforge.tasks.train_ledger import ledger_dir
-from trainforge.trainer.goodput import LEDGER_DIR_ENV, AttemptClock
+from trainforge.trainer.goodput import AttemptClock
 
 pytestmark = [pytest.mark.integration]
 

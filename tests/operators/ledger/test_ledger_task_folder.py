@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 import time
 
+from trainforge.contract import LEDGER_DIR_ENV
 from trainforge.contract import LEDGER_TAG_PREFIX
 from trainforge.ledger.attempts import attempt_records, folder_records, merge_records
 from trainforge.tasks.train_ledger import ledger_dir, ledger_env, task_records
-from trainforge.trainer.goodput import LEDGER_DIR_ENV, AttemptClock
+from trainforge.trainer.goodput import AttemptClock
 
 
 def _clock(started_at: float, job_dir, ledger) -> AttemptClock:
