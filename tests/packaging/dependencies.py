@@ -119,7 +119,16 @@ def place_dependencies(wheel: Path, venv: Path, extras: frozenset[str] = frozens
     """Put the wheel's dependency closure (:func:`dependency_closure`; with ``extras``, those
     extras' requirements too) into the fresh ``venv`` (made by ``python -m venv``, same Python
     version); return the distributions' names."""
-    return place_requirements([r for r in wheel_requirements(wheel) if _applies(r, extras)], venv)
+    return place_requirements([_unmarked(r) for r in wheel_requirements(wheel)
+                               if _applies(r, extras)], venv)
+
+
+def _unmarked(requirement: Requirement) -> Requirement:
+    """``requirement`` without its marker, once evaluated: the closure evaluates a top-level
+    marker again with no extra, so an extra's own requirements would drop out there."""
+    copy = Requirement(str(requirement))
+    copy.marker = None
+    return copy
 
 
 def place_requirements(requirements: list[Requirement], venv: Path) -> list[str]:
