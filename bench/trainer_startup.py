@@ -15,9 +15,10 @@ model and take one optimizer step:
   the gloo process group, builds the same model, wraps it in DDP, makes AdamW; its figure is the
   same span on the same clock (`trainforge.trainer.startup.process_started_at` to the first forward).
 
-First, ``--rounds`` times each in a fresh interpreter, the CPU and wall seconds of ``import
-trainforge.trainer.train`` beside ``import torch`` + ``from transformers import LlamaForCausalLM``
-(what any script pays), and their CPU ratio. Then each round, with the trainer's own startup
+First, ``--rounds`` times each, the CPU and wall seconds of a fresh interpreter that imports the
+trainer program and exits (``python -m trainforge.trainer.train --help``) beside one that runs
+``import torch`` + ``from transformers import LlamaForCausalLM`` (what any script pays), and
+their CPU ratio. Then each round, with the trainer's own startup
 phases (its "startup:" and "process group up:" log lines), and the median over rounds of ours /
 bare (1.0: the trainer's start costs no more than the bare script's; below: less).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -41,8 +43,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 #: Seconds one torchrun job may take.
 JOB_TIMEOUT_S = 600
-IMPORT_OURS = "import trainforge.trainer.train"
-IMPORT_BARE = "import torch; from transformers import LlamaForCausalLM"
+#: What each side imports, as a fresh interpreter's arguments: the trainer program up to its
+#: argument parsing (``--help`` exits there), and what any script of the model needs.
+IMPORTS = {"ours": ("-m", "trainforge.trainer.train", "--help"),
+           "bare": ("-c", "import torch; from transformers import LlamaForCausalLM")}
 
 
 def job_config(args: argparse.Namespace, dataset: Path, checkpoints: Path) -> dict:
@@ -141,14 +145,14 @@ def bare_start(config_path: str) -> None:
     dist.destroy_process_group()
 
 
-def import_seconds(statement: str) -> tuple[float, float]:
-    """(CPU, wall) seconds of ``statement`` in a fresh interpreter (CPU time is the steadier
-    figure on a shared machine)."""
-    code = f"import time; c, w = time.process_time(), time.perf_counter(); {statement}; " \
-           "print(time.process_time() - c, time.perf_counter() - w)"
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout.split()
-    return float(out[-2]), float(out[-1])
+def import_seconds(argv: tuple[str, ...]) -> tuple[float, float]:
+    """(CPU, wall) seconds of a fresh interpreter run with ``argv``, start to exit (CPU time is
+    the steadier figure on a shared machine)."""
+    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    subprocess.run([sys.executable, *argv], check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime, wall
 
 
 def prepare(work: Path) -> Path:
@@ -186,10 +190,10 @@ def run(args: argparse.Namespace, work: Path) -> None:
     imports = {"ours": [], "bare": []}
     for number in range(args.rounds):
         for kind in ("ours", "bare") if number % 2 == 0 else ("bare", "ours"):
-            imports[kind].append(import_seconds(IMPORT_OURS if kind == "ours" else IMPORT_BARE))
-    for kind, statement in (("ours", IMPORT_OURS), ("bare", IMPORT_BARE)):
+            imports[kind].append(import_seconds(IMPORTS[kind]))
+    for kind, argv in IMPORTS.items():
         cpu, wall = (statistics.median(x[i] for x in imports[kind]) for i in (0, 1))
-        print(f"`{statement}`: {cpu:.2f} s CPU, {wall:.2f} s wall (median of {args.rounds})")
+        print(f"`python {' '.join(argv)}`: {cpu:.2f} s CPU, {wall:.2f} s wall (median of {args.rounds})")
     cpu_ratio = statistics.median(c for c, _ in imports["ours"]) / statistics.median(c for c, _ in imports["bare"])
     print(f"imports, CPU seconds, trainer / bare script = {cpu_ratio:.3f}")
     ratios = []
