@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.wheel, pytest.mark.airflow, pytest.mark.integration,
 
 SPEC = REPO / "tests" / "e2e" / "tiny_shakespeare.yaml"
 DAG_ID = "tiny_shakespeare"
+#: The smallest whole pipeline, run at both ends of the ranges (here and test_wheel_ranges.py).
+TINY = REPO / "tests" / "packaging" / "wheel_tiny.yaml"
 # Variables of the calling environment that would point the venv back at the checkout, or at
 # another Airflow, MLflow or trainforge home.
 _DROPPED = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "MLFLOW_TRACKING_URI", "RAY_ADDRESS")
@@ -122,6 +124,31 @@ def test_validate_and_render(venv: Venv):
     assert SPEC.name in validated
     assert rendered["dag_id"] == DAG_ID
     assert rendered["tasks"][0] == "prepare_data" and "train" in rendered["tasks"]
+
+
+def check_tiny_pipeline(venv: Venv) -> None:
+    """validate, render, a tiny run (:data:`TINY`, copied to a folder of its own so the venv's
+    specs folder keeps one spec) and ``airflow plugins`` in ``venv``."""
+    spec = venv.work / "tiny" / TINY.name
+    spec.parent.mkdir(exist_ok=True)
+    shutil.copy2(TINY, spec)
+    assert "wheel_tiny" in venv.run("trainforge", "validate", str(spec)).stdout
+    rendered = json.loads(venv.run("trainforge", "render", str(spec)).stdout)
+    assert rendered["dag_id"] == "wheel_tiny"
+    summary_path = venv.root / "tiny-summary.json"
+    venv.run("trainforge", "run", str(spec), "--summary-json", str(summary_path), timeout_s=900)
+    summary = json.loads(summary_path.read_text())
+    assert summary["state"] == "success", summary
+    plugins_home = venv.root / "plugins-home"
+    (plugins_home / "plugins").mkdir(parents=True, exist_ok=True)
+    out = venv.run("airflow", "plugins", "--output", "json", AIRFLOW_HOME=str(plugins_home),
+                   AIRFLOW__CORE__PLUGINS_FOLDER=str(plugins_home / "plugins"))
+    assert [p["name"] for p in _json(out)] == ["trainforge"]
+
+
+def test_tiny_run(venv: Venv):
+    """The lock end of the ranges (issue 27): the same tiny pipeline as at the floors."""
+    check_tiny_pipeline(venv)
 
 
 @pytest.mark.heavy

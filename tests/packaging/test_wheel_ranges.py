@@ -4,7 +4,8 @@
 - **Floor** (:func:`floor`): on Python 3.12 (not the lock's 3.11), a fresh venv holding the wheel
   with the lowest release of every range that matters pinned exactly: apache-airflow, mlflow,
   transformers and torch (the lower bounds read from the wheel itself, so a raised floor is
-  tested at once). There ``validate``, ``render``, a tiny ``run`` (tests/packaging/wheel_tiny.yaml:
+  tested at once). There ``validate``, ``render``, a tiny ``run`` (tests/packaging/wheel_tiny.yaml,
+  :func:`~tests.packaging.test_wheel.check_tiny_pipeline`:
   one rank, 20 steps, every stage) and ``airflow plugins`` must work, and every module imports.
   The other requirements resolve to what pip picks inside their ranges, except two held back
   (:data:`HELD`): Airflow's releases expect their constraints file (their own requirements are
@@ -43,12 +44,10 @@ from packaging.utils import canonicalize_name
 
 from tests.conftest import data_cache
 from tests.packaging.dependencies import place_requirements, wheel_requirements
-from tests.packaging.layout import REPO
-from tests.packaging.test_wheel import Venv, _json
+from tests.packaging.test_wheel import Venv, check_tiny_pipeline
 
 pytestmark = [pytest.mark.wheel, pytest.mark.airflow, pytest.mark.integration]
 
-TINY = REPO / "tests" / "packaging" / "wheel_tiny.yaml"
 FLOOR_PYTHONS = ("python3.12", "/root/.pyenv/versions/3.12.1/bin/python3.12")
 #: The ranges whose lower bound the floor venv pins (the features that set them: pyproject.toml).
 FLOORED = ("apache-airflow", "mlflow", "transformers", "torch")
@@ -76,9 +75,12 @@ def test_requires_dist_holds_ranges_not_pins(built_wheel: Path):
 
 
 def _floor_python() -> str:
+    """The first candidate that runs and is 3.12 (a pyenv shim is on PATH even where pyenv has no
+    3.12 selected, and then exits 127)."""
     for candidate in FLOOR_PYTHONS:
         found = shutil.which(candidate)
-        if found:
+        if found and subprocess.run([found, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
+                                    capture_output=True, timeout=60).returncode == 0:
             return found
     pytest.skip(f"no Python 3.12 for the floor venv (looked for {', '.join(FLOOR_PYTHONS)})")
 
@@ -137,9 +139,6 @@ def floor(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path, request) 
             target.write_bytes(b"#!" + own_python.encode() + b"\n" + rest)
             target.chmod(0o755)
     venv.work.mkdir()
-    venv.specs.mkdir()
-    shutil.copy2(TINY, venv.specs / TINY.name)
-    venv.spec = venv.specs / TINY.name
     installed = venv.run("pip", "install", "--no-index", str(built_wheel), timeout_s=600)
     assert "Installing collected packages: trainforge\n" in installed.stdout, installed.stdout
     venv.run("pip", "check")
@@ -177,23 +176,6 @@ print(json.dumps(failed))""")
 
 def test_floor_validate_render_run_and_plugins(floor: Venv):
     check_tiny_pipeline(floor)
-
-
-def check_tiny_pipeline(venv: Venv) -> None:
-    """validate, render, a tiny run and ``airflow plugins`` in ``venv`` (its ``spec`` the tiny one)."""
-    assert "wheel_tiny" in venv.run("trainforge", "validate", str(venv.spec)).stdout
-    rendered = json.loads(venv.run("trainforge", "render", str(venv.spec)).stdout)
-    assert rendered["dag_id"] == "wheel_tiny"
-    summary_path = venv.root / "tiny-summary.json"
-    venv.run("trainforge", "run", str(venv.spec), "--summary-json", str(summary_path),
-             timeout_s=900)
-    summary = json.loads(summary_path.read_text())
-    assert summary["state"] == "success", summary
-    plugins_home = venv.root / "plugins-home"
-    (plugins_home / "plugins").mkdir(parents=True, exist_ok=True)
-    out = venv.run("airflow", "plugins", "--output", "json", AIRFLOW_HOME=str(plugins_home),
-                   AIRFLOW__CORE__PLUGINS_FOLDER=str(plugins_home / "plugins"))
-    assert [p["name"] for p in _json(out)] == ["trainforge"]
 
 
 def test_beside_airflow_332_with_pyyaml_603_installs_without_changing_anything(
