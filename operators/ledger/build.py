@@ -28,6 +28,7 @@ from trainforge.ledger.attempts import attempt_records, sum_attempts
 from trainforge.ledger.books import Books, close_books
 from trainforge.ledger.catalog import Price
 from trainforge.ledger.devices import mfu_pct
+from trainforge.ledger.disruptions import disruption_figures, event_disruption
 from trainforge.ledger.energy import job_energy
 from trainforge.pipeline.model import PipelineSpec
 
@@ -53,8 +54,8 @@ class Ledger:
 
 def build_ledger(spec: PipelineSpec, event: dict[str, Any], run_tags: dict[str, str],
                  price: Price | str, *, task_started_s: float | None, now_s: float,
-                 submitted_by_this_try: bool, earlier_tries: list[dict[str, Any]] | None = None
-                 ) -> Ledger:
+                 submitted_by_this_try: bool, earlier_tries: list[dict[str, Any]] | None = None,
+                 try_number: int | None = None) -> Ledger:
     """The ledger of the job that ``event`` (the trigger's event of this try) reports, over
     every attempt of every try.
 
@@ -64,6 +65,7 @@ def build_ledger(spec: PipelineSpec, event: dict[str, Any], run_tags: dict[str, 
         task_started_s: when this try of the task first started (epoch s), if known.
         submitted_by_this_try: this try launched the job (else it adopted an earlier try's).
         earlier_tries: the earlier tries' records (trainforge.ledger.tries), oldest first.
+        try_number: this try's number (names it among the disruptions).
     """
     records = attempt_records(run_tags)
     trainer = sum_attempts(records)
@@ -72,7 +74,8 @@ def build_ledger(spec: PipelineSpec, event: dict[str, Any], run_tags: dict[str, 
     job_end = event.get("ended_at_epoch_s") or trainer.last_record or now_s
     current = {"task_started_at": task_started_s, "submitted_at": submitted, "ended_at": now_s,
                "submitted_by_this_try": submitted_by_this_try, "job_ended_at": job_end,
-               "phases": event.get("phases") or {}}
+               "phases": event.get("phases") or {}, "try": try_number,
+               "disruption": event_disruption(event)}
     tries = [*(earlier_tries or []), current]
     start = min([float(x) for t in tries for x in (t.get("task_started_at"), t.get("submitted_at"))
                  if x is not None] + [now_s, trainer.first_start or now_s])
@@ -90,6 +93,9 @@ def build_ledger(spec: PipelineSpec, event: dict[str, Any], run_tags: dict[str, 
     m.update({n.badput(k): v for k, v in books.buckets.items()})
     t.update({n.unknown_tag(k): why for k, why in books.unknown.items()})
     m[n.DISRUPTIONS] = float(max(0, len(records) - 1))
+    kinds_m, kinds_t = disruption_figures(tries)  # node_loss, ... (trainforge.ledger.disruptions)
+    m.update(kinds_m)
+    t.update(kinds_t)
     if trainer.background_save_s is not None:  # a trainer from before background writes records none
         m[n.CHECKPOINT_BACKGROUND_S] = trainer.background_save_s
     if trainer.recoveries_s:

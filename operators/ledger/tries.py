@@ -9,7 +9,8 @@ job started are known only to the orchestrator. So each try writes, when it has 
 
     {"try": n, "task_started_at": s, "submitted_at": s | null, "submitted_by_this_try": bool,
      "job": key, "job_ended_at": s | null, "job_wall_s": s | null,
-     "phases": {"queue_wait": s, "image_pull": s}, "ended_at": s | null, "outcome": str | null}
+     "phases": {"queue_wait": s, "image_pull": s}, "ended_at": s | null, "outcome": str | null,
+     "disruption": {"kind": "node_loss", "node": str, "detection_s": s, ...}}  # when known
 
 The ledger (trainforge.ledger.build) opens its window at the earliest try's start, so every
 attempt of every try, and everything between them, is in one window: goodput's wall time, and the
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import json
 from typing import Any
+
+from trainforge.ledger.disruptions import event_disruption
 
 TRY_TAG_PREFIX = "trainforge.ledger.try."
 
@@ -54,6 +57,9 @@ def try_ended(record: dict[str, Any] | None, try_number: int, task_started_s: fl
     out.update(job_ended_at=event.get("ended_at_epoch_s"), job_wall_s=event.get("wall_s"),
                phases={k: float(v) for k, v in phases.items() if isinstance(v, (int, float))},
                ended_at=now_s, outcome=str(event.get("status")))
+    disruption = event_disruption(event)
+    if disruption is not None:  # e.g. the node a node_loss took (trainforge.ledger.disruptions)
+        out["disruption"] = disruption
     return out
 
 

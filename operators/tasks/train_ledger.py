@@ -101,7 +101,7 @@ def record_ledger(hook: MlflowHook, spec: PipelineSpec, event: dict[str, Any], p
     ledger = build_ledger(spec, event, merge_records(tags, records or {}), price,
                           task_started_s=task_started_s, now_s=now,
                           submitted_by_this_try=int(job.get("try_number") or 0) == try_number,
-                          earlier_tries=earlier_tries(tags, try_number))
+                          earlier_tries=earlier_tries(tags, try_number), try_number=try_number)
     ledger.tags[n.TRY] = str(try_number)
     hook.set_tags(own_run, {try_tag(try_number): encode(try_ended(
         try_records(tags).get(try_number), try_number, task_started_s, event, now))})
