@@ -34,6 +34,7 @@ print("\n".join(d for d in p["dependencies"] + p["optional-dependencies"]["deplo
     pip-install /opt/venv --torch "$TORCH_VARIANT" "$TORCH_VERSION" "$TORCH_CPU_INDEX" -r /tmp/requirements.txt
 COPY README.md ./
 COPY operators ./operators
+COPY plugins ./plugins
 COPY trainer ./trainer
 COPY mlflow_setup ./mlflow_setup
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=secret,id=pip-constraints.txt \

@@ -33,6 +33,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
         pyarrow zstandard
 COPY README.md ./
 COPY operators ./operators
+COPY plugins ./plugins
 COPY trainer ./trainer
 COPY mlflow_setup ./mlflow_setup
 RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=secret,id=pip-constraints.txt \
