@@ -2,7 +2,8 @@
 
 Pages (HTML shells filled by ``static/ui.js``) and their JSON:
 
-* ``GET /training`` and ``GET /api/training``: every pipeline (trainforge.plugins.ui.training);
+* ``GET /training`` and ``GET /api/training``: every pipeline (trainforge.plugins.ui.training),
+  then ``GET /api/training/totals``: each pipeline's last 30 days, fetched by the page after;
 * ``GET /run?dag_id=&run_id=`` and ``GET /api/runs/{dag_id}/{run_id}``: one DAG run
   (trainforge.plugins.ui.runview; 404 for an unknown run);
 * ``GET /cluster`` and ``GET /api/cluster``: the live training jobs (trainforge.plugins.ui.cluster).
@@ -32,7 +33,7 @@ from trainforge.plugins.ui.access import SignedInUser, readable_dag_ids, require
 from trainforge.plugins.ui.errors import CSP, http_error
 from trainforge.plugins.ui.mlflow_reader import MlflowReader, tracking_uri
 from trainforge.plugins.ui.runview import RunNotFound, run_view
-from trainforge.plugins.ui.training import overview
+from trainforge.plugins.ui.training import overview, window_totals
 
 PAGES = ("training", "run", "cluster")
 TITLES = {"training": "Training", "run": "Training run", "cluster": "Cluster"}
@@ -93,6 +94,11 @@ def static_file(name: str, user: SignedInUser) -> Response:
 @app.get("/api/training")
 def training_api(user: SignedInUser, session: SessionDep) -> dict[str, Any]:
     return overview(session, readable_dag_ids(user), _reader())
+
+
+@app.get("/api/training/totals")
+def training_totals_api(user: SignedInUser, session: SessionDep) -> dict[str, Any]:
+    return window_totals(session, readable_dag_ids(user), _reader())
 
 
 @app.get("/api/runs/{dag_id}/{run_id:path}")

@@ -104,7 +104,9 @@ def window_runs(reader: MlflowReader, dag_ids: list[str], since_ms: int, deadlin
         if dag_id is not None:
             fetched.setdefault(dag_id, []).append(run)
     for dag_id, runs in fetched.items():  # every DAG the search covered, not only this user's
-        cache.put(("runs", reader.base_url, dag_id), (since_ms, runs))
+        key = ("runs", reader.base_url, dag_id)
+        if dag_id in missing or (cache.get(key) or (since_ms + 1,))[0] > since_ms:
+            cache.put(key, (since_ms, runs))  # never a wider entry replaced by a narrower one
     return out | {dag_id: fetched[dag_id] for dag_id in missing}
 
 

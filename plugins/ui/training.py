@@ -1,11 +1,13 @@
-"""The Training page's answer: every trainforge pipeline the user may read, its last runs,
-what trains now, its champion and the champion metric's trend, and the last 30 days.
+"""The Training page's answers: :func:`overview` (every trainforge pipeline the user may read,
+its last runs, what trains now, its champion and the champion metric's trend) and
+:func:`window_totals` (each pipeline's last 30 days), which the page fetches right after.
 
 Airflow's metadata answers first (one session, a few queries, only the DAGs the user may
-read); MLflow is then asked, in the UI's threads and under one deadline, for those DAGs' runs
-of the last 30 days and for the model registry (trainforge.plugins.ui.mlflow_cache: data per
-DAG kept a few seconds, two registry calls beside the runs' search). When MLflow does not
-answer the page still lists the pipelines and runs, and ``unavailable`` says what is missing.
+read); MLflow is then asked, in the UI's threads and under one deadline
+(trainforge.plugins.ui.mlflow_cache: data per DAG kept a few seconds). The overview searches
+only the runs since its shown runs started, beside the registry's two calls; the totals search
+every run of the window. When MLflow does not answer the page still lists the pipelines and
+runs, and ``unavailable`` says what is missing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from trainforge.plugins.ui.mlflow_reader import MlflowReader, MlflowUnavailable
 
 RUNS_PER_PIPELINE = 5
 WINDOW_DAYS = 30
+CLOCK_SLACK = dt.timedelta(minutes=10)  # an MLflow run's start (the worker's clock) vs Airflow's
 CHAMPION_ALIAS = "champion"
 TAG_RUN_ID = "trainforge.airflow_run_id"
 TAG_MODEL = "trainforge.registered_model"
@@ -108,26 +111,33 @@ def _models(aliases: dict[str, dict[str, str]], versions: list[dict[str, Any]],
     return out
 
 
-def _mlflow(reader: MlflowReader, dag_ids: list[str], since: dt.datetime, timeout_s: float
-            ) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, dict[str, Any]],
-                       list[dict[str, str]]]:
-    """The readable DAGs' MLflow runs of the window by (DAG id, Airflow run id), newest of
-    each, their registered models by DAG id, and what did not answer. The registry's calls
-    start first and run beside the runs' search (mlflow_cache); both share one deadline."""
-    deadline = time.monotonic() + timeout_s
-    unavailable: list[dict[str, str]] = []
-    registry = mlflow_cache.Registry(reader)
-    mlflow_runs: dict[tuple[str, str], dict[str, Any]] = {}
+def _runs_since(reader: MlflowReader, dag_ids: list[str], since: dt.datetime, deadline: float,
+                unavailable: list[dict[str, str]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """The DAGs' MLflow runs started at ``since`` or later by (DAG id, Airflow run id), newest
+    of each; a failure is appended to ``unavailable`` and leaves none."""
     try:
         by_dag = mlflow_cache.window_runs(reader, dag_ids, int(since.timestamp() * 1000),
                                           deadline)
     except (MlflowUnavailable, TimeoutError) as err:
         unavailable.append({"source": "mlflow", "error": str(err) or "no answer in time"})
         by_dag = {}
+    mlflow_runs: dict[tuple[str, str], dict[str, Any]] = {}
     for dag_id, found in by_dag.items():
         for run in found:
-            key = (dag_id, run["tags"].get(TAG_RUN_ID))
-            mlflow_runs.setdefault(key, run)
+            mlflow_runs.setdefault((dag_id, run["tags"].get(TAG_RUN_ID)), run)
+    return mlflow_runs
+
+
+def _mlflow(reader: MlflowReader, dag_ids: list[str], since: dt.datetime, timeout_s: float
+            ) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, dict[str, Any]],
+                       list[dict[str, str]]]:
+    """The readable DAGs' MLflow runs since ``since`` by (DAG id, Airflow run id), newest of
+    each, their registered models by DAG id, and what did not answer. The registry's calls
+    start first and run beside the runs' search (mlflow_cache); both share one deadline."""
+    deadline = time.monotonic() + timeout_s
+    unavailable: list[dict[str, str]] = []
+    registry = mlflow_cache.Registry(reader)
+    mlflow_runs = _runs_since(reader, dag_ids, since, deadline, unavailable)
     names = {}
     for (dag_id, _), run in mlflow_runs.items():
         if run["tags"].get(TAG_MODEL):
@@ -145,10 +155,24 @@ def _mlflow(reader: MlflowReader, dag_ids: list[str], since: dt.datetime, timeou
     return mlflow_runs, models, unavailable
 
 
+def _shown_since(runs: dict[str, list[dict[str, Any]]], window_start: dt.datetime,
+                 now: dt.datetime) -> dt.datetime:
+    """When the earliest started run shown began (less CLOCK_SLACK), not before the window:
+    the MLflow runs of the shown runs all started then or later."""
+    started = [_utc(dt.datetime.fromisoformat(r["start_date"])) for found in runs.values()
+               for r in found if r.get("start_date")]
+    return max(window_start, min(started, default=now) - CLOCK_SLACK)
+
+
+def _utc(moment: dt.datetime) -> dt.datetime:
+    return moment if moment.tzinfo else moment.replace(tzinfo=dt.timezone.utc)
+
+
 def overview(session: Session, readable: set[str] | None, reader: MlflowReader | None,
              timeout_s: float = 8.0) -> dict[str, Any]:
-    """The Training page's JSON (module doc). Only the DAGs of ``readable`` (None: all) are
-    read and answered, on every call: the MLflow cache holds data per DAG, never an answer."""
+    """The Training page's first JSON (module doc), without the window's totals
+    (:func:`window_totals`). Only the DAGs of ``readable`` (None: all) are read and answered,
+    on every call: the MLflow cache holds data per DAG, never an answer."""
     now = dt.datetime.now(dt.timezone.utc)
     since = now - dt.timedelta(days=WINDOW_DAYS)
     dag_ids = metadata.pipeline_ids(session, readable)
@@ -163,10 +187,10 @@ def overview(session: Session, readable: set[str] | None, reader: MlflowReader |
         unavailable.append({"source": "mlflow", "error": "no MLflow tracking URI configured "
                                                           "(MLFLOW_TRACKING_URI)"})
     elif dag_ids:
-        mlflow_runs, models, unavailable = _mlflow(reader, dag_ids, since, timeout_s)
+        mlflow_runs, models, unavailable = _mlflow(reader, dag_ids,
+                                                   _shown_since(runs, since, now), timeout_s)
     pipelines = []
     for dag_id in dag_ids:
-        window = [r for (d, _), r in mlflow_runs.items() if d == dag_id]
         shown = []
         for run in runs[dag_id]:
             ml = mlflow_runs.get((dag_id, run["run_id"]))
@@ -175,11 +199,32 @@ def overview(session: Session, readable: set[str] | None, reader: MlflowReader |
                           "mlflow_url": reader.run_url(ml["info"]["experiment_id"],
                                                        ml["info"]["run_id"]) if ml else None})
         pipelines.append({**info[dag_id], "runs": shown, "runs_30d": counts.get(dag_id, {}),
-                          "last_30d": _totals([figures(r["metrics"], r["tags"]) for r in window]),
                           **{k: models.get(dag_id, {}).get(k) for k in ("model", "champion",
                                                                         "trend")}})
     return {"generated_at": now.isoformat(), "window_days": WINDOW_DAYS,
             "pipelines": pipelines, "partial": bool(unavailable), "unavailable": unavailable}
+
+
+def window_totals(session: Session, readable: set[str] | None, reader: MlflowReader | None,
+                  timeout_s: float = 8.0) -> dict[str, Any]:
+    """Each readable pipeline's last 30 days from its MLflow runs (``last_30d``: DAG id ->
+    :func:`_totals`); like :func:`overview`, only the DAGs of ``readable`` (None: all), asked
+    on every call, from the per-DAG cache."""
+    now = dt.datetime.now(dt.timezone.utc)
+    dag_ids = metadata.pipeline_ids(session, readable)
+    unavailable: list[dict[str, str]] = []
+    mlflow_runs: dict[tuple[str, str], dict[str, Any]] = {}
+    if reader is None:
+        unavailable.append({"source": "mlflow", "error": "no MLflow tracking URI configured "
+                                                          "(MLFLOW_TRACKING_URI)"})
+    elif dag_ids:
+        mlflow_runs = _runs_since(reader, dag_ids, now - dt.timedelta(days=WINDOW_DAYS),
+                                  time.monotonic() + timeout_s, unavailable)
+    totals = {dag_id: _totals([figures(r["metrics"], r["tags"])
+                               for (d, _), r in mlflow_runs.items() if d == dag_id])
+              for dag_id in dag_ids} if not unavailable else {}
+    return {"generated_at": now.isoformat(), "window_days": WINDOW_DAYS, "last_30d": totals,
+            "partial": bool(unavailable), "unavailable": unavailable}
 
 
 def _totals(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -53,19 +53,34 @@ function progressBar(p) {
 }
 
 // -- Training -------------------------------------------------------------------------------
+// The last 30 days come from api/training/totals, fetched after the page's first answer: the
+// newest figures by DAG id, "…" until they arrive.
+let totals = {};
+function totalsText(t30) {
+  if (!t30) return "…";
+  return `${t30.runs} tracked runs · ${t30.gpu_hours === 0 ? "no GPU-h (CPU jobs)" : fmtNum(t30.gpu_hours) + " GPU-h"} · cost ${fmtNum(t30.cost)} · ` +
+    `${fmtNum(t30.energy_kwh)} kWh · goodput ${t30.goodput_percent === null ? "not recorded" : fmtNum(t30.goodput_percent) + " %"}`;
+}
+async function loadTotals(app) {
+  const resp = await fetch("api/training/totals", { credentials: "same-origin", headers: { Accept: "application/json" } });
+  const data = resp.ok ? await resp.json() : { last_30d: {}, partial: true };
+  totals = data.last_30d;
+  app.querySelectorAll(".last-30d").forEach((el) => {
+    el.textContent = totals[el.dataset.dag] ? totalsText(totals[el.dataset.dag]) : (data.partial ? "not available (MLflow)" : "…");
+  });
+}
 function renderTraining(data) {
   const nowTraining = data.pipelines.flatMap((p) => p.runs.filter((r) => r.training).map((r) => [p, r]));
   const cards = data.pipelines.map((p) => {
     const trend = (p.trend || []).filter((t) => t.value !== null);
-    const t30 = p.last_30d;
+    const t30 = totals[p.dag_id];
     return h("section", { class: "card pipeline", "data-dag": p.dag_id },
       h("h3", {}, top(`/dags/${encodeURIComponent(p.dag_id)}`, p.dag_id), p.paused ? h("span", { class: "muted" }, " (paused)") : null),
       p.description ? h("div", { class: "muted" }, p.description) : null,
       kv([
         ["Champion", p.champion ? h("span", {}, ext(p.champion.url, `${p.champion.model} v${p.champion.version}`),
           ` · ${p.champion.metric || "metric"} ${fmtNum(p.champion.value)}`) : h("span", { class: "muted" }, p.model ? "no champion yet" : "no registered model yet")],
-        [`Last ${data.window_days} days`, `${t30.runs} tracked runs · ${t30.gpu_hours === 0 ? "no GPU-h (CPU jobs)" : fmtNum(t30.gpu_hours) + " GPU-h"} · cost ${fmtNum(t30.cost)} · ` +
-          `${fmtNum(t30.energy_kwh)} kWh · goodput ${t30.goodput_percent === null ? "not recorded" : fmtNum(t30.goodput_percent) + " %"}`],
+        [`Last ${data.window_days} days`, h("span", { class: "last-30d", "data-dag": p.dag_id }, totalsText(t30))],
       ]),
       trend.length ? h("div", {}, h("div", { class: "muted" }, `${trend[0].metric} by registered version`),
         lineChart(`trend-${p.dag_id}`, [{ name: "value", points: trend.map((t) => [Number(t.version), t.value]) }],
@@ -190,6 +205,7 @@ async function load(page, app) {
   const render = { training: renderTraining, run: renderRun, cluster: renderCluster }[page];
   app.replaceChildren(...render(data).filter(Boolean));
   app.dataset.loaded = String(Date.now());
+  if (page === "training") loadTotals(app).catch(() => {});
   return page !== "run" || data.training || ["running", "queued"].includes(data.run.state);
 }
 

@@ -85,24 +85,34 @@ def calls(monkeypatch):
     return made
 
 
-def _page(api, user: str) -> dict:
-    resp = api.get("/api/training", headers={"Authorization": f"Bearer {token(user, 'viewer')}"})
+def _get(api, user: str, path: str) -> dict:
+    resp = api.get(path, headers={"Authorization": f"Bearer {token(user, 'viewer')}"})
     assert resp.status_code == 200, resp.text
     data = resp.json()
     assert not data["partial"], data["unavailable"]
     return data
 
 
-def _gpu_hours(data: dict) -> dict[str, float]:
-    return {p["dag_id"]: p["last_30d"]["gpu_hours"] for p in data["pipelines"]}
+def _overview(api, user: str) -> dict:
+    return _get(api, user, "/api/training")
+
+
+def _page(api, user: str) -> dict:
+    """What the page fetches: the overview, then the window's totals (returned)."""
+    _overview(api, user)
+    return _get(api, user, "/api/training/totals")
+
+
+def _gpu_hours(totals: dict) -> dict[str, float]:
+    return {dag_id: t["gpu_hours"] for dag_id, t in totals["last_30d"].items()}
 
 
 def test_a_cached_dag_is_served_only_to_users_who_may_read_it(api, clock, calls):
     assert _gpu_hours(_page(api, "alice")) == {A: 2.0, B: 3.0}
     assert calls, "alice's first visit asks MLflow"
     calls.clear()
-    bob = _page(api, "bob")
-    assert _gpu_hours(bob) == {B: 3.0}  # from the entries alice's visit filled, A left out
+    bob = _overview(api, "bob")
+    assert _gpu_hours(_get(api, "bob", "/api/training/totals")) == {B: 3.0}  # A left out
     assert [p["model"] for p in bob["pipelines"]] == [f"{B}-model"]
     assert calls == []
 
@@ -110,8 +120,33 @@ def test_a_cached_dag_is_served_only_to_users_who_may_read_it(api, clock, calls)
 def test_a_dag_missing_from_the_cache_is_searched_alone(api, clock, calls):
     assert _gpu_hours(_page(api, "bob")) == {B: 3.0}
     calls.clear()
-    assert _gpu_hours(_page(api, "alice")) == {A: 2.0, B: 3.0}
-    assert calls == ["runs/search"]  # A's runs only: B, experiments and registry are cached
+    assert _gpu_hours(_get(api, "alice", "/api/training/totals")) == {A: 2.0, B: 3.0}
+    assert calls == ["runs/search"]  # A's runs only: B and the experiments are cached
+
+
+def test_the_overview_holds_no_totals_and_searches_only_since_its_shown_runs(
+        api, clock, calls, monkeypatch):
+    from trainforge.plugins.ui.mlflow_reader import MlflowReader
+
+    filters: list[str] = []
+    plain = MlflowReader.search_runs
+
+    def recorded(reader, filter_string, *args, **kwargs):
+        filters.append(filter_string)
+        return plain(reader, filter_string, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowReader, "search_runs", recorded)
+    data = _overview(api, "alice")
+    assert all("last_30d" not in p for p in data["pipelines"])
+    [since] = [int(f.split(">= ")[1].split()[0]) for f in filters]
+    shown = min(dt.datetime.fromisoformat(r["start_date"]) for p in data["pipelines"]
+                for r in p["runs"])
+    assert since > (shown - dt.timedelta(minutes=11)).timestamp() * 1000  # not 30 days back
+    assert [p["champion"] is None and p["model"] for p in data["pipelines"]] == [
+        f"{A}-model", f"{B}-model"]
+    calls.clear()
+    assert _gpu_hours(_get(api, "alice", "/api/training/totals")) == {A: 2.0, B: 3.0}
+    assert calls == ["runs/search"]  # the window's: the overview's entries are narrower
 
 
 def test_cached_entries_expire_after_the_ttl(api, clock, calls):
@@ -125,12 +160,15 @@ def test_cached_entries_expire_after_the_ttl(api, clock, calls):
     clock.now += 1.0
     assert _gpu_hours(_page(api, "alice")) == {A: 2.0, B: 3.0}
     assert sorted(calls) == ["experiments/search", "model-versions/search",
-                             "registered-models/search", "runs/search"]
+                             "registered-models/search", "runs/search", "runs/search"]
 
 
 def test_a_page_load_makes_at_most_four_mlflow_calls_and_none_when_cached(api, clock, calls):
-    _page(api, "alice")
+    _overview(api, "alice")
     assert len(calls) <= 4, calls  # experiments, one runs search, registry's models, versions
+    calls.clear()
+    _get(api, "alice", "/api/training/totals")
+    assert len(calls) <= 1, calls  # the window's runs search
     calls.clear()
     for user in ("alice", "bob", "alice"):
         _page(api, user)
