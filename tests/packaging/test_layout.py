@@ -59,3 +59,16 @@ def test_wheel_registers_the_plugin_and_the_cli(built_wheel: Path):
         parser.read_string(wheel.read(entry_points).decode())
     assert dict(parser["airflow.plugins"]) == {"trainforge": "trainforge.plugins.plugin:TrainforgePlugin"}
     assert dict(parser["console_scripts"]) == {"trainforge": "trainforge.cli.main:app"}
+
+
+def test_every_image_that_builds_the_wheel_copies_every_mapped_folder():
+    """The images build the wheel from the folders their Dockerfile copies: a folder that
+    ``package-dir`` maps but a Dockerfile leaves out fails the image build, minutes into it."""
+    folders = set(setuptools_config()["package-dir"].values())
+    for dockerfile in sorted((REPO / "docker").glob("*.Dockerfile")):
+        text = dockerfile.read_text()
+        if "COPY pyproject.toml" not in text:
+            continue
+        copied = {line.split()[1].rstrip("/") for line in text.splitlines()
+                  if line.startswith("COPY ") and not line.startswith("COPY --")}
+        assert folders <= copied, f"{dockerfile.name} does not copy {sorted(folders - copied)}"
