@@ -155,7 +155,10 @@ def test_a_killed_rank_is_restarted_inside_the_same_job(tmp_path, cluster, datas
     assert len(re.findall(r"trainforge: Slurm job \d+ on", text)) == 1, text[-4000:]
     assert "failed (exitcode: -9) local_rank: 0" in text, text[-4000:]  # the agent saw the kill
     resumed = re.findall(r"resuming from \S*step-(\d+)", text)
-    assert resumed and 10 <= int(resumed[-1]) <= killed_at, (resumed, killed_at, text[-4000:])
+    # The log is read through srun's forwarded output, which may trail the ranks by a few steps:
+    # the rank can be past the next checkpoint when the kill lands, never past two.
+    assert resumed and int(resumed[-1]) % 10 == 0, (resumed, text[-4000:])
+    assert 10 <= int(resumed[-1]) <= killed_at + 10, (resumed, killed_at, text[-4000:])
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" in text
     _wait_nothing_left(hosts)
 
