@@ -52,13 +52,7 @@ from trainforge.engines.base import (
 )
 from trainforge.engines.jobfiles import read_json, write_json_atomic
 from trainforge.engines.slurm.client import SACCT_WINDOW, SlurmCommands, epoch, last_error
-from trainforge.engines.slurm.node_loss import (
-    NODE_LOSS,
-    RECORD_NAME as NODE_LOSS_RECORD,
-    describe,
-    job_nodelist,
-    node_lost,
-)
+from trainforge.engines.slurm.node_loss import describe, job_node_loss
 from trainforge.engines.slurm.script import (
     LOG_NAME,
     NEVER_RUNS,
@@ -242,7 +236,7 @@ class SlurmBackend(Backend):
             return JobStatus(JobState.SUCCEEDED, message, exit_code or 0, None, result, wall_s,
                              seen["end"], slurm_phases(handle, seen["start"]))
         kind = failure_kind(exit_code, result)
-        loss = self._node_loss(job_dir, seen, exit_record)
+        loss = job_node_loss(job_dir, seen.get("end"), exit_record, self._slurm)
         if loss is not None:  # the lost node, never the survivor (node_loss.py)
             said = (result or {}).get("message")
             result = {**(result or {}), "disruption": loss}
@@ -309,59 +303,6 @@ class SlurmBackend(Backend):
         return final
 
     # -- helpers ----------------------------------------------------------------------------
-    def _node_loss(self, job_dir: Path, seen: dict[str, Any],
-                   exit_record: dict[str, Any] | None) -> dict[str, Any] | None:
-        """The failed job's lost node (trainforge.engines.slurm.node_loss), as the ledger's
-        disruption record ``{"kind": "node_loss", "node", "source", "lost_at", "detected_at",
-        "detection_s"}``; None when nothing shows a node was lost. Decided once, at the first
-        poll that saw the failure, and kept in the job folder."""
-        saved = read_json(job_dir / NODE_LOSS_RECORD)
-        if saved is not None:
-            return saved
-        try:
-            with open(job_dir / LOG_NAME, "rb") as fh:
-                head = fh.read(65_536)
-                fh.seek(0, os.SEEK_END)
-                fh.seek(max(len(head), fh.tell() - 262_144))
-                text = (head + b"\n" + fh.read()).decode(errors="replace")
-        except OSError:
-            return None
-        nodes: list[str] = []
-        states: dict[str, str] = {}
-        nodelist = job_nodelist(text)
-        if nodelist and ("," in nodelist or "[" in nodelist):  # else one node: no peer to lose
-            try:
-                nodes = self._slurm.run("scontrol", "show", "hostnames", nodelist).split()
-                if len(nodes) > 1:
-                    for line in self._slurm.run("sinfo", "-h", "-N", "-n", nodelist,
-                                                "-o", "%N|%T").splitlines():
-                        name, _, node_state = line.strip().partition("|")
-                        if name:
-                            states[name] = node_state
-            except BackendError as err:  # the log's evidence still counts
-                log.warning("could not read the node states of Slurm job folder %s: %s",
-                            job_dir, err)
-        if len(nodes) < 2:
-            return None  # a one-node job's failure is the job's, not a lost peer's
-        found = node_lost(text, states)
-        if found is None or found[0] not in nodes:
-            return None
-        node, source = found
-        detected = time.time()
-        ended = seen.get("end") or (exit_record or {}).get("ended_at") or detected
-        index = nodes.index(node)
-        console = job_dir / "ranks" / f"node-{index}.log"
-        lost_at = float(ended)
-        if index and console.exists():
-            lost_at = min(lost_at, console.stat().st_mtime)
-        lost_at = min(lost_at, detected)
-        record = {"kind": NODE_LOSS, "node": node, "source": source,
-                  "survivors": [n for n in nodes if n != node], "lost_at": round(lost_at, 3),
-                  "detected_at": round(detected, 3),
-                  "detection_s": round(detected - lost_at, 3)}
-        write_json_atomic(job_dir / NODE_LOSS_RECORD, record)
-        return record
-
     def _pending(self, handle: JobHandle, seen: dict[str, Any]) -> JobStatus:
         job_id = str(handle["job_id"])
         reason = seen["reason"] or "None"

@@ -23,8 +23,18 @@ difference: what passed between the node's last sign of life and the failure rea
 
 from __future__ import annotations
 
+import logging
+import os
 import re
+import time
+from pathlib import Path
 from typing import Any
+
+from trainforge.engines.jobfiles import read_json, write_json_atomic
+from trainforge.engines.slurm.script import LOG_NAME
+from trainforge.errors import BackendError
+
+log = logging.getLogger(__name__)
 
 NODE_LOSS = "node_loss"
 """The disruption kind (trainforge.ledger.disruptions)."""
@@ -70,3 +80,55 @@ def describe(record: dict[str, Any]) -> str:
     """``node h1 lost (<how>; last sign of life <t>, reported <d> s later)``."""
     return (f"node {record['node']} lost ({record['source']}; the failure was reported "
             f"{record['detection_s']:.1f} s after its last sign of life)")
+
+
+def job_node_loss(job_dir: Path, ended: float | None, exit_record: dict[str, Any] | None,
+                  slurm: Any) -> dict[str, Any] | None:
+    """The failed job's lost node as the ledger's disruption record ``{"kind": "node_loss",
+    "node", "source", "survivors", "lost_at", "detected_at", "detection_s"}``; None when nothing
+    shows a node was lost. ``ended``: Slurm's end of the job; ``slurm``: the backend's
+    `SlurmCommands`. Decided once, at the first poll that saw the failure, and kept in the job
+    folder (:data:`RECORD_NAME`)."""
+    saved = read_json(job_dir / RECORD_NAME)
+    if saved is not None:
+        return saved
+    try:
+        with open(job_dir / LOG_NAME, "rb") as fh:
+            head = fh.read(65_536)
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(len(head), fh.tell() - 262_144))
+            text = (head + b"\n" + fh.read()).decode(errors="replace")
+    except OSError:
+        return None
+    nodes: list[str] = []
+    states: dict[str, str] = {}
+    nodelist = job_nodelist(text)
+    if nodelist and ("," in nodelist or "[" in nodelist):  # else one node: no peer to lose
+        try:
+            nodes = slurm.run("scontrol", "show", "hostnames", nodelist).split()
+            if len(nodes) > 1:
+                for line in slurm.run("sinfo", "-h", "-N", "-n", nodelist,
+                                      "-o", "%N|%T").splitlines():
+                    name, _, node_state = line.strip().partition("|")
+                    if name:
+                        states[name] = node_state
+        except BackendError as err:  # the log's evidence still counts
+            log.warning("could not read the node states of Slurm job folder %s: %s", job_dir, err)
+    if len(nodes) < 2:
+        return None  # a one-node job's failure is the job's, not a lost peer's
+    found = node_lost(text, states)
+    if found is None or found[0] not in nodes:
+        return None
+    node, source = found
+    detected = time.time()
+    lost_at = float(ended or (exit_record or {}).get("ended_at") or detected)
+    index = nodes.index(node)
+    console = job_dir / "ranks" / f"node-{index}.log"
+    if index and console.exists():
+        lost_at = min(lost_at, console.stat().st_mtime)
+    lost_at = min(lost_at, detected)
+    record = {"kind": NODE_LOSS, "node": node, "source": source,
+              "survivors": [n for n in nodes if n != node], "lost_at": round(lost_at, 3),
+              "detected_at": round(detected, 3), "detection_s": round(detected - lost_at, 3)}
+    write_json_atomic(job_dir / RECORD_NAME, record)
+    return record
