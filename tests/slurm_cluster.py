@@ -27,6 +27,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,32 @@ def _stop(cluster: SlurmCluster) -> None:
     else:
         os.environ["SLURM_CONF"] = previous
     shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+@contextmanager
+def two_host_slurm(prefix: str, prepare=None, **options) -> Iterator[tuple[object, SlurmCluster]]:
+    """A Slurm cluster of two test hosts (tests/hosts.py): yields ``(hosts, cluster)`` with
+    ``SLURM_CONF`` pointing at it, and restores both afterwards. ``prepare(hosts)`` runs before
+    the cluster starts (a hosts file to rewrite, say); ``options`` go to :class:`SlurmCluster`.
+    Skips without Slurm's binaries or the hosts' needs."""
+    from tests import hosts as test_hosts
+    from tests.conftest import skip_without
+
+    if missing_binaries():
+        skip_without("slurm", f"missing: {', '.join(missing_binaries())}")
+    test_hosts.skip_if_unavailable()
+    before = os.environ.get("SLURM_CONF")
+    with test_hosts.test_hosts(2) as hosts:
+        if prepare is not None:
+            prepare(hosts)
+        cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix=prefix)), hosts=hosts, **options)
+        try:
+            cluster.start()
+            os.environ["SLURM_CONF"] = str(cluster.conf)
+            yield hosts, cluster
+        finally:
+            cluster.stop()
+            if before is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = before

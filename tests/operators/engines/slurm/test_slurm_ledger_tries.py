@@ -28,23 +28,13 @@ from trainforge.ledger.attempts import attempt_records, job_dir_records, merge_r
 from trainforge.ledger.build import build_ledger
 from trainforge.pipeline import load_spec
 from trainforge.tasks.train_ledger import ledger_dir, ledger_env, task_records
+from tests.faults.faultlib import wait_for
 from tests.slurm_cluster import slurm_cluster  # noqa: F401 - the session's Slurm cluster
 from tests.trainer.conftest import REPO_ROOT, build_dataset, make_job
 
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
 MAX_STEPS, CHECKPOINT_EVERY = 300, 100
-
-
-def _wait(what: str, ready, timeout_s: float, interval_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = ready()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(interval_s)
 
 
 def _newest_record(folder: Path) -> dict | None:
@@ -85,19 +75,19 @@ def test_the_retry_of_a_killed_slurm_try_bills_its_wasted_steps_without_mlflow(
 
     first = backend.submit(job(1))
     started_1 = time.time()
-    killed = _wait("try 1's record past its step-100 checkpoint", lambda: (
+    killed = wait_for("try 1's record past its step-100 checkpoint", lambda: (
         (r := _newest_record(folder)) and r["step"] > CHECKPOINT_EVERY + 5 and r)
-        or backend.status(first).state.terminal, 240)
+        or backend.status(first).state.terminal, 240, 0.05)
     assert killed is not True, backend.status(first)
     for pid in _rank_pids():
         os.kill(pid, signal.SIGKILL)
-    status = _wait("try 1 to fail", lambda: (s := backend.status(first)).state.terminal and s, 60, 0.25)
+    status = wait_for("try 1 to fail", lambda: (s := backend.status(first)).state.terminal and s, 60, 0.25)
     assert status.state is JobState.FAILED, status
     killed = _newest_record(folder)
     assert not killed["final"] and CHECKPOINT_EVERY < killed["step"] < 2 * CHECKPOINT_EVERY, killed
 
     second = backend.submit(job(2))
-    status = _wait("try 2 to end", lambda: (s := backend.status(second)).state.terminal and s, 300, 0.25)
+    status = wait_for("try 2 to end", lambda: (s := backend.status(second)).state.terminal and s, 300, 0.25)
     log_2 = (backend.job_dir(job(2).identity) / "job.log").read_text(errors="replace")
     assert status.state is JobState.SUCCEEDED, (status, log_2[-3000:])
     assert f"resuming from {checkpoints}/step-{CHECKPOINT_EVERY:08d}" in log_2, log_2[-3000:]

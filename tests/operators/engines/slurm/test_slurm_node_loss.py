@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,9 +25,8 @@ import pytest
 from trainforge.contract import FailureKind
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
-from tests import hosts as test_hosts
-from tests.conftest import skip_without
-from tests.slurm_cluster import SlurmCluster, missing_binaries
+from tests.faults.faultlib import wait_for
+from tests.slurm_cluster import two_host_slurm
 from tests.trainer.conftest import build_dataset, make_job
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
@@ -41,17 +39,6 @@ SLURMD_TIMEOUT_S = 10
 def _newest_step(log: Path) -> int:
     found = re.findall(r"step (\d+)/\d+ \|", log.read_text(errors="replace")) if log.exists() else []
     return int(found[-1]) if found else 0
-
-
-def _wait(what: str, ready, timeout_s: float, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = ready()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(interval_s)
 
 
 def _trainers(hosts, i: int) -> list[str]:
@@ -68,19 +55,9 @@ def _trainers(hosts, i: int) -> list[str]:
 
 
 @pytest.fixture
-def two_hosts_cluster(monkeypatch):
-    if missing_binaries():
-        skip_without("slurm", f"missing: {', '.join(missing_binaries())}")
-    test_hosts.skip_if_unavailable()
-    with test_hosts.test_hosts(2) as hosts:
-        cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix="tf-slurm-loss-")), hosts=hosts,
-                               slurmd_timeout_s=SLURMD_TIMEOUT_S)
-        try:
-            cluster.start()
-            monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
-            yield hosts, cluster
-        finally:
-            cluster.stop()
+def two_hosts_cluster():
+    with two_host_slurm("tf-slurm-loss-", slurmd_timeout_s=SLURMD_TIMEOUT_S) as (hosts, cluster):
+        yield hosts, cluster
 
 
 def test_a_lost_host_fails_the_job_as_transient_and_the_retry_resumes_exactly_once(
@@ -113,13 +90,13 @@ def test_a_lost_host_fails_the_job_as_transient_and_the_retry_resumes_exactly_on
 
         first = backend.submit(job(1))
         log = backend.job_dir(job(1).identity) / "job.log"
-        _wait("the first try past its step-10 checkpoint", lambda: _newest_step(log) >= 12
-              or backend.status(first).state.terminal, 240)
+        wait_for("the first try past its step-10 checkpoint", lambda: _newest_step(log) >= 12
+                 or backend.status(first).state.terminal, 240, 0.2)
         assert not backend.status(first).state.terminal, log.read_text()[-3000:]
         hosts.cut(1)
         cut_at, cut_step = time.monotonic(), _newest_step(log)
-        status = _wait("the first try to end", lambda: (s := backend.status(first)).state.terminal
-                       and s, COLLECTIVE_TIMEOUT_S + 4 * SLURMD_TIMEOUT_S + 60)
+        status = wait_for("the first try to end", lambda: (s := backend.status(first)).state.terminal
+                          and s, COLLECTIVE_TIMEOUT_S + 4 * SLURMD_TIMEOUT_S + 60)
         noticed_s = time.monotonic() - cut_at
         text = log.read_text(errors="replace")
         assert status.state is JobState.FAILED, (status, text[-3000:])
@@ -132,13 +109,13 @@ def test_a_lost_host_fails_the_job_as_transient_and_the_retry_resumes_exactly_on
         assert noticed_s < COLLECTIVE_TIMEOUT_S + 2 * SLURMD_TIMEOUT_S + 30, (noticed_s, status)
 
         hosts.restore(1)
-        _wait("both nodes back in service", cluster._node_idle, 120, 0.5)
+        wait_for("both nodes back in service", cluster._node_idle, 120, 0.5)
         # The cut host's processes were killed when it came back (the job had ended).
-        _wait("no trainer left on the second host", lambda: not _trainers(hosts, 1), 60, 0.5)
+        wait_for("no trainer left on the second host", lambda: not _trainers(hosts, 1), 60, 0.5)
 
         second = backend.submit(job(2))
-        status = _wait("the retry to end", lambda: (s := backend.status(second)).state.terminal
-                       and s, 600, 0.5)
+        status = wait_for("the retry to end", lambda: (s := backend.status(second)).state.terminal
+                          and s, 600, 0.5)
         retry_log = (backend.job_dir(job(2).identity) / "job.log").read_text(errors="replace")
         assert status.state is JobState.SUCCEEDED, (status, retry_log[-4000:])
         resumed = re.search(r"resuming from \S*step-(\d+)", retry_log)

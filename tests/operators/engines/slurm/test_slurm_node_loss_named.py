@@ -14,9 +14,7 @@ and nothing of the job is left on either host.
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,9 +26,8 @@ from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
 from trainforge.ledger.disruptions import NODE_LOSS, event_disruption
 from trainforge.ledger.tries import try_ended
-from tests import hosts as test_hosts
-from tests.conftest import skip_without
-from tests.slurm_cluster import SlurmCluster, missing_binaries
+from tests.faults.faultlib import wait_for
+from tests.slurm_cluster import two_host_slurm
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
 
@@ -41,23 +38,8 @@ WORDS = ("fake_trainer", "node_preflight", "torch.distributed.run")
 
 @pytest.fixture(scope="module")
 def cluster():
-    if missing_binaries():
-        skip_without("slurm", f"missing: {', '.join(missing_binaries())}")
-    test_hosts.skip_if_unavailable()
-    before = os.environ.get("SLURM_CONF")
-    with test_hosts.test_hosts(2) as hosts:
-        slurm = SlurmCluster(Path(tempfile.mkdtemp(prefix="tf-slurm-nl-")), hosts=hosts,
-                             slurmd_timeout_s=SLURMD_TIMEOUT_S)
-        try:
-            slurm.start()
-            os.environ["SLURM_CONF"] = str(slurm.conf)
-            yield hosts, slurm
-        finally:
-            slurm.stop()
-            if before is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = before
+    with two_host_slurm("tf-slurm-nl-", slurmd_timeout_s=SLURMD_TIMEOUT_S) as (hosts, slurm):
+        yield hosts, slurm
 
 
 def _job(key: str) -> TrainingJob:
@@ -80,17 +62,6 @@ def _processes(hosts, i: int, word: str) -> list[psutil.Process]:
     return found
 
 
-def _wait(what: str, ready, timeout_s: float, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = ready()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(interval_s)
-
-
 def _logs(backend, job) -> str:
     folder = backend.job_dir(job.identity)
     parts = [folder / "job.log", *sorted((folder / "ranks").glob("node-*.log"))]
@@ -99,8 +70,8 @@ def _logs(backend, job) -> str:
 
 def _running_on_both(backend, handle, job, hosts) -> None:
     ranks = backend.job_dir(job.identity) / "ranks" / "node-1.log"
-    _wait("both ranks printing", lambda: "rank1 line 3" in _logs(backend, job)
-          and "rank0 line 3" in _logs(backend, job) or backend.status(handle).state.terminal, 45)
+    wait_for("both ranks printing", lambda: "rank1 line 3" in _logs(backend, job)
+             and "rank0 line 3" in _logs(backend, job) or backend.status(handle).state.terminal, 45)
     assert not backend.status(handle).state.terminal, _logs(backend, job)[-3000:]
     assert ranks.exists()
 
@@ -149,8 +120,8 @@ def test_a_killed_agent_names_its_node_not_the_survivor(tmp_path, cluster):
     for proc in [p for a in agents for p in a.children(recursive=True)] + agents:
         proc.kill()
     killed_at = time.time()
-    status = _wait("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
-                   30, 0.25)
+    status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
+                      30, 0.25)
     loss = _assert_names_the_lost_node(status, backend, handle, job, hosts.name(1),
                                        hosts.name(0), killed_at)
     assert loss["source"].startswith("srun: its task 1"), loss
@@ -166,8 +137,8 @@ def test_a_dead_host_is_named_from_slurms_node_state(tmp_path, cluster):
     _running_on_both(backend, handle, job, hosts)
     hosts.kill(1)  # slurmd, its step daemon, the agent and the rank: the machine is gone
     killed_at = time.time()
-    status = _wait("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
-                   4 * SLURMD_TIMEOUT_S + 20, 0.5)
+    status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
+                      4 * SLURMD_TIMEOUT_S + 20, 0.5)
     loss = _assert_names_the_lost_node(status, backend, handle, job, hosts.name(1),
                                        hosts.name(0), killed_at)
     assert "Slurm" in loss["source"] or "controller" in loss["source"], loss

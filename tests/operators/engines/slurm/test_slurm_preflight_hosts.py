@@ -14,10 +14,8 @@ Nothing of a job is left running on either host after each.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,9 +25,7 @@ import pytest
 from trainforge.contract import FailureKind
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
-from tests import hosts as test_hosts
-from tests.conftest import skip_without
-from tests.slurm_cluster import SlurmCluster, missing_binaries
+from tests.slurm_cluster import two_host_slurm
 from tests.trainer.conftest import build_dataset, make_job
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
@@ -49,24 +45,9 @@ def _debian_hosts(hosts) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    if missing_binaries():
-        skip_without("slurm", f"missing: {', '.join(missing_binaries())}")
-    test_hosts.skip_if_unavailable()
-    before = os.environ.get("SLURM_CONF")
-    with test_hosts.test_hosts(2) as hosts:
-        _debian_hosts(hosts)
+    with two_host_slurm("tf-slurm-pf-", prepare=_debian_hosts) as (hosts, slurm):
         assert "127.0.1.1" in hosts.run(1, ["getent", "hosts", "h1"]).stdout
-        slurm = SlurmCluster(Path(tempfile.mkdtemp(prefix="tf-slurm-pf-")), hosts=hosts)
-        try:
-            slurm.start()
-            os.environ["SLURM_CONF"] = str(slurm.conf)
-            yield hosts, slurm
-        finally:
-            slurm.stop()
-            if before is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = before
+        yield hosts, slurm
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,9 +28,8 @@ import pytest
 
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
-from tests import hosts as test_hosts
-from tests.conftest import skip_without
-from tests.slurm_cluster import SlurmCluster, missing_binaries
+from tests.faults.faultlib import wait_for
+from tests.slurm_cluster import two_host_slurm
 from tests.trainer.conftest import build_dataset, make_job
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
@@ -42,22 +40,8 @@ KILL_AFTER_STEP = 12
 
 @pytest.fixture(scope="module")
 def cluster():
-    if missing_binaries():
-        skip_without("slurm", f"missing: {', '.join(missing_binaries())}")
-    test_hosts.skip_if_unavailable()
-    before = os.environ.get("SLURM_CONF")
-    with test_hosts.test_hosts(2) as hosts:
-        slurm = SlurmCluster(Path(tempfile.mkdtemp(prefix="tf-slurm-rs-")), hosts=hosts)
-        try:
-            slurm.start()
-            os.environ["SLURM_CONF"] = str(slurm.conf)
-            yield hosts, slurm
-        finally:
-            slurm.stop()
-            if before is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = before
+    with two_host_slurm("tf-slurm-rs-") as (hosts, slurm):
+        yield hosts, slurm
 
 
 @pytest.fixture(scope="module")
@@ -101,17 +85,6 @@ def _rank(hosts, i: int) -> psutil.Process | None:
     return ranks[0] if ranks else None
 
 
-def _wait(what: str, ready, timeout_s: float, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = ready()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
-        time.sleep(interval_s)
-
-
 def _logs(backend, job) -> str:
     folder = backend.job_dir(job.identity)
     parts = [folder / "job.log", *sorted((folder / "ranks").glob("node-*.log"))]
@@ -121,10 +94,10 @@ def _logs(backend, job) -> str:
 def _kill_a_rank_on_the_second_host(backend, handle, job, hosts) -> int:
     """SIGKILL host 1's rank past the first checkpoint; the step it was at."""
     log = backend.job_dir(job.identity) / "job.log"
-    _wait("the job past its step-10 checkpoint", lambda: _newest_step(log) >= KILL_AFTER_STEP
-          or backend.status(handle).state.terminal, 240)
+    wait_for("the job past its step-10 checkpoint", lambda: _newest_step(log) >= KILL_AFTER_STEP
+             or backend.status(handle).state.terminal, 240, 0.2)
     assert not backend.status(handle).state.terminal, _logs(backend, job)[-3000:]
-    rank = _wait("the rank on the second host", lambda: _rank(hosts, 1), 30)
+    rank = wait_for("the rank on the second host", lambda: _rank(hosts, 1), 30, 0.2)
     step = _newest_step(log)
     os.kill(rank.pid, signal.SIGKILL)
     return step
@@ -147,8 +120,8 @@ def test_a_killed_rank_is_restarted_inside_the_same_job(tmp_path, cluster, datas
     job = _job(tmp_path, dataset, "restart", max_restarts=1)
     handle = backend.submit(job)
     killed_at = _kill_a_rank_on_the_second_host(backend, handle, job, hosts)
-    status = _wait("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
-                   300, 0.5)
+    status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
+                      300, 0.5)
     text = _logs(backend, job)
     assert status.state is JobState.SUCCEEDED, (status, text[-4000:])
     # One job, one run of its script: the restart happened inside the step.
@@ -169,8 +142,8 @@ def test_without_restarts_a_killed_rank_fails_the_job(tmp_path, cluster, dataset
     job = _job(tmp_path, dataset, "no-restart", max_restarts=0)
     handle = backend.submit(job)
     _kill_a_rank_on_the_second_host(backend, handle, job, hosts)
-    status = _wait("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
-                   120, 0.5)
+    status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
+                      120, 0.5)
     text = _logs(backend, job)
     assert status.state is JobState.FAILED, (status, text[-4000:])
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" not in text
@@ -183,15 +156,15 @@ def test_a_lost_agent_still_ends_the_job_at_once_with_restarts_left(tmp_path, cl
     job = _job(tmp_path, dataset, "agent-lost", max_restarts=1)
     handle = backend.submit(job)
     log = backend.job_dir(job.identity) / "job.log"
-    _wait("the job past its step-10 checkpoint", lambda: _newest_step(log) >= KILL_AFTER_STEP
-          or backend.status(handle).state.terminal, 240)
+    wait_for("the job past its step-10 checkpoint", lambda: _newest_step(log) >= KILL_AFTER_STEP
+             or backend.status(handle).state.terminal, 240, 0.2)
     agents = _processes(hosts, 1, "torch.distributed.run")
     assert agents, _logs(backend, job)[-3000:]
     for proc in [p for a in agents for p in a.children(recursive=True)] + agents:
         proc.kill()
     killed = time.monotonic()
-    status = _wait("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
-                   60, 0.25)
+    status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
+                      60, 0.25)
     took = time.monotonic() - killed
     text = _logs(backend, job)
     assert status.state is JobState.FAILED, (status, text[-4000:])
