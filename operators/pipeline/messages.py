@@ -233,7 +233,9 @@ def _describe(error: dict, marks: dict | None = None) -> str:
         return f"not a valid date (got {given!r}; expected YYYY-MM-DD)"
     if "(got " in message:
         return message + _yaml_hint(raw, given, kind)
-    if isinstance(given, dict):
+    if isinstance(given, dict):  # a section's own check says what it needs; a scalar's says what it got
+        if kind.endswith(("_type", "_parsing")):
+            return f"{message} (got a mapping: {_short(given)})"
         return message
     return f"{message} (got {_short(given)}{_yaml_hint(raw, given, kind)})"
 
