@@ -60,11 +60,25 @@ def check_socket_ifname(name: str, value: str) -> None:
                          f"Gloo opens each one (got {value!r}; e.g. 'eth0' or 'eth0,eth1'){nccl}")
 
 
+def socket_ifname_errors(env: dict[str, str]) -> list[tuple]:
+    """Every socket-interface value of ``env`` the backend cannot read, each at its own variable
+    (``(loc, message, value, fallback)`` for `trainforge.sections.field_errors`, raised by the
+    block's model validator): all are reported at once, at the variable's line."""
+    errors = []
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if name in env:
+            try:
+                check_socket_ifname(name, env[name])
+            except ValueError as err:
+                errors.append((("env_vars", name), str(err), env[name], ("env_vars",)))
+    return errors
+
+
 def check_env_vars(value: dict[str, str], engine: str, remedy: str,
                     engine_env: frozenset = frozenset()) -> dict[str, str]:
     """The checks every engine's ``env_vars`` gets (names, no credentials, none of
-    ``engine_env``, socket interfaces the backend accepts); raises ValueError naming the first
-    bad name."""
+    ``engine_env``); raises ValueError naming the first bad name. Socket interfaces:
+    `socket_ifname_errors`."""
     for name in value:
         if not ENV_NAME.match(name):
             raise ValueError(f"not an environment variable name (got {name!r}; expected letters, "
@@ -72,8 +86,6 @@ def check_env_vars(value: dict[str, str], engine: str, remedy: str,
         if name in engine_env:
             raise ValueError(f"env_vars may not set {name}: the engine sets it (expected "
                              f"names other than {', '.join(sorted(engine_env))})")
-        if name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            check_socket_ifname(name, value[name])
         if is_credential_name(name):
             raise ValueError(f"env_vars may not carry credentials: the spec is rendered verbatim "
                              f"into the {engine} job (got {name}; expected no secret in the spec: "

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from trainforge.engines.blocks import check_env_vars
-from trainforge.sections import SpecModel
+from trainforge.engines.blocks import check_env_vars, socket_ifname_errors
+from trainforge.sections import SpecModel, field_errors
 
 
 class RayEngine(SpecModel):
@@ -55,3 +55,10 @@ class RayEngine(SpecModel):
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         return check_env_vars(value, "Ray", "S3 credentials come from storage.aws_conn_id, "
                                "others from the Ray cluster's own environment or secrets")
+
+    @model_validator(mode="after")
+    def _socket_interfaces(self) -> RayEngine:
+        errors = socket_ifname_errors(self.env_vars)
+        if errors:
+            raise field_errors(RayEngine, *errors)
+        return self

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import re
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from trainforge.engines.blocks import ENGINE_ENV, check_env_vars
-from trainforge.sections import SpecModel, check_length
+from trainforge.engines.blocks import ENGINE_ENV, check_env_vars, socket_ifname_errors
+from trainforge.sections import SpecModel, check_length, field_errors
 
 
 # Slurm names (partitions, accounts, QOS, reservations, GPU types): no spaces, quotes or shell
@@ -113,3 +113,10 @@ class SlurmEngine(SpecModel):
         return check_env_vars(value, "Slurm", "give the nodes credentials of their own "
                                "(instance role, ~/.aws), or read them in training.slurm.setup "
                                "from a protected file", ENGINE_ENV)
+
+    @model_validator(mode="after")
+    def _socket_interfaces(self) -> SlurmEngine:
+        errors = socket_ifname_errors(self.env_vars)
+        if errors:
+            raise field_errors(SlurmEngine, *errors)
+        return self

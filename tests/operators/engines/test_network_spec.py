@@ -37,10 +37,18 @@ def test_a_socket_interface_the_backend_cannot_read_is_a_spec_error_at_its_line(
                  f"  {engine}:\n"
                  f"    env_vars:\n"
                  f"      {name}: '{value}'\n")
-    issue = _issue(text, f"training.{engine}.env_vars")
+    issue = _issue(text, f"training.{engine}.env_vars.{name}")
     assert fragment in issue.message, issue.message
     assert repr(value) in issue.message or fragment.startswith("got")
-    assert issue.line == 8, str(issue)  # env_vars: the message names the variable
+    assert issue.line == 9, str(issue)  # the variable's own line
+
+
+def test_every_bad_socket_interface_is_reported_at_once_each_at_its_line():
+    text = _spec("  engine: slurm\n  slurm:\n    env_vars:\n      GLOO_SOCKET_IFNAME: 'eth0,=eth1'\n"
+                 "      OMP_PROC_BIND: 'true'\n      NCCL_SOCKET_IFNAME: '^^lo'\n")
+    gloo = _issue(text, "training.slurm.env_vars.GLOO_SOCKET_IFNAME")
+    nccl = _issue(text, "training.slurm.env_vars.NCCL_SOCKET_IFNAME")
+    assert (gloo.line, nccl.line) == (9, 11), (str(gloo), str(nccl))
 
 
 @pytest.mark.parametrize("name,value", [
@@ -92,6 +100,6 @@ def test_loopback_on_one_node_or_beside_another_interface_passes(name, value, no
 
 def test_an_empty_gloo_interface_is_refused_without_the_nccl_hint():
     issue = _issue(_spec("  engine: slurm\n  slurm:\n    env_vars:\n      GLOO_SOCKET_IFNAME: ''\n"),
-                   "training.slurm.env_vars")
+                   "training.slurm.env_vars.GLOO_SOCKET_IFNAME")
     assert "must be the names of network interfaces" in issue.message
     assert "NCCL's syntax" not in issue.message
