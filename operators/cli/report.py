@@ -54,7 +54,7 @@ def check_store(tracking_uri: str) -> None:
     if scheme == "sqlite":
         db = Path(tracking_uri.removeprefix("sqlite:///"))
         if not db.is_file():
-            raise StoreError(f"--tracking-uri {tracking_uri}: no MLflow store at {db} (run a "
+            raise StoreError(f"tracking URI {tracking_uri}: no MLflow store at {db} (run a "
                              "pipeline first, or set TRAINFORGE_HOME or --tracking-uri to the store "
                              "it wrote)")
     elif scheme in ("http", "https"):
@@ -63,10 +63,10 @@ def check_store(tracking_uri: str) -> None:
                                         timeout=HEALTH_TIMEOUT_S):
                 pass
         except (OSError, urllib.error.URLError) as err:
-            raise StoreError(f"--tracking-uri {tracking_uri}: the MLflow server does not answer "
+            raise StoreError(f"tracking URI {tracking_uri}: the MLflow server does not answer "
                              f"({getattr(err, 'reason', err)})") from None
     elif not scheme.startswith(("postgresql", "mysql", "mssql", "databricks")):
-        raise StoreError(f"--tracking-uri {tracking_uri}: not an MLflow tracking URI (expected "
+        raise StoreError(f"tracking URI {tracking_uri}: not an MLflow tracking URI (expected "
                          "sqlite:///PATH, http(s)://HOST:PORT or postgresql://...)")
 
 
@@ -111,7 +111,7 @@ def collect_report(pipeline: str, tracking_uri: str) -> dict[str, Any]:
         return _collect(MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri),
                         pipeline, tracking_uri)
     except MlflowException as err:
-        raise StoreError(f"--tracking-uri {tracking_uri}: {err.message}") from None
+        raise StoreError(f"tracking URI {tracking_uri}: {err.message}") from None
 
 
 def _collect(client: Any, pipeline: str, tracking_uri: str) -> dict[str, Any]:
