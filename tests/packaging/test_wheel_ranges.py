@@ -83,7 +83,8 @@ def _floor_python() -> str:
         if found and subprocess.run([found, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
                                     capture_output=True, timeout=60).returncode == 0:
             return found
-    pytest.skip(f"no Python 3.12 for the floor venv (looked for {', '.join(FLOOR_PYTHONS)})")
+    pytest.skip(f"no Python 3.12 for the floor venv: install one, e.g. pyenv install 3.12 "
+                f"(looked for {', '.join(FLOOR_PYTHONS)})")
 
 
 def _cache_root() -> Path:
