@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -122,8 +123,10 @@ class MlflowHook(ModelVersions, ModelArtifacts, LoggedModels):
 
         Two concurrent callers: MLflow has no "create if absent", so each caller that created a
         run searches again and keeps the oldest matching run (start time, then run id: every
-        caller picks the same one), deleting its own run if that is not the one. Both return the
-        same id; a reader in between may briefly see two runs.
+        caller picks the same one), deleting its own run if that is not the one. A start time is
+        the client's, so a create that took it earlier may land after another caller's search: a
+        caller that saw only its own run looks once more after as long as its create took.
+        Callers in one process take turns (a lock per DAG run), so only other processes race.
 
         Raises:
             MlflowConfigError: the experiment exists but is deleted.
@@ -133,19 +136,29 @@ class MlflowHook(ModelVersions, ModelArtifacts, LoggedModels):
         extra_tags = {k: str(v) for k, v in (tags or {}).items()}
         target = f"DAG run {dag_id}/{run_id}"
         experiment_id = self._experiment_id(experiment_name)
+        with _creating(self.tracking_uri, experiment_id, dag_id, run_id):
+            return self._get_or_create_run(experiment_id, dag_id, run_id, target, extra_tags)
+
+    def _get_or_create_run(self, experiment_id: str, dag_id: str, run_id: str, target: str,
+                           extra_tags: dict[str, str]) -> str:
         existing = self._runs_of_dag_run(experiment_id, dag_id, run_id)
         if existing:
             found = existing[0].info.run_id
             if extra_tags:
                 self.set_tags(found, extra_tags)
             return found
+        asked = time.monotonic()
         with mlflow_errors("create_run", target):
             created = self.client.create_run(
                 experiment_id,
                 tags={TAG_DAG_ID: dag_id, TAG_AIRFLOW_RUN_ID: run_id, **extra_tags},
                 run_name=_run_name(dag_id, run_id),
             ).info.run_id
+        took = time.monotonic() - asked
         matching = self._runs_of_dag_run(experiment_id, dag_id, run_id)
+        if [r.info.run_id for r in matching] == [created]:  # a slower create may sort first
+            time.sleep(min(max(took, 0.05), 2.0))
+            matching = self._runs_of_dag_run(experiment_id, dag_id, run_id)
         winner = matching[0].info.run_id if matching else created
         if winner != created:
             log.info("MLflow run %s for %s lost a creation race to %s; deleting it",
@@ -390,6 +403,16 @@ class MlflowHook(ModelVersions, ModelArtifacts, LoggedModels):
                 [experiment_id], query, max_results=100, order_by=["attributes.start_time ASC"]
             )
         return sorted(runs, key=lambda r: (r.info.start_time, r.info.run_id))
+
+
+_CREATE_LOCKS: dict[tuple, threading.Lock] = {}
+_CREATE_LOCKS_GUARD = threading.Lock()
+
+
+def _creating(*key: Any) -> threading.Lock:
+    """The lock callers in this process take to find or create the run of one DAG run."""
+    with _CREATE_LOCKS_GUARD:
+        return _CREATE_LOCKS.setdefault(key, threading.Lock())
 
 
 def _run_name(dag_id: str, run_id: str) -> str:
