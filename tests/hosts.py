@@ -289,6 +289,20 @@ class TestHosts:
     def pids(self, i: int) -> list[int]:
         return _namespace_pids(self.namespaces[i])
 
+    def processes(self, i: int, word: str) -> list:
+        """Host ``i``'s live processes (``psutil.Process``) whose command line holds ``word``."""
+        import psutil
+
+        found = []
+        for pid in self.pids(i):
+            try:
+                proc = psutil.Process(pid)
+                if word in " ".join(proc.cmdline()):
+                    found.append(proc)
+            except psutil.NoSuchProcess:
+                continue
+        return found
+
     def shape(self, rate: str | None = None, delay: str | None = None) -> None:
         """``rate`` (tc units, e.g. ``"100mbit"``) and one-way ``delay`` (``"1ms"``) on every
         host's link in both directions; ``shape()`` with neither removes the shaping.

@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from trainforge.contract import FailureKind
@@ -50,18 +49,6 @@ def _job(key: str) -> TrainingJob:
                        max_runtime_s=600.0, startup_timeout_s=60.0)
 
 
-def _processes(hosts, i: int, word: str) -> list[psutil.Process]:
-    found = []
-    for pid in hosts.pids(i):
-        try:
-            proc = psutil.Process(pid)
-            if word in " ".join(proc.cmdline()):
-                found.append(proc)
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
 def _logs(backend, job) -> str:
     folder = backend.job_dir(job.identity)
     parts = [folder / "job.log", *sorted((folder / "ranks").glob("node-*.log"))]
@@ -79,7 +66,7 @@ def _running_on_both(backend, handle, job, hosts) -> None:
 def _nothing_left(hosts, timeout_s: float = 30.0) -> None:
     def left():
         return [f"h{i}: {' '.join(p.cmdline())[:200]}" for i in range(hosts.count)
-                for word in WORDS for p in _processes(hosts, i, word)]
+                for word in WORDS for p in hosts.processes(i, word)]
     deadline = time.monotonic() + timeout_s
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -115,7 +102,7 @@ def test_a_killed_agent_names_its_node_not_the_survivor(tmp_path, cluster):
     job = _job("agent")
     handle = backend.submit(job)
     _running_on_both(backend, handle, job, hosts)
-    agents = _processes(hosts, 1, "torch.distributed.run")
+    agents = hosts.processes(1, "torch.distributed.run")
     assert agents, _logs(backend, job)[-3000:]
     for proc in [p for a in agents for p in a.children(recursive=True)] + agents:
         proc.kill()

@@ -66,21 +66,9 @@ def _newest_step(log: Path) -> int:
     return int(found[-1]) if found else 0
 
 
-def _processes(hosts, i: int, word: str) -> list[psutil.Process]:
-    found = []
-    for pid in hosts.pids(i):
-        try:
-            proc = psutil.Process(pid)
-            if word in " ".join(proc.cmdline()):
-                found.append(proc)
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
 def _rank(hosts, i: int) -> psutil.Process | None:
     """The trainer rank on host ``i`` (a child of torchrun's agent), if one runs."""
-    ranks = [p for p in _processes(hosts, i, "trainforge.trainer.train")
+    ranks = [p for p in hosts.processes(i, "trainforge.trainer.train")
              if "torch.distributed.run" not in " ".join(p.cmdline())]
     return ranks[0] if ranks else None
 
@@ -107,7 +95,7 @@ def _wait_nothing_left(hosts, timeout_s: float = 30.0) -> None:
     def left():
         return [f"h{i}: {' '.join(p.cmdline())[:200]}" for i in range(hosts.count)
                 for word in ("trainforge.trainer.train", "node_preflight", "torch.distributed.run")
-                for p in _processes(hosts, i, word)]
+                for p in hosts.processes(i, word)]
     deadline = time.monotonic() + timeout_s
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -158,7 +146,7 @@ def test_a_lost_agent_still_ends_the_job_at_once_with_restarts_left(tmp_path, cl
     log = backend.job_dir(job.identity) / "job.log"
     wait_for("the job past its step-10 checkpoint", lambda: _newest_step(log) >= KILL_AFTER_STEP
              or backend.status(handle).state.terminal, 240, 0.2)
-    agents = _processes(hosts, 1, "torch.distributed.run")
+    agents = hosts.processes(1, "torch.distributed.run")
     assert agents, _logs(backend, job)[-3000:]
     for proc in [p for a in agents for p in a.children(recursive=True)] + agents:
         proc.kill()
