@@ -7,8 +7,9 @@ Each block is a :class:`~trainforge.sections.SpecModel` in its engine's ``spec``
 from __future__ import annotations
 
 import re
+from typing import Any
 
-from trainforge.sections import check_length
+from trainforge.sections import check_length, field_errors
 
 # RFC 1123 label (namespaces, queue names, secret names, priority classes).
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -60,25 +61,27 @@ def check_socket_ifname(name: str, value: str) -> None:
                          f"Gloo opens each one (got {value!r}; e.g. 'eth0' or 'eth0,eth1'){nccl}")
 
 
-def socket_ifname_errors(env: dict[str, str]) -> list[tuple]:
-    """Every socket-interface value of ``env`` the backend cannot read, each at its own variable
-    (``(loc, message, value, fallback)`` for `trainforge.sections.field_errors`, raised by the
-    block's model validator): all are reported at once, at the variable's line."""
-    errors = []
+def socket_interfaces_checked(block: Any) -> Any:
+    """``block`` (an engine block with ``env_vars``) when every socket-interface value in it is
+    one the backend can read; otherwise a `ValidationError` with each bad one at its own
+    variable, all at once (the blocks' ``model_validator(mode="after")``)."""
+    errors, env = [], block.env_vars
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if name in env:
             try:
                 check_socket_ifname(name, env[name])
             except ValueError as err:
                 errors.append((("env_vars", name), str(err), env[name], ("env_vars",)))
-    return errors
+    if errors:
+        raise field_errors(type(block), *errors)
+    return block
 
 
 def check_env_vars(value: dict[str, str], engine: str, remedy: str,
                     engine_env: frozenset = frozenset()) -> dict[str, str]:
     """The checks every engine's ``env_vars`` gets (names, no credentials, none of
     ``engine_env``); raises ValueError naming the first bad name. Socket interfaces:
-    `socket_ifname_errors`."""
+    `socket_interfaces_checked`."""
     for name in value:
         if not ENV_NAME.match(name):
             raise ValueError(f"not an environment variable name (got {name!r}; expected letters, "

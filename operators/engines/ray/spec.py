@@ -7,8 +7,8 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
-from trainforge.engines.blocks import check_env_vars, socket_ifname_errors
-from trainforge.sections import SpecModel, field_errors
+from trainforge.engines.blocks import check_env_vars, socket_interfaces_checked
+from trainforge.sections import SpecModel
 
 
 class RayEngine(SpecModel):
@@ -58,7 +58,4 @@ class RayEngine(SpecModel):
 
     @model_validator(mode="after")
     def _socket_interfaces(self) -> RayEngine:
-        errors = socket_ifname_errors(self.env_vars)
-        if errors:
-            raise field_errors(RayEngine, *errors)
-        return self
+        return socket_interfaces_checked(self)

@@ -7,8 +7,8 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
-from trainforge.engines.blocks import ENGINE_ENV, check_env_vars, socket_ifname_errors
-from trainforge.sections import SpecModel, check_length, field_errors
+from trainforge.engines.blocks import ENGINE_ENV, check_env_vars, socket_interfaces_checked
+from trainforge.sections import SpecModel, check_length
 
 
 # Slurm names (partitions, accounts, QOS, reservations, GPU types): no spaces, quotes or shell
@@ -116,7 +116,4 @@ class SlurmEngine(SpecModel):
 
     @model_validator(mode="after")
     def _socket_interfaces(self) -> SlurmEngine:
-        errors = socket_ifname_errors(self.env_vars)
-        if errors:
-            raise field_errors(SlurmEngine, *errors)
-        return self
+        return socket_interfaces_checked(self)
