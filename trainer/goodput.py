@@ -17,22 +17,11 @@ times, with local ``perf_counter`` readings and no collective:
 Beside the buckets, not one of them (the step time goes on meanwhile): ``background_save_s``, the
 seconds rank 0's writer thread spent writing checkpoints (trainforge.trainer.checkpoint_writer).
 
-A step's time runs from its start to the next step's start (or the attempt's last record), as
-Google's goodput library and torchtitan count it: the forward and backward passes, the
-optimizer, and the step's logging; less its ``data_wait`` and ``save``.
-
-:meth:`AttemptClock.snapshot` renders the record as the MLflow tag
-``trainforge.ledger.attempt.<process start, epoch ms>`` (JSON) and writes it to
-``$TRAINFORGE_JOB_DIR/ledger/attempt-<ms>.json`` (tmp file + ``os.replace``), and to
-``$TRAINFORGE_LEDGER_DIR/attempt-<ms>.json`` (the task's folder every try shares, a path or an
-``s3://`` prefix: :data:`LEDGER_DIR_ENV`); rank 0 takes one
-at each log interval (the tag goes in the step metrics' ``log_batch`` call), after a step once
-:data:`FLUSH_EVERY_S` have passed since the last (:meth:`AttemptClock.flush_due`), after every
-checkpoint, and once more when training ends. A SIGKILLed attempt's record so holds its time,
-steps and energy up to a few seconds (one step more, if a step is longer) before the kill; the
-orchestrator (trainforge.ledger) reads every attempt's record of the run after the job and
-counts the rest up to the kill from the engine's and the task's times: docs/contracts.md,
-"Run ledger".
+:meth:`AttemptClock.snapshot` is the record: the MLflow tag ``trainforge.ledger.attempt.<ms>``
+and the same JSON under ``$TRAINFORGE_JOB_DIR/ledger/`` and ``$TRAINFORGE_LEDGER_DIR`` (every try's
+folder), flushed at log intervals, every :data:`FLUSH_EVERY_S`, after checkpoints and at the end.
+How a step is timed, when records are written and what a kill loses: docs/contracts.md, "Run
+ledger".
 """
 
 from __future__ import annotations
