@@ -67,7 +67,10 @@ class TrainingJob:
         identity: who the job belongs to.
         module: Python module run under torchrun (``trainforge.trainer.train``).
         config: the job config (docs/contracts.md "Job config"), written to ``job.json``.
-        nodes: number of machines.
+        nodes: number of machines (an elastic job's most).
+        min_nodes: an elastic job's fewest machines (``resources.nodes: {min, max}``): it starts
+            on what the engine allocates between the two and goes on without a lost node while
+            at least ``min_nodes`` remain. None: exactly ``nodes``.
         processes_per_node: ranks per machine (torchrun ``--nproc-per-node``).
         env: extra environment of every rank (MLflow tracking URI and run id, ...).
         max_restarts: torchrun elastic restarts of the whole group.
@@ -107,6 +110,12 @@ class TrainingJob:
     startup_timeout_s: float | None = None
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
     secret_env_source: str = ""
+    min_nodes: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """The job may run on fewer machines than ``nodes`` (at least ``min_nodes``)."""
+        return self.min_nodes is not None and self.min_nodes < self.nodes
 
     def secret_placeholders(self) -> dict[str, str]:
         """``secret_env``'s names, each with ``<from SOURCE>`` as its value: what a rendered
