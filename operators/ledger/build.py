@@ -93,7 +93,8 @@ def build_ledger(spec: PipelineSpec, event: dict[str, Any], run_tags: dict[str, 
     m.update({n.badput(k): v for k, v in books.buckets.items()})
     t.update({n.unknown_tag(k): why for k, why in books.unknown.items()})
     m[n.DISRUPTIONS] = float(max(0, len(records) - 1))
-    kinds_m, kinds_t = disruption_figures(tries)  # node_loss, ... (trainforge.ledger.disruptions)
+    # node_loss, ... and the steps each one recomputed (trainforge.ledger.disruptions)
+    kinds_m, kinds_t = disruption_figures(tries, records=records)
     m.update(kinds_m)
     t.update(kinds_t)
     if trainer.background_save_s is not None:  # a trainer from before background writes records none

@@ -64,18 +64,23 @@ def test_the_failed_try_record_and_the_ledger_carry_the_node_loss():
     assert ledger.metrics["disruptions/node_loss/detection_max_s"] == pytest.approx(2.5)
     assert ledger.tags["ledger/disruptions/node_loss"] == \
         "try 1: h1, reported 2.5 s after its last sign of life"
+    assert "disruptions/node_loss/steps_recomputed" not in ledger.metrics  # no retry yet: unknown
     # The retry (try 2) succeeds: its ledger still attributes try 1's end to the lost node.
     tags = {try_tag(1): encode(first_try)}
     success = {"status": "success", "handle": {"submitted_at_epoch_s": 1040.0,
                                                "identity": {"try_number": 2}},
                "result": {"status": "success"}, "ended_at_epoch_s": 1090.0}
+    resumed = record(1045.0, 1048.0, 1089.0, productive=30.0, resumed=10, step=40)
+    resumed["reached_step"] = 17  # the furthest step try 1 reached: 7 steps recomputed
     retry = build_ledger(spec, success, tags_of(record(1000.0, 1002.5, 1029.0, productive=20.0),
-                                                record(1045.0, 1048.0, 1089.0, productive=30.0)),
+                                                resumed),
                          choose_price(spec), task_started_s=1035.0, now_s=1091.0,
                          submitted_by_this_try=True, earlier_tries=earlier_tries(tags, 2),
                          try_number=2)
     assert retry.metrics["disruptions/node_loss"] == 1.0
     assert retry.metrics["disruptions/count"] == 1.0
-    assert retry.tags["ledger/disruptions/node_loss"].startswith("try 1: h1")
+    assert retry.tags["ledger/disruptions/node_loss"] == \
+        "try 1: h1, reported 2.5 s after its last sign of life, 7 steps recomputed"
+    assert retry.metrics["disruptions/node_loss/steps_recomputed"] == 7.0  # resumed 10, reached 17
     assert "disruption" not in try_ended(None, 2, 1035.0, success, 1091.0)
     assert json.loads(encode(first_try))["disruption"]["node"] == "h1"
