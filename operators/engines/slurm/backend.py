@@ -7,7 +7,7 @@ shared with the compute nodes, ``<runs_root>/<identity key>/``:
 ======================  ========================================================================
 ``job.sbatch``          the batch script (``script.render_script``)
 ``job.json``            the trainer's job config (docs/contracts.md)
-``request.json``        argv, identity and startup timeout, written before sbatch
+``request.json``        argv, identity, startup timeout, min_nodes and excluded nodes (sbatch)
 ``slurm_job.json``      Slurm's job id and the submission time, written after sbatch answers
 ``job.log``             the batch script's output (``--output``), the first node's torchrun
 ``ranks/``              every rank's output (torchrun ``--log-dir``), other nodes' consoles
@@ -51,8 +51,19 @@ from trainforge.engines.base import (
     whole_lines,
 )
 from trainforge.engines.jobfiles import read_json, write_json_atomic
-from trainforge.engines.slurm.client import SACCT_WINDOW, SlurmCommands, epoch, last_error
-from trainforge.engines.slurm.node_loss import describe, job_node_loss
+from trainforge.engines.slurm.client import (
+    SACCT_WINDOW,
+    SlurmCommands,
+    epoch,
+    last_error,
+    slurm_phases,
+)
+from trainforge.engines.slurm.node_loss import (
+    describe,
+    elastic_node_loss,
+    job_node_loss,
+    lost_by_earlier_tries,
+)
 from trainforge.engines.slurm.script import (
     LOG_NAME,
     NEVER_RUNS,
@@ -70,16 +81,6 @@ _STALE = ("exit.json", "result.json", "cancel.json", "slurm_job.json", "start_fa
           "node_loss.json")
 START_FAILURE = "start_failure.json"  # why we cancelled a job that could not start
 
-
-
-def slurm_phases(handle: JobHandle, started: float | None) -> dict[str, float | str]:
-    """The ledger's engine buckets of a Slurm job: its pending time, from submission to the
-    start Slurm reports."""
-    submitted = handle.get("submitted_at_epoch_s")
-    return {"queue_wait": round(max(0.0, started - submitted), 3) if started and submitted else
-            "unknown: Slurm reported no start time (the controller forgot the job and there is "
-            "no accounting)",
-            "image_pull": "not applicable: the Slurm engine runs no container image"}
 
 class SlurmBackend(Backend):
     """Jobs on a Slurm cluster through its command-line tools on this (submit) node.
@@ -104,16 +105,16 @@ class SlurmBackend(Backend):
     def job_dir(self, identity: JobIdentity) -> Path:
         return self.runs_root / identity.key
 
-    def render(self, job: TrainingJob) -> dict[str, Any]:
+    def render(self, job: TrainingJob, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
         """``{"engine", "job_dir", "argv", "script", "config", "identity"}``: ``argv`` is the
-        sbatch command, ``script`` the batch script it submits (``job_dir/job.sbatch``) and
-        ``config`` the ``job.json`` written next to it. Pure."""
+        sbatch command, ``script`` the batch script it submits (``job_dir/job.sbatch``, kept
+        off the ``exclude`` nodes) and ``config`` the ``job.json`` written next to it. Pure."""
         job_dir = self.job_dir(job.identity)
         return {
             "engine": self.engine,
             "job_dir": str(job_dir),
             "argv": ["sbatch", "--parsable", str(job_dir / SCRIPT_NAME)],
-            "script": render_script(job, job_dir),
+            "script": render_script(job, job_dir, exclude),
             "config": job.config,
             "identity": job.identity.to_dict(),
         }
@@ -136,7 +137,11 @@ class SlurmBackend(Backend):
             log.info("Slurm job %s (%s) already exists; not submitting again",
                      existing["job_id"], job.identity.key)
             return existing
-        request = self.render(job)
+        exclude = lost_by_earlier_tries(job, self.job_dir)
+        if exclude:  # elastic: the retry moves off what the last try lost (node_loss.py)
+            log.info("Slurm job %s is kept off %s, lost by the last try", job.identity.key,
+                     ", ".join(exclude))
+        request = self.render(job, exclude)
         job_dir = Path(request["job_dir"])
         (job_dir / "ranks").mkdir(parents=True, exist_ok=True)
         for name in _STALE:
@@ -149,7 +154,8 @@ class SlurmBackend(Backend):
         (job_dir / LOG_NAME).touch()
         write_json_atomic(job_dir / "request.json", {
             "argv": request["argv"], "identity": request["identity"],
-            "startup_timeout_s": job.startup_timeout_s})
+            "startup_timeout_s": job.startup_timeout_s, "min_nodes": job.min_nodes,
+            "excluded": list(exclude)})
         submitted_at = time.time()
         try:
             out = self._slurm.run("sbatch", "--parsable", str(script))
@@ -233,6 +239,10 @@ class SlurmBackend(Backend):
                              None, result, wall_s)
         if mapped is JobState.SUCCEEDED:
             message = (result or {}).get("message") or "training finished"
+            loss = elastic_node_loss(job_dir, seen.get("end"), exit_record, self._slurm)
+            if loss is not None:  # an elastic job went on without a node, and finished
+                result = {**(result or {}), "disruption": loss}
+                message += f"; on the surviving nodes after {describe(loss)}"
             return JobStatus(JobState.SUCCEEDED, message, exit_code or 0, None, result, wall_s,
                              seen["end"], slurm_phases(handle, seen["start"]))
         kind = failure_kind(exit_code, result)

@@ -127,3 +127,13 @@ def last_error(text: str) -> str:
     lines = [line for line in (text or "").strip().splitlines() if line.strip()]
     # sbatch prefixes its errors with "sbatch: error: "; keep the message.
     return lines[-1].split("error: ", 1)[-1][:500] if lines else ""
+
+
+def slurm_phases(handle: dict[str, Any], started: float | None) -> dict[str, float | str]:
+    """The ledger's engine buckets of a Slurm job: its pending time, from submission to the
+    start Slurm reports."""
+    submitted = handle.get("submitted_at_epoch_s")
+    return {"queue_wait": round(max(0.0, started - submitted), 3) if started and submitted else
+            "unknown: Slurm reported no start time (the controller forgot the job and there is "
+            "no accounting)",
+            "image_pull": "not applicable: the Slurm engine runs no container image"}

@@ -1,8 +1,8 @@
-"""Which node a failed Slurm job lost, and how long the engine took to say so.
+"""Which node a Slurm job lost, and how long the engine took to say so.
 
 A multi-node job's step ends at once when one node's srun task ends badly (``--kill-on-bad-exit``),
-and the job fails. The failure names the lost node only on evidence that it was that node, never
-the first node that merely failed:
+and the job fails; an elastic job goes on without it. The failure (or the elastic job's success)
+names the lost node only on evidence that it was that node, never a node that merely failed:
 
 1. Slurm says so: srun's ``srun: error: Node failure on <node>`` line in the job log (the
    controller told srun the node failed), or the node's state (``sinfo``): ``DOWN``, ``FAIL`` or
@@ -27,9 +27,12 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from trainforge.engines.base import JobIdentity, TrainingJob
 from trainforge.engines.jobfiles import read_json, write_json_atomic
 from trainforge.engines.slurm.script import LOG_NAME
 from trainforge.errors import BackendError
@@ -82,13 +85,28 @@ def describe(record: dict[str, Any]) -> str:
             f"{record['detection_s']:.1f} s after its last sign of life)")
 
 
+def survivors_noticed(job_dir: Path, after: float) -> float | None:
+    """When an elastic job's survivors noticed a lost node: the first end, at or after
+    ``after``, of a torchrun attempt that a later attempt followed (the last write to its ranks'
+    consoles, ``ranks/<run>/attempt_<k>/<rank>/std*.log``: their collective failed there)."""
+    ends = []
+    for run in (job_dir / "ranks").glob("*/"):
+        attempts = sorted(run.glob("attempt_*"), key=lambda p: int(p.name.rpartition("_")[2]))
+        for attempt in attempts[:-1]:
+            end = max((f.stat().st_mtime for f in attempt.glob("*/std*.log")), default=None)
+            if end is not None and end >= after:
+                ends.append(end)
+    return min(ends) if ends else None
+
+
 def job_node_loss(job_dir: Path, ended: float | None, exit_record: dict[str, Any] | None,
-                  slurm: Any) -> dict[str, Any] | None:
+                  slurm: Any, elastic: bool = False) -> dict[str, Any] | None:
     """The failed job's lost node as the ledger's disruption record ``{"kind": "node_loss",
     "node", "source", "survivors", "lost_at", "detected_at", "detection_s"}``; None when nothing
     shows a node was lost. ``ended``: Slurm's end of the job; ``slurm``: the backend's
-    `SlurmCommands`. Decided once, at the first poll that saw the failure, and kept in the job
-    folder (:data:`RECORD_NAME`)."""
+    `SlurmCommands`; ``elastic``: the job went on without the node, and the detection is when
+    its survivors noticed (:func:`survivors_noticed`). Decided once, at the first poll that saw
+    the job end, and kept in the job folder (:data:`RECORD_NAME`)."""
     saved = read_json(job_dir / RECORD_NAME)
     if saved is not None:
         return saved
@@ -127,8 +145,33 @@ def job_node_loss(job_dir: Path, ended: float | None, exit_record: dict[str, Any
     if index and console.exists():
         lost_at = min(lost_at, console.stat().st_mtime)
     lost_at = min(lost_at, detected)
+    if elastic:
+        detected = survivors_noticed(job_dir, lost_at) or detected
     record = {"kind": NODE_LOSS, "node": node, "source": source,
               "survivors": [n for n in nodes if n != node], "lost_at": round(lost_at, 3),
               "detected_at": round(detected, 3), "detection_s": round(detected - lost_at, 3)}
     write_json_atomic(job_dir / RECORD_NAME, record)
     return record
+
+
+def elastic_node_loss(job_dir: Path, ended: float | None, exit_record: dict[str, Any] | None,
+                      slurm: Any) -> dict[str, Any] | None:
+    """The node a succeeded elastic job lost on its way (its survivors finished), else None."""
+    if not (read_json(job_dir / "request.json") or {}).get("min_nodes"):
+        return None  # a fixed-size job that succeeded lost nothing
+    return job_node_loss(job_dir, ended, exit_record, slurm, elastic=True)
+
+
+def lost_by_earlier_tries(job: TrainingJob, job_dir: Callable[[JobIdentity], Path]) -> tuple[str, ...]:
+    """The node the latest earlier try of this task lost (its folder's :data:`RECORD_NAME`),
+    when ``job`` is elastic: its retry runs without it, so the rendezvous moves to a surviving
+    node (c10d's store lives on the first node). A fixed-size job keeps its nodes: Slurm
+    chooses them. ``job_dir``: the backend's folder of an identity."""
+    if not job.elastic:
+        return ()
+    for earlier in range(job.identity.try_number - 1, 0, -1):
+        folder = job_dir(replace(job.identity, try_number=earlier))
+        if folder.is_dir():
+            loss = read_json(folder / RECORD_NAME) or {}
+            return (str(loss["node"]),) if loss.get("node") else ()
+    return ()

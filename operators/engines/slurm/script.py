@@ -18,6 +18,9 @@ script that :class:`~trainforge.engines.slurm.backend.SlurmBackend` writes and h
 * an exit record ``exit.json`` with srun's exit code, so the outcome is known even where the
   cluster keeps no accounting (``sacct``) and the controller has forgotten the job.
 
+An elastic job (``TrainingJob.min_nodes``) asks for ``--nodes=MIN-MAX`` with ``--no-kill`` and
+runs torchrun with ``--nnodes=MIN:<allocated>``: a lost node's task ends, the others go on.
+
 Slurm's job states and pending reasons are mapped in :data:`STATES` and :data:`PENDING_REASONS`.
 """
 
@@ -147,8 +150,9 @@ def time_limit(seconds: float) -> str:
     return f"{days}-{rest // 60:02d}:{rest % 60:02d}:00"
 
 
-def render_script(job: TrainingJob, job_dir: Path) -> str:
-    """The batch script of ``job`` whose files live in ``job_dir`` (shared storage). Pure.
+def render_script(job: TrainingJob, job_dir: Path, exclude: tuple[str, ...] = ()) -> str:
+    """The batch script of ``job`` whose files live in ``job_dir`` (shared storage), kept off
+    the ``exclude`` nodes. Pure.
 
     ``job.engine_options`` is the spec's ``training.slurm`` block (see
     :class:`trainforge.engines.slurm.spec.SlurmEngine`); absent keys take that block's defaults.
@@ -164,8 +168,10 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
     directives = [
         f"--job-name={identity.key}",
         f'--comment="{comment}"',
-        f"--nodes={job.nodes}",
-        "--ntasks-per-node=1",
+        # An elastic job takes as many nodes as Slurm can give now, between its fewest and
+        # most: with --ntasks-per-node Slurm would count its tasks from the fewest and give those.
+        *([f"--nodes={job.min_nodes}-{job.nodes}"] if job.elastic
+          else [f"--nodes={job.nodes}", "--ntasks-per-node=1"]),
         f"--cpus-per-task={job.processes_per_node * job.threads_per_process}",
     ]
     if job.gpus_per_node:
@@ -187,6 +193,10 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
             directives.append(f"--{key}={opts[key]}")
     if opts.get("exclusive"):
         directives.append("--exclusive")
+    if job.elastic:  # a lost node leaves the allocation; the job goes on with the others
+        directives.append("--no-kill")
+    if exclude:  # nodes an earlier try of this task lost (SlurmBackend.submit)
+        directives.append(f"--exclude={','.join(exclude)}")
 
     env = {
         **rank_env(job, f"{folder}/result.json", job_dir=folder),
@@ -207,7 +217,9 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
     torchrun = torchrun_argv(
         job, q(f"{folder}/job.json"),
         launcher=(*preflight, *python_torchrun(python)),
-        standalone=False, nnodes='"$SLURM_NNODES"',
+        standalone=False,
+        # elastic: torchrun's MIN:MAX, the most being what Slurm allocated
+        nnodes=f'{job.min_nodes}:"$SLURM_NNODES"' if job.elastic else '"$SLURM_NNODES"',
         rendezvous=tuple(rendezvous),
         log_dir=q(folder + "/ranks"), module=q(job.module))
     lines = ["#!/bin/bash"]
@@ -292,11 +304,12 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
         # srun does not inherit --cpus-per-task from sbatch (Slurm >= 22.05): pass it on.
         "srun --nodes=\"$SLURM_NNODES\" --ntasks-per-node=1 "
         "--cpus-per-task=\"$SLURM_CPUS_PER_TASK\" \\",
-        # --kill-on-bad-exit ends the step when one srun task, a node's torchrun agent, exits
-        # non-zero: its restarts (fault.max_restarts) are spent, or its node is lost. A crashed
-        # rank does not end its task: its agent restarts the worker group on every node in
-        # the same step (docs/slurm.md, "Restarts").
-        "  --kill-on-bad-exit=1 \\",
+        # Fixed: --kill-on-bad-exit ends the step when one srun task, a node's torchrun agent,
+        # exits non-zero: its restarts (fault.max_restarts) are spent, or its node is lost. A
+        # crashed rank does not end its task: its agent restarts the worker group on every node
+        # in the same step (docs/slurm.md, "Restarts"). Elastic: --no-kill, the step outlives a
+        # lost node's task and the survivors' agents go on without it ("Node loss").
+        "  --no-kill \\" if job.elastic else "  --kill-on-bad-exit=1 \\",
         "  bash -c " + q(_NODE_PREAMBLE) + " trainforge-node \\",
         "  " + " \\\n    ".join(_pairs(torchrun, len(preflight))),
         "rc=$?",
@@ -310,6 +323,19 @@ def render_script(job: TrainingJob, job_dir: Path) -> str:
         + f' "$rc" {q(RENDEZVOUS_TIMEOUT.format(timeout=preflight_timeout(job)))} '
         '"$TRAINFORGE_RESULT_FILE"',
         "fi",
+    ]
+    if job.elastic:
+        lines += [
+            "# A lost node's srun task failed, but the survivors finished: the job succeeded.",
+            'if [ "$rc" != 0 ] && ' + python + " -c " + q(
+                'import json, sys; sys.exit(json.load(open(sys.argv[1])).get("status") != '
+                '"success")') + ' "$TRAINFORGE_RESULT_FILE" 2>/dev/null; then',
+            '  echo "trainforge: srun ended with $rc after a node was lost, but training '
+            'finished on the surviving nodes"',
+            "  rc=0",
+            "fi",
+        ]
+    lines += [
         'finish "$rc"',
     ]
     return "\n".join(lines) + "\n"
