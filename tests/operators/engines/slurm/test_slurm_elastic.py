@@ -27,7 +27,9 @@ import pytest
 
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
-from trainforge.ledger.disruptions import NODE_LOSS
+from trainforge.ledger.attempts import attempt_records, job_dir_records
+from trainforge.ledger.disruptions import NODE_LOSS, disruption_figures
+from trainforge.ledger.tries import try_ended
 from tests.faults.faultlib import wait_for
 from tests.slurm_cluster import two_host_slurm
 from tests.trainer.conftest import build_dataset, make_job
@@ -125,6 +127,21 @@ def test_losing_a_node_goes_on_with_the_survivor_to_max_steps(tmp_path, cluster,
     assert loss["kind"] == NODE_LOSS and loss["node"] == hosts.name(1), loss
     assert loss["survivors"] == [hosts.name(0)], loss
     assert hosts.name(1) in status.message, status.message
+    # Detected when the survivor's ranks stopped (their collective failed), within seconds.
+    assert 0 <= loss["detection_s"] < 15, loss
+    # The run record: the succeeded try's record keeps the loss, and the ledger names the node
+    # and the steps trained again on the survivor (from the job's attempt records).
+    event = {"status": "success", "message": status.message, "handle": handle,
+             "result": status.result, "ended_at_epoch_s": status.ended_at_epoch_s}
+    record = try_ended(None, 1, None, event, time.time())
+    assert record["disruption"]["node"] == hosts.name(1), record
+    attempts = attempt_records(job_dir_records(backend.job_dir(job.identity)))
+    assert len(attempts) == 2, attempts
+    metrics, tags = disruption_figures([record], records=attempts)
+    assert metrics[f"disruptions/{NODE_LOSS}"] == 1.0, metrics
+    recomputed = attempts[1]["reached_step"] - attempts[1]["resumed_step"]
+    assert recomputed >= 1 and metrics[f"disruptions/{NODE_LOSS}/steps_recomputed"] == recomputed
+    assert tags[f"ledger/disruptions/{NODE_LOSS}"].startswith(f"try 1: {hosts.name(1)}"), tags
     _nothing_left(hosts)
 
 
