@@ -129,7 +129,8 @@ def build_training_job(
     return TrainingJob(
         identity=identity,
         config=render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init),
-        nodes=resources.nodes,
+        nodes=resources.max_nodes,
+        min_nodes=resources.min_nodes if resources.elastic else None,
         processes_per_node=resources.processes_per_node,
         env=dict(env),
         max_restarts=spec.training.fault.max_restarts,

@@ -58,6 +58,8 @@ class Engine:
             local job folders: ``connection(block, runs_root) -> dict`` (plain values that travel
             inside a trigger).
         multi_node: runs one job over several machines (``resources.nodes > 1``).
+        elastic: runs a job that starts on up to ``resources.nodes.max`` machines and goes on
+            with at least ``nodes.min`` after losing one (``TrainingJob.min_nodes``).
         shared_disk: the job sees the orchestrator's disk, so datasets and checkpoints may be
             local folders; False: they must be on S3, where every node can read them.
         needs_image: the job runs in the container image ``resources.image``.
@@ -81,6 +83,7 @@ class Engine:
     backend: str
     connection: Callable[[Any, str], dict[str, Any]]
     multi_node: bool = False
+    elastic: bool = False
     shared_disk: bool = True
     needs_image: bool = False
     secrets_in_memory: bool = True

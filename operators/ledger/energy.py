@@ -22,8 +22,8 @@ When an attempt read no GPU at all, or there is no attempt record, the ``gpu`` k
 reason) as ``cpu_core_hours x cost.cpu_core_power_watts / 1000``.
 
 A power figure of 0 W gives no estimate: that kind is ``unknown``. Rank 0 reads its own machine,
-so a measured figure is its reading times ``training.resources.nodes``. The energy, and the
-cost billed with it, are ``partial`` when any kind or device is ``estimated`` or ``unknown``.
+so a measured figure is its reading times ``resources.max_nodes``. The energy, and the cost
+billed with it, are ``partial`` when any kind or device is ``estimated`` or ``unknown``.
 """
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ def job_energy(spec: PipelineSpec, records: list[dict[str, Any]], gpu_hours: flo
     if res.gpus_per_node:
         per_record = [_gpu_devices(r) for r in records]
         has = [d is not None for d in per_record]
-        if records and all(has):
-            _gpus(out, [d for d in per_record if d is not None], res.nodes)
+        if records and all(has):  # an elastic job is counted on its allocation's most nodes
+            _gpus(out, [d for d in per_record if d is not None], res.max_nodes)
         else:
             _estimate(out, "gpu", gpu_hours, cost.gpu_power_watts, "cost.gpu_power_watts", "GPU-h",
                       _unread(records, "gpu", has))
@@ -143,7 +143,7 @@ def job_energy(spec: PipelineSpec, records: list[dict[str, Any]], gpu_hours: flo
            for r in records]
     if records and all(has):
         out.sources["cpu"] = str(records[-1]["energy_source"]["cpu"])
-        out.kwh["cpu"] = sum(float(r["energy_j"]["cpu"]) for r in records) * res.nodes / JOULES_PER_KWH
+        out.kwh["cpu"] = sum(float(r["energy_j"]["cpu"]) for r in records) * res.max_nodes / JOULES_PER_KWH
     else:
         _estimate(out, "cpu", cpu_core_hours, cost.cpu_core_power_watts, "cost.cpu_core_power_watts",
                   "CPU-core-h", _unread(records, "cpu", has))

@@ -3,8 +3,9 @@
 ``training.engine`` accepts the name of every installed engine and ``training.<name>`` is that
 engine's own block (:attr:`trainforge.engines.registry.Engine.block`), so an engine installed by
 entry point is configured in the spec with no change here. Rules that depend on what an engine can
-do are written once, against its declared capabilities: one machine or several, storage the job
-can reach, a container image, secrets that may not be written down.
+do are written once, against its declared capabilities: one machine or several, a fixed or an
+elastic number of them, storage the job can reach, a container image, secrets that may not be
+written down.
 
 Each rule returns :func:`~trainforge.sections.field_errors` entries ``(loc, message, value,
 related)``.
@@ -63,19 +64,25 @@ def misplaced_blocks(training: Any, usable: Any) -> list[tuple]:
 
 
 def size_errors(training: Any) -> list[tuple]:
-    """What ``training.resources`` asks of the engine: several machines, a container image,
-    GPUs for NCCL."""
+    """What ``training.resources`` asks of the engine: several machines, an elastic node range,
+    a container image, GPUs for NCCL."""
     engine, resources = get_engine(training.engine), training.resources
     errors = []
-    if not engine.multi_node and resources.nodes != 1:
+    if not engine.multi_node and (resources.max_nodes != 1 or resources.elastic):
         several = " or ".join(e.name for e in engines() if e.multi_node)
         errors.append((("resources", "nodes"), f"the {engine.name} engine runs one torchrun "
                        f"group on one machine (got resources.nodes {resources.nodes}; expected "
                        f"1; use the {several} engine for several nodes)", resources.nodes,
                        ("engine",)))
+    elif resources.elastic and not engine.elastic:
+        names = " or ".join(e.name for e in engines() if e.elastic)
+        which = f"the {names} engine" if names else "an engine that runs elastic jobs"
+        errors.append((("resources", "nodes"), f"the {engine.name} engine runs a fixed number "
+                       f"of nodes (got resources.nodes {resources.nodes}; expected a node count, "
+                       f"or {which} for an elastic job)", resources.nodes, ("engine",)))
     env = getattr(engine_block(training), "env_vars", None) or {}
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if resources.nodes > 1 and name in env and _loopback_only(env[name]):
+        if resources.max_nodes > 1 and name in env and _loopback_only(env[name]):
             errors.append(((training.engine, "env_vars"), f"{name} names only the loopback "
                            f"interface, which reaches no other node (got {env[name]!r} with "
                            f"resources.nodes {resources.nodes}; expected an interface the nodes "

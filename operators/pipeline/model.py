@@ -37,33 +37,10 @@ from trainforge.pipeline.cost import CostSection
 from trainforge.pipeline.fault import FaultSection
 from trainforge.pipeline.pipeline import PipelineSection
 from trainforge.pipeline.registry import RegistrySection, ValidationSection
+from trainforge.pipeline.resources import ResourcesSection, batch_errors, elastic_fault_errors
 from trainforge.pipeline.stage_checks import check_stages, rewrap
 from trainforge.pipeline.stages import stage_model
 from trainforge.sections import SpecModel, field_errors
-
-
-class ResourcesSection(SpecModel):
-    nodes: int = Field(1, ge=1, le=4096, description="Machines in the training job.")
-    processes_per_node: int = Field(
-        2, ge=1, le=64, description="Ranks per machine (torchrun --nproc-per-node); one per GPU "
-        "when gpus_per_node is set."
-    )
-    gpus_per_node: int = Field(0, ge=0, le=64, description="GPUs requested per machine.")
-    cpus_per_process: int = Field(
-        1, ge=1, le=256, description="CPU cores per rank; also its OMP_NUM_THREADS."
-    )
-    memory_gib: float | None = Field(None, gt=0, le=1_048_576,
-                                     description="Memory per machine, GiB.")
-    image: str | None = Field(None, description="Container image of the trainer (cluster engines).")
-
-    @model_validator(mode="after")
-    def _gpus(self) -> ResourcesSection:
-        if self.gpus_per_node and self.processes_per_node != self.gpus_per_node:
-            raise field_errors(ResourcesSection, (
-                ("processes_per_node",), f"processes_per_node must equal gpus_per_node when GPUs "
-                f"are requested, one rank per GPU (got {self.processes_per_node} and "
-                f"{self.gpus_per_node})", self.processes_per_node, ("gpus_per_node",)))
-        return self
 
 
 def _compile_setting(value: Any) -> Any:
@@ -209,7 +186,8 @@ class TrainingSection(_EngineFields):  # type: ignore[valid-type, misc]
 
     @property
     def world_size(self) -> int:
-        return self.resources.nodes * self.resources.processes_per_node
+        """Ranks at the job's most machines (an elastic job may go on with fewer)."""
+        return self.resources.max_nodes * self.resources.processes_per_node
 
     @model_validator(mode="after")
     def _batch_and_interval(self) -> TrainingSection:
@@ -258,15 +236,13 @@ class TrainingSection(_EngineFields):  # type: ignore[valid-type, misc]
         errors = misplaced_blocks(self, usable)
         if usable("engine", "resources"):
             errors += size_errors(self)
+        if usable("resources", "fault"):
+            errors += elastic_fault_errors(self.resources, self.fault)
         if not usable("optimization"):
             return errors
         opt = self.optimization
-        per_step = opt.micro_batch_size * self.world_size if usable("resources") else 0
-        if per_step and opt.global_batch_size % per_step:
-            errors.append((("optimization", "global_batch_size"), f"global_batch_size must be "
-                           f"divisible by micro_batch_size x world size (got "
-                           f"{opt.global_batch_size}; {opt.micro_batch_size} x {self.world_size} "
-                           f"= {per_step})", opt.global_batch_size, ()))
+        if usable("resources"):
+            errors += batch_errors(opt, self.resources)
         if usable("checkpoint") and self.checkpoint.interval_steps > opt.max_steps:
             errors.append((("checkpoint", "interval_steps"), f"interval_steps must fit in "
                            f"optimization.max_steps (got {self.checkpoint.interval_steps} > "

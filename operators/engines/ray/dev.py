@@ -39,10 +39,10 @@ def start_dev_cluster(training: Any, stack: contextlib.ExitStack, say: Callable[
             say(f"Ray cluster: {address}")
             return {"address": address.rstrip("/")}
     resources = training.resources
-    if resources.nodes > 1:
+    if resources.max_nodes > 1:
         raise BackendError(
             f"resources.nodes is {resources.nodes}, but a Ray head started here is one Ray node "
-            f"(expected a cluster of at least {resources.nodes} Ray nodes: set "
+            f"(expected a cluster of at least {resources.max_nodes} Ray nodes: set "
             f"training.ray.address or RAY_ADDRESS to its job API, see docs/ray.md)")
     cpus = max(os.cpu_count() or 1, resources.processes_per_node * resources.cpus_per_process)
     # Short: Ray's socket paths below it must stay under 107 bytes.

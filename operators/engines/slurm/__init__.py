@@ -24,6 +24,7 @@ ENGINE = Engine(
     backend="trainforge.engines.slurm.backend:SlurmBackend",
     connection=_connection,
     multi_node=True,
+    elastic=True,
     secrets_in_memory=False,
     written_request="batch script",
     secrets_remedy="give the nodes credentials of their own (instance role, ~/.aws, or "

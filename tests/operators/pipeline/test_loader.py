@@ -201,9 +201,9 @@ CASES = [
      "wrong kind of value (got a mapping; expected a number, string or boolean)"),
     (_under("training:\n", "  slurm:\n    partition: gpu\n"), "training.slurm", 6,
      "(got a slurm block; expected engine: slurm, or no slurm block)"),
-    # a mapping where a number goes is shown (elastic node ranges are not built)
+    # a node range is a setting of its own, refused by an engine that runs one machine
     (_under("training:\n", "  resources:\n    nodes: {min: 1, max: 2}\n"),
-     "training.resources.nodes", 7, "(got a mapping: {'min': 1, 'max': 2})"),
+     "training.resources.nodes", 7, "(got resources.nodes {min: 1, max: 2}; expected 1;"),
     (MINIMAL + "stages:\n  - name: a\n    training:\n      kubernetes:\n        namespace: ml\n",
      "stages.0.training.kubernetes", 18, "(got a kubernetes block; expected engine: kubernetes"),
     (MINIMAL.split("  optimization:")[0] + "validation:\n  eval_tokens: 4096\n"
