@@ -16,7 +16,8 @@ from trainforge.hooks.errors import (
     MlflowRegistrationError,
     MlflowTimeoutError,
 )
-from trainforge.hooks.mlflow import MlflowHook, _run_name
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.mlflow_runs import _run_name
 from trainforge.hooks.mlflow_calls import fluent_tracking_uri, quote
 from trainforge.hooks.mlflow_versions import (
     TAG_IDEMPOTENCY_KEY,
