@@ -166,10 +166,11 @@ def _usage(ledger: Ledger, spec: PipelineSpec, records: list[dict[str, Any]], al
     res = spec.training.resources
     m, t = ledger.metrics, ledger.tags
     hours = max(0.0, allocated_s) / 3600.0
-    gpu_hours = hours * res.nodes * res.gpus_per_node
-    cpu_core_hours = hours * res.nodes * res.processes_per_node * res.cpus_per_process
+    gpu_hours = hours * res.max_nodes * res.gpus_per_node
+    cpu_core_hours = hours * res.max_nodes * res.processes_per_node * res.cpus_per_process
     m[n.GPU_HOURS_ALLOCATED] = gpu_hours
-    m[n.GPU_HOURS_PRODUCTIVE] = ledger.books.productive_s / 3600.0 * res.nodes * res.gpus_per_node
+    m[n.GPU_HOURS_PRODUCTIVE] = (ledger.books.productive_s / 3600.0 * res.max_nodes
+                                 * res.gpus_per_node)
     energy = job_energy(spec, records, gpu_hours, cpu_core_hours)
     if energy.kwh:  # what was read or estimated; energy/status says whether that is all of it
         m[n.ENERGY_KWH] = sum(energy.kwh.values())
@@ -182,6 +183,6 @@ def _usage(ledger: Ledger, spec: PipelineSpec, records: list[dict[str, Any]], al
         t[n.unknown_tag("cost_allocated")] = price
         return
     t[n.COST_STATUS] = energy.status
-    m[n.COST_ALLOCATED] = price.cost(hours * res.nodes, gpu_hours, cpu_core_hours)
+    m[n.COST_ALLOCATED] = price.cost(hours * res.max_nodes, gpu_hours, cpu_core_hours)
     t.update({"cost/currency": price.currency, "cost/price_source": price.source,
               "cost/price_date": price.date})
