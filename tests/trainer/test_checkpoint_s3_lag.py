@@ -12,6 +12,7 @@ import pytest
 
 from trainforge.storage import s3
 from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer import checkpoint_manifest
 from tests.operators.storage.lagging_s3 import ReadAfterWriteLag
 from tests.trainer.test_checkpoint_s3 import _write, bucket  # noqa: F401 - the fixture
 
@@ -44,7 +45,7 @@ def test_a_checkpoint_another_process_just_wrote_waits_only_when_the_caller_says
         bucket, lagging):  # noqa: F811
     root = f"{bucket}/runs/other"
     uri = _write(root, 20)
-    ckpt._WRITTEN.clear()  # as in the validator's process, which did not write it
+    checkpoint_manifest._WRITTEN.clear()  # as in the validator's process, which did not write it
     assert "missing (a folder without a manifest" in ckpt.verify(uri)[0]  # judged at once
     assert ckpt.verify(uri, written=True) == []
     with ckpt.local_copy(uri, written=True) as folder:
