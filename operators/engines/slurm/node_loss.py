@@ -80,8 +80,10 @@ def node_lost(log_text: str, node_states: dict[str, str]) -> tuple[str, str] | N
 
 
 def describe(record: dict[str, Any]) -> str:
-    """``node h1 lost (<how>; last sign of life <t>, reported <d> s later)``."""
-    return (f"node {record['node']} lost ({record['source']}; the failure was reported "
+    """``node h1 lost (<how>; the failure was reported <d> s after its last sign of life)``;
+    an elastic job's: ``...; its survivors noticed <d> s after ...``."""
+    noticed = "its survivors noticed" if record.get("elastic") else "the failure was reported"
+    return (f"node {record['node']} lost ({record['source']}; {noticed} "
             f"{record['detection_s']:.1f} s after its last sign of life)")
 
 
@@ -149,7 +151,8 @@ def job_node_loss(job_dir: Path, ended: float | None, exit_record: dict[str, Any
         detected = survivors_noticed(job_dir, lost_at) or detected
     record = {"kind": NODE_LOSS, "node": node, "source": source,
               "survivors": [n for n in nodes if n != node], "lost_at": round(lost_at, 3),
-              "detected_at": round(detected, 3), "detection_s": round(detected - lost_at, 3)}
+              "detected_at": round(detected, 3), "detection_s": round(detected - lost_at, 3),
+              **({"elastic": True} if elastic else {})}
     write_json_atomic(job_dir / RECORD_NAME, record)
     return record
 

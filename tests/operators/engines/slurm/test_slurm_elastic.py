@@ -128,7 +128,8 @@ def test_losing_a_node_goes_on_with_the_survivor_to_max_steps(tmp_path, cluster,
     assert loss["survivors"] == [hosts.name(0)], loss
     assert hosts.name(1) in status.message, status.message
     # Detected when the survivor's ranks stopped (their collective failed), within seconds.
-    assert 0 <= loss["detection_s"] < 15, loss
+    assert 0 <= loss["detection_s"] < 15 and loss["elastic"] is True, loss
+    assert "its survivors noticed" in status.message, status.message
     # The run record: the succeeded try's record keeps the loss, and the ledger names the node
     # and the steps trained again on the survivor (from the job's attempt records).
     event = {"status": "success", "message": status.message, "handle": handle,
