@@ -14,25 +14,9 @@ trigger fires, :meth:`~ClusterJobOperator.execute_complete` validates the event 
 hands a success to the task or fails the task — permanently (no retry) for a bad config or a
 diverged run, otherwise as a retryable failure that resumes from the newest valid checkpoint.
 
-Deadlines across deferral: Airflow applies ``execution_timeout`` to each piece of work a worker
-runs, not to the deferred wait. So the operator turns both limits into one absolute deadline
-before it defers — the job's ``fault.run_timeout`` counted from the job's submission (an adopted
-earlier job keeps its own clock) and the task's ``execution_timeout`` counted from the try's
-first start — gives the trigger that deadline (minus one poll and a margin, so the trigger's own
-``timeout`` event, which cancels the job, comes first) and passes only the time left as
-``defer(timeout=...)``. When Airflow's trigger timeout fires anyway, :meth:`resume_execution`
-cancels the task's live jobs before failing.
-
-Waiting in the worker slot (``training.fault.deferrable: false``, like the ``deferrable`` option of
-Airflow's provider operators): :meth:`~ClusterJobOperator.execute` does everything up to the
-deferral, then runs the very same trigger coroutine in the task process to its first event
-(:meth:`~trainforge.triggers.TrainingJobTrigger.wait_here`) and hands that event to
-:meth:`execute_complete` — one code path for events, logs and deadlines. The task process is
-alive during the wait, so Airflow's own ``execution_timeout`` (SIGALRM in the task process) and
-signals reach it: a SIGTERM runs :meth:`on_kill` (Airflow's Task SDK handler) and then ends the
-wait with :class:`TaskProcessTerminated`, so the task fails or is up for retry, never succeeds;
-the job is cancelled once (not at all with ``fault.cancel_on_kill: false``) and the trigger's own
-cancel-on-kill path stays quiet in the task process.
+The deadlines across deferral and waiting in the worker slot (``training.fault.deferrable:
+false``): see docs/faults.md, "The launch, inside"; the deadline and the event check are in
+trainforge.cluster_wait.
 """
 
 from __future__ import annotations
@@ -49,72 +33,12 @@ from airflow.sdk.exceptions import AirflowTaskTimeout, TaskDeferralError, TaskDe
 from trainforge.engines.registry import backend_kwargs, get_backend, get_engine
 from trainforge.engines.base import JobHandle, JobIdentity, JobState, TrainingJob
 from trainforge.base import TrainforgeStageOperator, fail_permanently
-from trainforge.errors import JobRefusedError, TriggerEventError
+from trainforge.cluster_wait import TaskProcessTerminated, validate_event, wait_deadline
+from trainforge.errors import JobRefusedError
 from trainforge.hooks.s3 import S3ConnectionError, S3Hook
 from trainforge.paths import trainforge_home
 from trainforge.pipeline.model import PipelineSpec
-from trainforge.triggers import EVENT_STATUSES, TrainingJobTrigger
-
-# Seconds the trigger's own deadline comes before Airflow's trigger timeout (plus one poll), so
-# that the trigger's ``timeout`` event — which cancels the job and says why — wins the race.
-DEADLINE_MARGIN_S = 5.0
-
-
-def wait_deadline(
-    *,
-    now_s: float,
-    job_submitted_s: float | None,
-    run_timeout_s: float,
-    task_started_s: float | None,
-    execution_timeout_s: float | None,
-    poll_interval_s: float,
-) -> tuple[float, str, float]:
-    """The deferred wait's deadline: ``(trigger deadline epoch s, reason, defer timeout s)``.
-
-    The job may run ``run_timeout_s`` from its submission (``job_submitted_s``; ``now_s`` when
-    unknown); the task may run ``execution_timeout_s`` from its first start (``task_started_s``).
-    The earlier limit wins and names the ``reason`` (``"run_timeout"`` or
-    ``"execution_timeout"``). The defer timeout is the time left to that limit (at least 1 s);
-    the trigger deadline comes ``poll_interval_s + DEADLINE_MARGIN_S`` earlier, but never
-    before ``now_s``.
-    """
-    limit, reason = (job_submitted_s or now_s) + run_timeout_s, "run_timeout"
-    if execution_timeout_s is not None:
-        task_limit = (task_started_s or now_s) + execution_timeout_s
-        if task_limit < limit:
-            limit, reason = task_limit, "execution_timeout"
-    left = max(1.0, limit - now_s)
-    trigger_deadline = max(now_s, limit - poll_interval_s - DEADLINE_MARGIN_S)
-    return trigger_deadline, reason, left
-
-
-class TaskProcessTerminated(BaseException):
-    """The task process got SIGTERM while it waited on its job in the worker slot.
-
-    A ``BaseException``, like Airflow's ``AirflowTaskTimeout``: raised from a signal handler, it
-    must pass through the event loop of the wait (asyncio logs and swallows an ``Exception``
-    raised inside a callback). Airflow's task runner records it as a failure, retried when
-    retries are left (a worker shutdown is transient); the retry resumes or adopts the job.
-    """
-
-
-def validate_event(event: Any) -> dict[str, Any]:
-    """Check a trigger event's shape before acting on it.
-
-    Raises:
-        TriggerEventError: not a dict, or ``status`` outside :data:`EVENT_STATUSES`, or no message.
-    """
-    if not isinstance(event, dict):
-        raise TriggerEventError(f"trigger event must be a dict (got {type(event).__name__})")
-    status = event.get("status")
-    if status not in EVENT_STATUSES:
-        raise TriggerEventError(
-            f"trigger event status {status!r} is not one of {', '.join(EVENT_STATUSES)}"
-        )
-    if not isinstance(event.get("message"), str) or not isinstance(event.get("handle"), dict):
-        raise TriggerEventError(f"trigger event lacks a message or job handle: {event!r}")
-    return event
-
+from trainforge.triggers import TrainingJobTrigger
 
 class ClusterJobOperator(TrainforgeStageOperator):
     """Run one job on the spec's engine and wait for it (deferrable); the module docstring.

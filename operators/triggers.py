@@ -1,39 +1,18 @@
 """Triggers: the asynchronous wait for a training job, run by Airflow's triggerer.
 
-The trigger is built from plain values only (engine name, backend keyword values, the job
-handle, numbers) so that Airflow can serialise it; it rebuilds its backend inside the triggerer.
-Every backend call is blocking I/O, so it runs in a thread (``asyncio.to_thread``) and never on
-the event loop.
-
-Cancel on kill: when the trigger is cancelled (``asyncio.CancelledError`` in :meth:`run`, and
-Airflow 3.3's :meth:`on_kill` hook) it asks the Airflow API for the task instance's current state
-and cancels the job only when the task is no longer ``deferred`` — the user marked it failed or
-success, cleared it, or its trigger timed out. A triggerer restart or a trigger moved to another
-triggerer leaves the task ``deferred``, so a healthy job keeps running; so does any doubt (the
-state cannot be read), and so does ``running``: a task process waits on the job then (a new try
-that adopts it) and its ``on_kill`` decides. ``cancel_on_kill=False`` keeps the job in every
-case. This is the pattern
-of Airflow's own provider triggers (``safe_to_cancel`` via ``RuntimeTaskInstance.get_task_states``).
-
-Waiting in the worker slot (``fault.deferrable: false``): :meth:`TrainingJobTrigger.wait_here`
-runs the very same coroutine in the task process until its first event. There a cancellation
-only means the event loop is being torn down by an exception of the task process (Airflow's
-execution timeout, a SIGTERM): the trigger then leaves the job alone and asks nothing, because
-the task's ``on_kill`` decides about the job, once.
+:class:`TrainingJobTrigger` polls the job's backend (in a thread, never on the event loop),
+passes rank 0's new log lines on, and ends with one event of a closed set
+(:data:`EVENT_STATUSES`). When the trigger is cancelled it cancels the job only when the task is
+no longer ``deferred`` (never on a triggerer restart; never with ``cancel_on_kill=False``);
+:meth:`TrainingJobTrigger.wait_here` runs the same coroutine in the task process
+(``fault.deferrable: false``), where the task's ``on_kill`` decides about the job instead.
 
 The job's status alone decides the event; its log is best effort
 (:class:`~trainforge.trigger_logs.JobLogFollower`): a log that fails, hangs or trickles delays
 neither the status polls, nor the deadline, nor the end of the wait.
 
-Events form one closed set (:data:`EVENT_STATUSES`); each carries a human ``message`` and the
-job's identity::
-
-    {"status": "success" | "error" | "timeout" | "cancelled", "message": str,
-     "job": {dag_id, run_id, task_id, try_number}, "handle": {...}, "exit_code": int | None,
-     "failure": "permanent" | "transient" | None, "result": {...} | None,
-     "wall_s": float | None, "ended_at_epoch_s": float | None,
-     "phases": {"queue_wait": float | str, "image_pull": float | str} | None,
-     "log_offset": int, "deadline_reason": str | None}
+Serialisation, cancel on kill, the wait in the task process and the events' fields: see
+docs/faults.md, "The launch, inside".
 """
 
 from __future__ import annotations

@@ -1,39 +1,18 @@
 """The ``close_run`` teardown task: what a failed, killed or stopped pipeline left open is closed.
 
 Every pipeline ends with :class:`CloseRunOperator` as an Airflow *teardown* task, downstream of
-every other task (``.as_teardown()``; trigger rule ``all_done_setup_success``, which without
-setup tasks means "once every upstream task is done, whatever its state"). Airflow runs it even
-when the DAG run is marked failed from the UI (pending teardowns are not skipped), does not let
-its outcome decide the DAG run's state, and ``airflow dags test`` runs it like the scheduler does.
+every other task; it runs once every upstream task is done, whatever its state, and its outcome
+never decides the DAG run's state. From the states of the DAG run's tasks it:
 
-It reads the states of the DAG run's tasks through the Task SDK
-(``RuntimeTaskInstance.get_task_states``) and then:
+1. **Jobs.** cancels every still pending or running job of every try of each training task that
+   did not succeed (kept, and logged, with ``training.fault.cancel_on_kill: false``);
+2. **MLflow runs.** ends every run of the DAG run still ``RUNNING`` (and its stage runs),
+   ``KILLED`` when the pipeline was stopped, else ``FAILED`` (``FINISHED`` when every task
+   succeeded and registration finished), tagged ``trainforge.closed_by=close_run``.
 
-1. **Jobs.** For every training task that did not succeed, every job of every try
-   (``backend.find(JobIdentity(dag_id, run_id, task_id, try))``) that is still pending or
-   running is cancelled — the job of a task process that was SIGKILLed, or of a wait that ended
-   without its trigger cancelling it. With ``training.fault.cancel_on_kill: false`` the job is
-   kept and the log says so. Jobs of succeeded training tasks are never touched.
-2. **MLflow runs.** Every MLflow run of the DAG run that is still ``RUNNING`` — the DAG run's run
-   and, with ``stages``, the stage runs under it — is ended and tagged
-   ``trainforge.closed_by=close_run`` and ``trainforge.close_run.tasks_not_succeeded`` (the task
-   ids, or ``none``). The status follows one rule:
-
-   * ``KILLED`` when the pipeline was *stopped*: a training job ended cancelled (by a user's mark
-     failed / mark success / clear, a timeout, or this teardown) and no training job failed on
-     its own; for a stage run, when that stage's newest job ended cancelled.
-   * ``FAILED`` otherwise (a job failed, a non-training task failed, a job was kept running).
-   * When every task succeeded the run should already be ``FINISHED`` (``register_model`` ends
-     it; each stage ends its own run) and is left alone. One still ``RUNNING`` then is logged as
-     unexpected and ended ``FINISHED`` if registration finished (``register_model`` returned a
-     model version; for a stage run: its task returned a final checkpoint), else ``FAILED``.
-
-   Runs that are not ``RUNNING`` are left as they are: running the teardown twice changes
-   nothing the second time.
-
-An engine or MLflow error on one item is logged and the teardown goes on with the others, then
-fails with :class:`CloseRunError` naming every item it could not handle: the task's failure shows
-what is left open, and, being a teardown, it never turns the DAG run's state.
+Running it twice changes nothing the second time. An engine or MLflow error on one item is
+logged, the rest is still closed, and the task fails with :class:`CloseRunError` naming what it
+could not handle. The whole rule: docs/faults.md, "The teardown: `close_run`".
 """
 
 from __future__ import annotations

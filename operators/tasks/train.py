@@ -1,26 +1,22 @@
 """The ``train`` task: render the training job, run it on the engine, record what it trained.
 
 The submit / adopt / defer / complete / cancel machinery is
-:class:`~trainforge.cluster_job.ClusterJobOperator`'s (deadlines across deferral, waiting in
-the worker slot with ``fault.deferrable: false``, cancel on kill: see that module). This task
-adds what training means:
+:class:`~trainforge.cluster_job.ClusterJobOperator`'s (deadlines across deferral, waiting in the
+worker slot, cancel on kill: docs/faults.md, "The launch, inside"). This task adds:
 
 * the job: the spec's (or the stage's) training section rendered into a job config, with the
   dataset of ``prepare_data``, the DAG run's checkpoint folder, the MLflow run to log into, the
   ranks' S3 access, and the ``init`` block of ``init_from`` (a stage's upstream checkpoint, or
   a registered model version through trainforge.tasks.model_init);
 * the MLflow run: reopened when an earlier try ended it, tagged with the job, ended ``KILLED``
-  when the task is killed; a stage logs into a child run of the DAG run's run, and everything a
-  stage does to a run — reopen, tag, end — is done to that child run: the DAG run's run is
-  shared by side-by-side stages and its status is decided once, by ``close_run``; on it a stage
-  writes only tags scoped by its task (``trainforge.train.<task_id>.job``);
+  when the task is killed; a stage keeps to its own child run of the DAG run's run
+  (docs/faults.md, "Side-by-side stages keep to their own runs");
 * every failed try: why, as the tag ``trainforge.failed_try.<task_id>.<try>`` on the DAG run's
   run (the run summary lists them), and the step and tokens it reached as the stage's
   ``train/<stage>/final_step`` and ``train/<stage>/tokens_seen``;
-* a job that failed after its training finished (the final checkpoint is complete; e.g. a rank
-  stuck in a collective at exit): its own reason instead of the trainer's "finished at step N",
-  and ``training.fault.post_training_failure`` decides: ``resume`` (retry, which resumes at the
-  final step and finishes), ``accept`` (succeed with that checkpoint) or ``fail`` (no retry);
+* a job that failed after its training finished: its own reason instead of the trainer's
+  "finished at step N"; ``training.fault.post_training_failure`` decides (docs/faults.md,
+  "Training (cluster side)", "A failure after training has its own reason");
 * on success: the final step, tokens and loss, and the accounting over the ledger's window, as
   metrics and XCom; and at every outcome the ledger over every try so far — goodput, badput
   buckets, GPU-hours, energy, cost (trainforge.ledger; logged by trainforge.tasks.train_ledger,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainforge.cluster_job import DEADLINE_MARGIN_S, wait_deadline
+from trainforge.cluster_wait import DEADLINE_MARGIN_S, wait_deadline
 
 NOW = 1_000_000.0
 
