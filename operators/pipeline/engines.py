@@ -69,11 +69,13 @@ def size_errors(training: Any) -> list[tuple]:
     engine, resources = get_engine(training.engine), training.resources
     errors = []
     if not engine.multi_node and (resources.max_nodes != 1 or resources.elastic):
-        several = " or ".join(e.name for e in engines() if e.multi_node)
+        several = " or ".join(e.name for e in engines()
+                              if e.multi_node and (e.elastic or not resources.elastic))
         errors.append((("resources", "nodes"), f"the {engine.name} engine runs one torchrun "
                        f"group on one machine (got resources.nodes {resources.nodes}; expected "
-                       f"1; use the {several} engine for several nodes)", resources.nodes,
-                       ("engine",)))
+                       f"1; use the {several} engine for "
+                       f"{'an elastic job' if resources.elastic else 'several nodes'})",
+                       resources.nodes, ("engine",)))
     elif resources.elastic and not engine.elastic:
         names = " or ".join(e.name for e in engines() if e.elastic)
         which = f"the {names} engine" if names else "an engine that runs elastic jobs"
