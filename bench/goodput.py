@@ -4,47 +4,18 @@
                                       [--checkpoint-every 10] [--collective-timeout-s 30]
                                       [--hidden-size N --num-layers N] [--corpus DIR] [--json]
 
-The demo pipeline's model and data (dags/pipelines/shakespeare_llm.yaml: Shakespeare corpus,
-2 ranks, gloo on CPU) are trained by the real ``local`` engine (torchrun under the job
-supervisor, ``max_restarts`` high enough) while one worker process, chosen at random, is
-SIGKILLed every ``--kill-every-s`` seconds (60 s, the issue's figure). The defaults take about
-ten minutes on two busy CPU cores; ``--hidden-size 96 --num-layers 2`` (a smaller model, same
-data) makes steps, restarts and the whole run shorter. The survivors of a kill notice the dead
-peer within the collective timeout (``--collective-timeout-s``, the spec's
-``fault.collective_timeout``). torchrun notices the dead worker, stops the group and starts it
-again; every restart resumes from the newest valid checkpoint. From rank 0's time-stamped step
-lines (``log_every_steps`` 1) and the kill times the script measures, in the same run:
-
-* step time: median wall time of one optimizer step, seconds;
-* ``delta``: checkpoint stall, the mean extra time of a step that writes a checkpoint, seconds;
-* ``T``: checkpoint interval, ``--checkpoint-every`` steps x step time, seconds;
-* ``R``: restart time, from a kill to the first step of the restarted group (process start,
-  imports, process group, checkpoint load), mean over kills, seconds;
-* recovery time: from a kill to the first step beyond the newest step before it (restart plus
-  the steps trained again since the last checkpoint), mean and max, seconds;
-* ``MTBF``: training wall time / number of kills, seconds.
-
-Goodput is productive step time / wall time: the time of the steps that count (each step's
-surviving execution, at most one step time each) over the wall time from the first step to the
-last (the one-off start-up before the first step is left out, as in the model below).
-
-The bound is the first-order waste model of checkpoint/restart (Young, "A first order
-approximation to the optimum checkpoint interval", CACM 17(9), 1974; Daly, "A higher order
-estimate of the optimum checkpoint interval for restart dumps", FGCS 22(3), 2006): per interval
-``T`` of work, ``delta`` is spent writing a checkpoint, and each failure (one per ``MTBF``) costs
-the restart ``R`` plus on average half an interval of lost work::
+The demo pipeline's model and data are trained by the real ``local`` engine while one worker
+process, chosen at random, is SIGKILLed every ``--kill-every-s`` seconds; every restart resumes
+from the newest valid checkpoint. From rank 0's step lines and the kill times it measures step
+time, checkpoint stall ``delta``, interval ``T``, restart time ``R``, recovery time and
+``MTBF``, and prints goodput (productive step time / wall time) beside the first-order bound
+(Young 1974, Daly 2006)::
 
     goodput_bound = 1 - delta/T - (R + T/2)/MTBF
 
-The script prints both, their ratio (goal >= 0.95: the engine adds no waste the model does not
-account for) and exits 1 when the run itself failed (the job did not finish at max_steps).
-
-Beside them, the run ledger's own account of the same job (trainforge.ledger, from the attempt
-records rank 0 wrote to the job folder, docs/contracts.md "Run ledger"): its productive seconds
-over the same first-step-to-last-step window (goal: within 2 percentage points of the goodput
-above), its disruption count (goal: the number of kills) and its recovery times (failed
-attempt's last record to the restarted attempt's first step, against ``R``, kill to the
-restarted group's first step: they differ by at most the step in flight at the kill).
+with their ratio (goal >= 0.95), and the run ledger's own account of the same job beside them.
+Exits 1 when the run itself failed. About ten minutes on two busy CPU cores with the defaults.
+Every term, the goals and the measured figures: docs/faults.md, "Measured".
 """
 
 from __future__ import annotations

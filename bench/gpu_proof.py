@@ -6,26 +6,15 @@
                               [--out docs/gpu-proof.md] [--log-dir DIR] [--work DIR] [--keep]
     python bench/gpu_proof.py --rehearse-on-cpu    # a tiny model on the CPU: checks the script itself
 
-Measures, in this order, each in a process of its own so none inherits another's memory:
+Measures, each in a process of its own: the bf16 matmul ceiling; the trainer (torchrun) on a
+1.1B-parameter Llama, its steady tokens/s, MFU, startup, save seconds, peak memory and energy;
+a bare loop of the same model compiled with fused AdamW; the same loop eager. Prints the ratios
+trainer / each bare loop and writes them to ``--out``; ``--log-dir`` keeps the figures of each
+part as it ends. A part that fails is reported and the others still run. What each part runs
+and measures: docs/trainer.md, "The GPU measurement (`bench/gpu_proof.py`)".
 
-1. the ceiling: an 8192 x 8192 x 8192 bf16 matrix product (mean of 10 after 3 warm-ups);
-2. the trainer: ``torchrun --nproc-per-node=1 -m trainforge.trainer.train`` with a job config of a
-   1.1B-parameter Llama (22 layers, hidden 2048, 16 heads, intermediate 5632, vocabulary 4096,
-   untied; sequence 2048, micro-batch 4, global batch 32, bf16, DDP, ``framework.compile: auto``)
-   on token data made here (random ids, nothing downloaded): steady tokens/s between step 8 and
-   the last from its step log lines (the mid-run checkpoint's blocking part and its background
-   write fall inside), MFU against 989.5 TFLOP/s (dense bf16 of an H100/H200 SXM), startup and
-   blocking/background save seconds from its run-ledger record, peak memory from its log, and its
-   energy in the ledger beside NVML's counter read around the whole process;
-3. a bare loop of the same model, batch, bf16 autocast and AdamW, with ``torch.compile`` of the
-   whole model and fused AdamW;
-4. the same bare loop eager, with torch's default AdamW;
-
-then prints the ratios trainer / each bare loop and writes them, with the date, device and
-versions, to ``--out`` (printed only, without it); ``--log-dir`` also gets the trainer's log and the figures as JSON after
-each part, so a run cut short still tells what it measured. A part that fails is reported and the
-others still run. Needs only torch and transformers (and trainforge on ``PYTHONPATH``); no CUDA
-device: it says so and exits 0. About 4 minutes on an H200.
+Needs only torch and transformers (and trainforge on ``PYTHONPATH``); no CUDA device: it says
+so and exits 0. About 4 minutes on an H200.
 """
 
 from __future__ import annotations

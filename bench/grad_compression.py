@@ -4,41 +4,17 @@
                                                [--compressions none,bf16,fp16,powersgd-1,powersgd-4]
                                                [--steps 30] [--quick] [--corpus DIR] [--json]
 
-Two test hosts (tests/hosts.py: network namespaces on a bridge, each link shaped by an HTB rate
-limit in both directions) train the demo's model (dags/pipelines/shakespeare_llm.yaml: hidden
-192, 4 layers, about 2.56 M parameters, so one fp32 gradient is about 10 MB and takes about a
-second over 100 Mbit/s) on the demo's data (the Shakespeare corpus, prepared by the data step's
-own `prepare_dataset`), with a small batch (4 sequences of 128 tokens per step, one micro-batch
-of 2 per rank) so that communication, not compute, is what changes. For each link rate and each
-compression, one run of the real trainer: on each host torchrun as the engines launch it
-(`trainforge.engines.launch.torchrun_argv`, one process per host, ``--nnodes=2``, c10d
-rendezvous on host 0's test address, ``--local-addr`` the host's own), DDP over gloo, fixed
-steps, PowerSGD from step 3 (``warmup_steps`` 2), one checkpoint at the end. The link delay is
-not set where the kernel has no netem qdisc (tests/hosts.py ``delay_unavailable``), so the links
-differ only in rate, and the output says so.
+Two test hosts (tests/hosts.py: network namespaces on a bridge, each link rate-limited) train
+the demo's model on the demo's data with a small batch, so that communication, not compute, is
+what changes: for each link rate and each compression one run of the real trainer (torchrun on
+each host as the engines launch it, DDP over gloo). Measured per run over the steady steps:
+step time, the share of the step with a gradient all-reduce in flight (the DDP communication
+hook timed), bytes sent on the link per step, and the final checkpoint's validation loss; every
+ratio is against ``none`` at the same rate in the same invocation.
 
-Measured per run, over the steady steps (after step ``WARMUP_STEPS``):
-
-* step time: median gap between rank 0's step log lines (``log_every_steps`` 1), seconds;
-* all-reduce share: the DDP communication hook is timed. Under torchrun this file runs the
-  trainer's own ``main`` after wrapping ``DistributedDataParallel.register_comm_hook`` so that
-  each bucket's hook records when it was called and when its future completed (PowerSGD's
-  compression arithmetic inside the hook's future chain included). For ``none`` the trainer
-  registers no hook (DDP's built-in C++ all-reduce); here it gets torch's
-  ``default_hooks.allreduce_hook``, the same all-reduce of the bucket divided by the world size,
-  so that it can be timed too. Per step, the wall time during which at least one bucket was in
-  flight (the union of its buckets' intervals) over the step's time, summed over the steady
-  steps, on rank 0. Buckets in flight overlap the backward pass, so this is the time spent in
-  all-reduce, not only the part the step waits for;
-* bytes sent: both hosts' ``eth0`` transmit counters (tests/hosts.py ``counters``), sampled
-  every 0.2 s and interpolated at the first and last steady step: bytes per step; and the whole
-  run's (rendezvous, initial broadcast and the checkpoint's gathers included);
-* validation loss of the final checkpoint (`trainforge.trainer.evaluate.evaluate_models`,
-  ``--eval-tokens`` tokens of the validation split).
-
-Every ratio is against ``none`` at the same rate in the same invocation. Needs root, ``ip`` and
-``tc`` (tests/hosts.py ``unavailable`` says what is missing). The defaults take about 10 minutes
-on two shared cores; ``--quick`` runs fewer steps and evaluates fewer tokens.
+Needs root, ``ip`` and ``tc``. The defaults take about 10 minutes on two shared cores;
+``--quick`` runs fewer steps. How each figure is measured: docs/trainer.md, "Parallelism and
+gradient compression", **Measuring it over a slow link**.
 """
 
 from __future__ import annotations

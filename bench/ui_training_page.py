@@ -1,5 +1,4 @@
-"""The Training page's API with 50 pipelines x 100 runs, against the same listing through
-Airflow's own REST API.
+"""The Training page's API, 50 pipelines x 100 runs, against the same listing via Airflow's REST API.
 
     .venv/bin/python bench/ui_training_page.py [--pipelines 50] [--runs 100] [--repeat 5]
 
@@ -7,8 +6,7 @@ Generates, in a temporary folder, an Airflow metadata database (SQLite; DAGs tag
 ``trainforge``, one daily run each for the last ``--runs`` days, five task instances and the
 validate/register results per run) and an MLflow store holding each run's MLflow run (params,
 curves' last values, accounting) and one registered model per pipeline with a version per ten
-runs; then starts an MLflow server on it. It times, in this process through FastAPI's
-TestClient:
+runs; then starts an MLflow server on it. It times, in this process through FastAPI's TestClient:
 
 * ``GET /trainforge/api/training`` (trainforge.plugins.ui.app), "the page": pipelines, their last
   5 runs, live training, the champion and trend; cold (the MLflow cache,

@@ -15,10 +15,8 @@ champion's asset outlet: a person approves the gate's pass before ``champion`` m
 (trainforge.tasks.approve_champion). ``pipeline.deadline`` becomes the DAG's deadline alert
 (trainforge.deadline).
 
-Every pipeline also ends with ``close_run`` (operators/tasks/close_run.py), an Airflow teardown
-task downstream of every other task: it runs once they are all done, whatever their states,
-cancels what failed training tasks left running and ends the MLflow runs still ``RUNNING``; its
-own outcome never decides the DAG run's state.
+Every pipeline also ends with the teardown task ``close_run`` (operators/tasks/close_run.py;
+docs/faults.md, "The teardown: `close_run`").
 
 Cheap at parse time: reads YAML and builds operators; imports no torch, no MLflow, no engine
 client (the operator modules import those inside the methods that run tasks). The tunable

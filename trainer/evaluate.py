@@ -3,32 +3,16 @@
     python -m trainforge.trainer.evaluate --dataset DIR --model NAME=URI [--model NAME=URI ...] \
         --report OUT.json [--max-eval-tokens 65536] [--device cpu]
 
-URI: ``models:/<name>/<version>`` or ``models:/<name>@<alias>`` (MLflow transformers flavour,
-``MLFLOW_TRACKING_URI`` from the environment), a Hugging Face model folder, or a checkpoint
-``step-XXXXXXXX/`` folder, local or ``s3://`` (built with the dataset's tokenizer). This is what the eval gate of
-``register_model`` runs as a child process: the candidate and the champion in one process, one
-method, one validation split.
+URI: a registered model (``models:/...``), a Hugging Face model folder, or a checkpoint
+``step-XXXXXXXX/`` folder, local or ``s3://``. This is what the eval gate of ``register_model``
+runs as a child process: the candidate and the champion in one process, one method, one
+validation split. Method ``tokens`` when every model's tokenizer equals the dataset's (the
+dataset's token ids, the validation report's metrics), else ``text`` (the same documents
+re-encoded by each model's tokenizer; only ``val_bits_per_byte`` is comparable, so the gate
+compares that). Exit 0 when every model was evaluated, 1 when one failed, 78 for bad arguments.
 
-Two methods, chosen once for all models of a call:
-
-``tokens`` (every model's tokenizer equals the dataset's: same vocabulary and same ids on a
-sample): the dataset's validation token ids, read as consecutive non-overlapping windows of each
-model's own context length (``max_position_embeddings``), over the first ``max_eval_tokens``
-targets. Metrics as in ``trainforge.trainer.validate``:
-
-    val_loss           = total nats / val_tokens
-    val_perplexity     = exp(val_loss)
-    val_bits_per_byte  = total nats / ln 2 / (val_tokens x bytes_utf8 / tokens of the split)
-
-``text`` (some tokenizer differs): the validation documents the first ``max_eval_tokens`` dataset
-tokens cover are decoded to text, re-encoded by each model's own tokenizer (its EOS after each
-document) and evaluated the same way; only ``val_bits_per_byte`` (= total nats / ln 2 / UTF-8
-bytes of the predicted text) is comparable across tokenizers, so the gate compares that.
-
-Report: ``{"format": "trainforge.evaluation/v1", "ok", "method", "reason", "dataset_digest",
-"max_eval_tokens", "models": {NAME: {"uri", "ok", "error", "tokenizer_matches_dataset",
-"context", "metrics"}}}``. Exit 0 when every model was evaluated, 1 when one failed to load or
-evaluate (its ``error`` says why), 78 for bad arguments (dataset missing or not verifying).
+The URI forms, both methods, the formulas and the report's fields: docs/contracts.md, "Trainer
+details", **Evaluation report**.
 """
 
 from __future__ import annotations

@@ -1,41 +1,17 @@
 """Data parallelism of the trainer (job config ``framework``): DDP or FSDP2, and what depends on it.
 
 `parallelize` wraps the freshly built model once; the returned `Parallel` is everything the
-training loop and the checkpoint code need to know about the wrapping:
+training loop and the checkpoint code need to know about the wrapping: ``ddp`` replicates the
+parameters and all-reduces the gradients (optionally through a compression hook: ``fp16``,
+``bf16`` or ``powersgd``, trainer/powersgd.py); ``fsdp`` shards them with FSDP2 ``fully_shard``
+on every decoder layer, then on the root, and reduce-scatters the gradients. Without torchrun
+(one process, no process group) the model is used as it is and neither applies. Both run on CPU
+(gloo) and on CUDA.
 
-| framework.parallelism | parameters                                   | gradients                           |
-|-----------------------|----------------------------------------------|-------------------------------------|
-| ddp                   | replicated (`DistributedDataParallel`)       | all-reduced, optionally through a   |
-|                       |                                              | compression hook (below)            |
-| fsdp                  | sharded: FSDP2 `fully_shard` on every decoder| reduce-scattered                    |
-|                       | layer, then on the root (embedding, final    |                                     |
-|                       | norm and the tied head)                      |                                     |
-
-Without torchrun (one process, no process group) the model is used as it is and neither applies.
-
-FSDP2 runs on CPU with gloo in torch 2.13 (checked: forward, backward, gradient clipping over
-DTensor gradients, ShardedGradScaler, non-reentrant activation checkpointing and the full state
-dict round trip), so both kinds run on CPU and on CUDA.
-
-Gradient compression (DDP communication hooks, `torch.distributed.algorithms.ddp_comm_hooks`):
-``fp16`` and ``bf16`` cast each gradient bucket before the all-reduce and back after it;
-``powersgd`` is PowerSGD (Vogels et al., 2019) with error feedback and warm start,
-``matrix_approximation_rank = framework.powersgd_rank`` and ``start_powerSGD_iter = max(2,
-optim.warmup_steps)`` (vanilla all-reduce during the learning-rate warm-up, as the hook's
-documentation advises; 2 is the least it accepts). PowerSGD's per-rank state (error feedback,
-warm-start factors, iteration count, its RNG) is part of each checkpoint, one file per rank
-(trainer/powersgd.py, trainer/state.py): a resumed attempt on the same world size continues it and
-trains exactly as an uninterrupted run; on another world size it cannot map and starts afresh
-(logged, and recorded in meta.json's ``powersgd.restarts``). On gloo each bucket's PowerSGD
-finishes before the next bucket's starts (torch's hook can otherwise issue the all-reduces of
-several buckets in different orders on different ranks: trainer/powersgd.py).
-
-Checkpoints have one layout whatever the parallelism: rank 0 writes the full, unsharded weights
-and the AdamW state in `torch.optim.Optimizer.state_dict` form (parameters numbered 0.. in
-param-group order). Under FSDP both are gathered with
-`torch.distributed.checkpoint.state_dict` (``full_state_dict=True, cpu_offload=True``) and put
-back with ``set_model_state_dict`` / ``set_optimizer_state_dict``, so a checkpoint resumes under
-either parallelism and any world size.
+Checkpoints have one layout whatever the parallelism (full, unsharded weights and the AdamW
+state, gathered to rank 0 under FSDP), so a checkpoint resumes under either parallelism and any
+world size. The table, what was checked on CPU, the PowerSGD settings and its state: see
+docs/trainer.md, "Parallelism and gradient compression".
 """
 
 from __future__ import annotations

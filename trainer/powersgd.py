@@ -1,33 +1,17 @@
 """PowerSGD gradient compression (``framework.gradient_compression: powersgd``) whose state checkpoints.
 
-torch's `powerSGD_hook` keeps, per rank, state that the next step depends on
-(`PowerSGDState`, torch 2.13): the error feedback (``error_dict``: bucket index -> (bucket numel,)
-tensor, what compression left out of this rank's gradients), the warm-start factors
-(``p_memory_dict``, ``q_memory_dict``: bucket index -> flattened P and Q), the iteration count
-``iter`` (vanilla all-reduce while ``iter < start_powerSGD_iter``), the numpy ``rng`` that seeds a
-bucket's first Q, and the compression statistics. `state_dict` turns every field that
-``PowerSGDState.__getstate__`` covers (all slots but ``process_group``) into values
-``torch.load(weights_only=True)`` accepts; `from_state_dict` builds a new state from them. The
+torch's `powerSGD_hook` keeps, per rank, state that the next step depends on (`PowerSGDState`:
+error feedback, warm-start factors, iteration count, its RNG). `state_dict` turns it into values
+``torch.load(weights_only=True)`` accepts and `from_state_dict` builds a new state from them; the
 checkpoint holds one such file per rank (trainforge.trainer.state).
 
-The dicts are keyed by DDP bucket index, and DDP lays its buckets out twice: at construction
-(parameters in reverse order) and once more before the second forward pass, in the order the
-first backward pass produced gradients (``Reducer::rebuild_buckets``; the reason PowerSGD needs
-``start_powerSGD_iter >= 2``). That order is the same for the same model and world size, so the
-saved dicts fit the rebuilt layout of a resumed attempt, but not the construction-time one its
-first step would otherwise run with. `rebuild_buckets` therefore runs one forward and backward
-pass on a dummy batch whose bucket hook communicates nothing and leaves the state alone
-(``PowerSGDHook.local_only``): DDP then rebuilds its buckets before the first real step, as the
-uninterrupted run did before its second.
+`rebuild_buckets` makes DDP lay out its buckets before a resumed attempt's first real step (one
+pass on a dummy batch that communicates nothing, ``PowerSGDHook.local_only``), so that the saved
+bucket-keyed dicts fit. On gloo the hook waits for each bucket's PowerSGD before the next
+(``PowerSGDHook.wait_each_bucket``), keeping every rank's all-reduces in bucket order.
 
-On gloo the hook waits for each bucket's PowerSGD before DDP may call it for the next
-(``PowerSGDHook.wait_each_bucket``). torch's hook issues a bucket's second and third all-reduce
-(P, then Q) from the callbacks of its first, which run on gloo's threads when that one completes,
-so with two or more buckets in flight the ranks can issue the buckets' all-reduces in different
-orders: gloo then aborts the process ("Received data size doesn't match expected size. Is there
-a distributed collective mismatch", seen with torch 2.13 on the demo model, whose 2.5 M parameters
-fill several buckets). Waiting keeps every rank's order the bucket order, at the cost of the
-overlap of PowerSGD with the backward pass; NCCL keeps the overlap.
+Why each of these, field by field: docs/trainer.md, "Parallelism and gradient compression",
+"PowerSGD's state checkpoints".
 """
 
 from __future__ import annotations

@@ -1,30 +1,16 @@
 """Rank 0's MLflow logging into the DAG run's existing run (never creates, ends or re-statuses it).
 
 Reads ``MLFLOW_TRACKING_URI`` and ``MLFLOW_RUN_ID``; without a tracking URI nothing is logged.
-Metrics are worth less than the training they describe, so MLflow failures are logged as
-warnings and never stop training; after `MAX_CONSECUTIVE_FAILURES` failed calls in a row the
-tracker gives up for the rest of the attempt.
+MLflow failures are logged as warnings and never stop training; after
+`MAX_CONSECUTIVE_FAILURES` failed calls in a row the tracker gives up for the rest of the attempt.
 
-Exactly once: the DAG run's MLflow run outlives any one attempt. An attempt killed after step N
-has logged steps up to N, but its newest checkpoint is at some step C <= N, so the next attempt
-trains steps C+1..N again. Before training, a resumed tracker reads the run's history of
-`STEP_KEY` and skips every step it already holds (:meth:`MlflowTracker.skip_logged_steps`): each
-step appears once in the metric history. Restarts resume bit-identically (same batches, RNG and
-optimizer state), so the skipped values equal the ones already logged. One step's metrics go in
-one ``log_batch`` call, so a kill never leaves half a step logged.
+Each step once: a resumed tracker skips the steps of `STEP_KEY`'s history the run already holds
+(:meth:`MlflowTracker.skip_logged_steps`), and one step's metrics go in one ``log_batch`` call.
+:meth:`MlflowTracker.system_metrics` logs ``system/*`` metrics (the job's own GPUs only, through
+trainforge.trainer.gpu_metrics) every `SYSTEM_METRICS_INTERVAL_S` seconds. HTTP limits:
+``MLFLOW_HTTP_REQUEST_TIMEOUT`` 10 s and ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` 2 unless set.
 
-System metrics: :meth:`MlflowTracker.system_metrics` runs MLflow's own monitor
-(``mlflow.system_metrics``) on rank 0 while training: CPU and memory (psutil), disk, network and,
-for the job's own GPUs only (trainforge.trainer.gpu_metrics: MLflow's GPU monitor would read every
-GPU of the node), GPU utilisation, memory and power, logged as ``system/*``
-metrics every `SYSTEM_METRICS_INTERVAL_S` seconds (MLflow's
-``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` overrides it). Their step is the sample number,
-continued across attempts; the samples of the last, unfinished interval are logged when training
-ends, so even a run shorter than one interval has one sample.
-
-HTTP limits: unless the environment already sets them, ``MLFLOW_HTTP_REQUEST_TIMEOUT`` is 10 s
-and ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` 2, so an unreachable server stalls a step for at most
-about half a minute instead of MLflow's default of several minutes.
+Why, and the details: docs/trainer.md, "MLflow from rank 0".
 """
 
 from __future__ import annotations

@@ -8,33 +8,14 @@ Single process, no torchrun. Every check runs and is reported, even after an ear
 (a check that cannot run says so and counts as failed). Exit 0 when the chosen checkpoint passes
 every check, 1 otherwise, 78 for bad arguments (missing folders, a dataset that does not verify).
 
-Checks, in report order: ``manifest`` (present, trainforge.checkpoint/v1), ``file_hashes``
-(sizes + SHA-256, several files in parallel), ``meta`` (meta.json readable, its job config valid,
-vocabulary / EOS / tokenizer equal to the dataset's), ``consistency`` (meta.json against itself
-and what the pipeline expects: config digest, vocabulary size, architecture, sequence length,
-world size x micro batch x accumulation = global batch; see trainforge.trainer.expectations),
-``weights_load`` (safetensors decodes; no pickle), ``shapes`` (names and shapes equal to the
-model the job config describes), ``finite`` (every tensor), ``eval`` (validation loss is
-finite), ``sample`` (greedy generation ran).
-
-Policy: ``newest`` validates the newest step folder with a manifest (or ``--step``);
-``best_val_loss`` validates every one and picks the lowest validation loss among those that pass
-(ties: the newer). With ``--quarantine``, a checkpoint whose failed checks show it is damaged
-(``integrity_failures``: manifest, file_hashes, weights_load, shapes, finite, or a non-finite
-eval) is moved to ``<checkpoints>/quarantine/step-XXXXXXXX/`` with a QUARANTINE_REASON.json
-(trainforge.trainer.quarantine); one that is intact but not what the pipeline expects (meta, consistency)
-fails validation and stays where it is.
-
-Metrics, over the first ``max_eval_tokens`` target tokens of the validation split, read as
-consecutive non-overlapping windows of ``sequence_length`` (trainforge.trainer.evaluate):
-
-    val_loss           = total nats / val_tokens
-    val_perplexity     = exp(val_loss)
-    val_bits_per_byte  = total nats / ln 2 / bytes, where bytes is ESTIMATED as
-                         val_tokens x (bytes_utf8 / tokens) of the validation split's manifest
-                         entry (the evaluated windows are not decoded back to text)
-    unigram_perplexity = exp(mean -ln p(y)) on the same targets, p the add-one smoothed unigram
-                         distribution counted over the whole train split (a floor to beat)
+Checks, in report order: ``manifest``, ``file_hashes``, ``meta``, ``consistency`` (see
+trainforge.trainer.expectations), ``weights_load``, ``shapes``, ``finite``, ``eval``,
+``sample``. Policy ``newest`` or ``best_val_loss``; with ``--quarantine`` a damaged checkpoint
+(``integrity_failures``) is moved aside (trainforge.trainer.quarantine), one that is intact but
+not what the pipeline expects stays where it is. What each check, the policy and quarantine do:
+docs/registry.md, "The validation report"; the metrics (``val_loss``, ``val_perplexity``, an
+estimated ``val_bits_per_byte``, ``unigram_perplexity``): docs/contracts.md, "Trainer details",
+**Validation report**.
 """
 
 from __future__ import annotations

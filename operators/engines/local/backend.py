@@ -1,29 +1,10 @@
 """The ``local`` engine: torchrun on the Airflow worker's own machine.
 
 CPU ranks talk over gloo, GPUs over nccl (the trainer chooses from ``distributed.backend``).
-Each job lives in a folder ``<runs_root>/<identity key>/``:
-
-=================  ==========================================================================
-``request.json``   the rendered request (argv, env, cwd) — exactly what :meth:`render` returns;
-                   secret variables (``TrainingJob.secret_env``) appear by name with a
-                   placeholder and reach the ranks only through the supervisor's environment
-``job.json``       the trainer's job config (docs/contracts.md)
-``supervisor.json``  pid and start time of the supervisor process
-``job.log``        torchrun's console: rank 0's stdout/stderr plus torchrun's own messages
-``ranks/``         every rank's full stdout/stderr (torchrun ``--log-dir`` with ``--tee 3``)
-``result.json``    written by trainer rank 0 on exit
-``exit.json``      written by the supervisor when torchrun ends
-=================  ==========================================================================
-
-State mapping (raw observation → :class:`JobState`):
-
-======================================================  ==========================
-``exit.json`` present, exit code 0                      SUCCEEDED
-``exit.json`` present, ``cancelled``                    CANCELLED
-``exit.json`` present, other code                       FAILED (kind from result)
-no ``exit.json``, supervisor alive (pid + start time)   RUNNING
-no ``exit.json``, supervisor gone                       FAILED transient ("lost")
-======================================================  ==========================
+Each job lives in a folder ``<runs_root>/<identity key>/`` (the request, the job config, the
+supervisor's pid, torchrun's console, every rank's log, rank 0's ``result.json`` and the
+supervisor's ``exit.json``); its state is read from ``exit.json`` and whether the supervisor is
+alive. The folder's files and the state mapping: docs/adding-an-engine.md, "4. The backend".
 """
 
 from __future__ import annotations

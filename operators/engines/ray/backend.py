@@ -2,30 +2,9 @@
 
 The request is :func:`trainforge.engines.ray.render.render_request`; the job config travels inside
 it and the result comes back through the job's log, so the cluster needs no file system shared
-with the Airflow worker.
-
-State mapping (Ray ``JobStatus`` → :class:`~trainforge.engines.base.JobState`):
-
-===========  ==============================  ===================================================
-Ray          condition                       JobState
-===========  ==============================  ===================================================
-PENDING      before the startup deadline     PENDING (Ray's message says what it waits for)
-PENDING      after the startup deadline      FAILED transient, with Ray's reason; a stop is
-                                             requested (Ray cannot end a job whose entrypoint
-                                             was never scheduled: the stop waits in its queue
-                                             and ends the job the moment it is scheduled)
-RUNNING                                      RUNNING
-SUCCEEDED                                    SUCCEEDED (result from the log's result line)
-FAILED                                       FAILED: permanent when the trainer's result says
-                                             ``bad_config`` (78) or ``diverged`` (79), else
-                                             transient (crash, lost node, runtime env setup)
-STOPPED                                      CANCELLED
-===========  ==============================  ===================================================
-
-With ``resources.nodes`` > 1 the entrypoint (:mod:`trainforge.engines.ray.launcher`) needs no
-resources of its own, so the job is RUNNING while it waits for its placement group (one bundle
-per node): the launcher applies the same startup timeout to that wait and fails the job with a
-result line saying what it asked for and which nodes the cluster has (transient).
+with the Airflow worker. Ray's ``JobStatus`` maps onto :class:`~trainforge.engines.base.JobState`
+(PENDING past the startup deadline fails transient and requests a stop; FAILED is permanent for
+a ``bad_config`` or ``diverged`` result): the table is in docs/ray.md, "What happens".
 
 ``ray`` is imported inside the methods that talk to the cluster: parsing a DAG never imports it.
 """

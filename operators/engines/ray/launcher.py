@@ -1,40 +1,22 @@
 """One torchrun per Ray node: the entrypoint of a ``ray`` job with ``resources.nodes`` > 1.
 
 Runs on the cluster (the node Ray picks for the job's entrypoint), as rendered by
-:func:`trainforge.engines.ray.render.entrypoint`::
+:func:`trainforge.engines.ray.render.entrypoint`:
 
-    python -m trainforge.engines.ray.launcher --key KEY --nodes 2 --cpus-per-node 8 \\
-        --gpus-per-node 8 --startup-timeout-s 600 -- torchrun --nnodes=2 ... \\
-        --rdzv-endpoint={rdzv_endpoint} --local-addr={local_addr} ... --config {job_dir}/job.json
-
-1. A placement group of ``--nodes`` bundles, each ``--cpus-per-node`` CPUs, ``--gpus-per-node``
-   GPUs (and ``--memory-bytes``), strategy ``STRICT_SPREAD``: one bundle per Ray node. Waiting
-   for it prints what is missing every 30 s; not placed within ``--startup-timeout-s`` (counted
-   from the launcher's start) it is removed and the job fails with a ``TRAINFORGE_RESULT`` line
-   saying how many nodes were asked for and which the cluster has (transient: exit code 1).
-2. A probe task in bundle 0 reports that node's address (``ray.util.get_node_ip_address()``,
-   the address Ray reaches it on, never loopback) and a free port on it: the c10d rendezvous
-   endpoint, hosted there (``is_host=true`` on that node only).
-3. One task per bundle, holding the bundle's CPUs and GPUs (Ray sets ``CUDA_VISIBLE_DEVICES``),
-   runs the node's preflight (:mod:`trainforge.engines.node_preflight`: ``GLOO_SOCKET_IFNAME``
-   and ``NCCL_SOCKET_IFNAME`` set to the interface of its route to the endpoint unless the user
-   set them; the endpoint reached over TCP within what is left of ``--startup-timeout-s``, else
-   the job fails permanently, exit 78 with a ``bad_config`` result naming node and address),
-   then the torchrun command, its ``join_timeout`` the time left, with the placeholders filled
-   in: a job folder ``$TMPDIR/trainforge-<key>.node-<N>.XXXXXX/`` on that node (``job.json`` from
-   ``$TRAINFORGE_JOB_CONFIG``, every rank's log under ``ranks/``, the node's whole console in
-   ``ranks/node-<N>.log``), ``--local-addr`` its own address. Each console line also goes to the
-   task's stdout, which Ray forwards to the job log prefixed ``(trainforge-node-<N> pid=...,
-   ip=...)``: c10d orders ranks by the nodes' addresses, so global rank 0 may run on any node and
-   no node's console can be left out of the job log.
-4. When every node has ended, rank 0's result file (on whichever node wrote it) is printed as
-   the ``TRAINFORGE_RESULT {...}`` line, and the launcher exits with the first failing node's
-   torchrun code (rank 0's node first), 0 when all succeeded. When one node fails, the others
-   are cancelled at once (their torchrun gets SIGTERM) rather than left waiting in a collective.
+1. a ``STRICT_SPREAD`` placement group of ``--nodes`` bundles (one per Ray node), waited for
+   within ``--startup-timeout-s``, else the job fails (transient) saying what the cluster has;
+2. a probe task in bundle 0 picks the c10d rendezvous endpoint on that node;
+3. one task per bundle runs the node's preflight (:mod:`trainforge.engines.node_preflight`)
+   and then torchrun, with its own job folder and ``--local-addr``; every node's console goes
+   to the job log;
+4. once every node has ended, rank 0's result is printed as the ``TRAINFORGE_RESULT {...}``
+   line and the launcher exits with the failing node's torchrun code (0 when all succeeded);
+   when one node fails the others are cancelled at once.
 
 Stopping the job (``ray job stop``: SIGTERM to this process) cancels every node task, each of
 which stops its torchrun (SIGTERM, SIGKILL after a grace period); torchrun is also started with
-``PR_SET_PDEATHSIG`` so that it gets SIGTERM if its Ray worker is killed outright.
+``PR_SET_PDEATHSIG`` so that it gets SIGTERM if its Ray worker is killed outright. The command
+line and every step in full: docs/ray.md, "Several nodes".
 
 Imports only the job contract of trainforge (and, on the nodes, its node preflight); ``ray`` is
 imported in :func:`main`.

@@ -2,36 +2,14 @@
 
 :func:`render_request` (what :meth:`~trainforge.engines.ray.backend.RayBackend.render`
 returns) is the exact keyword arguments of
-``ray.job_submission.JobSubmissionClient.submit_job`` (under ``submit_job``):
+``ray.job_submission.JobSubmissionClient.submit_job`` (under ``submit_job``): the
+``entrypoint`` (a POSIX ``sh`` command on one node; :mod:`trainforge.engines.ray.launcher` on
+several), the ``submission_id`` (the job identity's key), the ``runtime_env`` (the job config,
+MLflow and the spec's environment; secrets as placeholders until ``submit_job``), ``metadata``
+and the entrypoint's CPUs and GPUs. Each key in full: docs/ray.md, "The request".
 
-=======================  ===========================================================================
-``entrypoint``           one node: a POSIX ``sh`` command: make a job folder with ``mktemp -d``,
-                         write the job config from ``$TRAINFORGE_JOB_CONFIG`` to ``job.json`` in it,
-                         run torchrun (``--standalone``, rank 0's output only, every rank's in
-                         ``ranks/``), then print the trainer's result file as one
-                         ``TRAINFORGE_RESULT {...}`` line and exit with torchrun's code.
-                         Several nodes: ``python -m trainforge.engines.ray.launcher`` with the
-                         torchrun command (c10d rendezvous, ``--nnodes=N``) it runs once per Ray
-                         node of a ``STRICT_SPREAD`` placement group
-                         (:mod:`trainforge.engines.ray.launcher`)
-``submission_id``        the job identity's key (``JobIdentity.key``): deterministic per DAG run,
-                         task and try; ``<key>-r<N>`` when that job failed and is submitted again
-``runtime_env``          ``env_vars`` (the job config as canonical JSON, MLflow tracking URI and
-                         run id, ``OMP_NUM_THREADS``, the spec's ``env_vars``), plus the spec's
-                         ``working_dir`` (uploaded by the client) and ``pip``; secret variables
-                         (``TrainingJob.secret_env``: S3 keys) show as placeholders here and
-                         get their values only in the ``submit_job`` call (Ray then keeps them
-                         in its job table, readable by whoever may use the job API)
-``metadata``             the full identity, the attempt and the startup timeout
-``entrypoint_num_*``     CPUs (ranks x threads per rank) and GPUs reserved for the entrypoint;
-                         several nodes: 0 unless the spec says (the entrypoint only coordinates;
-                         each node's CPUs and GPUs are its placement group bundle)
-=======================  ===========================================================================
-
-The job config travels inside the request, so the cluster needs no shared file system with the
-Airflow worker; the result comes back through the job's log, so nothing is read from the
-cluster's disks either. (Dataset and checkpoint locations in the config must of course be
-reachable from the cluster: a shared path or ``s3://``.)
+The job config travels inside the request and the result comes back through the job's log, so
+the cluster needs no file system shared with the Airflow worker.
 """
 
 from __future__ import annotations
