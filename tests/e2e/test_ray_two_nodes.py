@@ -240,3 +240,42 @@ def test_an_interface_the_nodes_lack_fails_permanently_at_once_naming_node_and_e
     assert "rank0 line" not in logs
     _nothing_running(ray)
     assert not _job_processes(hosts)
+
+
+def test_a_lost_node_is_named_never_the_survivor(cluster):
+    import psutil
+
+    from trainforge.engines.base import JobState
+    from trainforge.engines.ray.backend import RayBackend
+
+    hosts, ray = cluster
+    backend = RayBackend(address=ray.address)
+    handle = backend.submit(_fake_job("r-lost", {"lines": 3000, "line_sleep_s": 0.2}, nodes=2))
+    deadline, text = time.monotonic() + 120, ""
+    while not ("rank0 line 3" in text and "rank1 line 3" in text):
+        assert time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.5)
+        text = backend._client().get_job_logs(handle["submission_id"])
+    # The second host's torchrun agent and its rank die, as when the machine's processes go
+    # (whichever node of the job it runs: Ray places the bundles).
+    agents = [psutil.Process(pid) for i, pid, cmd in _job_processes(hosts)
+              if i == 1 and "torchrun" in cmd]
+    assert agents, _job_processes(hosts)
+    for proc in [p for a in agents for p in a.children(recursive=True)] + agents:
+        proc.kill()
+    status = _wait(backend, handle)
+    print(status.message)
+    lost, survivor = f"{hosts.name(1)} ({hosts.address(1)})", f"{hosts.name(0)} ("
+    assert status.state is JobState.FAILED, status
+    assert re.search(rf"node {re.escape(lost)} lost \(Ray: node [01] of 2: its torchrun agent "
+                     r"was ended by SIGKILL", status.message), status.message
+    assert f"node {survivor}" not in status.message, status.message
+    loss = status.result["disruption"]
+    assert loss["kind"] == "node_loss" and loss["node"] == lost, loss
+    assert loss["survivors"] == [f"{hosts.name(0)} ({hosts.address(0)})"], loss
+    assert 0 <= loss["detection_s"] < 10, loss
+    deadline = time.monotonic() + 30
+    while _job_processes(hosts) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _job_processes(hosts), _job_processes(hosts)
+    _nothing_running(ray)

@@ -29,6 +29,7 @@ from trainforge.engines.base import (
     whole_lines,
 )
 from trainforge.engines.ray.client import connection_settings, timeout_client_class
+from trainforge.engines.ray.node_loss import describe
 from trainforge.engines.ray.render import parse_result, render_request
 from trainforge.errors import BackendError, JobNotFoundError
 
@@ -186,6 +187,10 @@ class RayBackend(Backend):
         exit_code = (result or {}).get("exit_code", info.driver_exit_code)
         kind = failure_kind(exit_code, result)
         reason = (result or {}).get("message") or _first_line(info.message or "")
+        loss = (result or {}).get("disruption")
+        if isinstance(loss, dict) and loss.get("node"):  # the lost node (node_loss.py)
+            said = describe(loss)
+            reason = said if reason == said else f"{said}; the trainer said: {reason}"
         error_type = getattr(info.error_type, "value", info.error_type)
         message = f"Ray job {sid} failed ({error_type or 'FAILED'}, exit code {exit_code}): {reason}"
         return JobStatus(JobState.FAILED, message, exit_code, kind, result, wall_s)

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainforge.contract import EXIT_ERROR, RESULT_FILE_ENV, STATUS_ERROR
+from trainforge.engines.ray.node_loss import describe, lost_node
 
 MODULE = "trainforge.engines.ray.launcher"
 CONFIG_ENV = "TRAINFORGE_JOB_CONFIG"
@@ -183,7 +184,8 @@ def run_node(node: int, nodes: int, key: str, config: str, argv: list[str],
             f"the rendezvous timed out on node {where} at fault.startup_timeout ({left} s left "
             f"after its preflight): every node reached the store, but not all joined in time")}
     return {"node": node, "address": address, "host": socket.gethostname(),
-            "exit_code": proc.returncode, "result": result, "job_dir": job_dir}
+            "exit_code": proc.returncode, "result": result, "job_dir": job_dir,
+            "ended_at": time.time()}
 
 
 def _said(path: str, words: bytes) -> bool:
@@ -306,6 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else time.time() + args.startup_timeout_s - (time.monotonic() - started))
         head = ray.get(ray.remote(launcher.probe).options(
             num_cpus=0, scheduling_strategy=in_bundle(0), max_retries=0).remote(True))
+        # Every node's name, to name one whose task dies with it (node_loss.py).
+        places = [head, *ray.get([ray.remote(launcher.probe).options(
+            num_cpus=0, scheduling_strategy=in_bundle(i), max_retries=0).remote(False)
+            for i in range(1, args.nodes)])]
         endpoint = host_port(head["address"], head["port"])
         _say(f"{args.nodes} nodes; c10d rendezvous on {endpoint} (node 0, {head['host']})")
         task = ray.remote(launcher.run_node)
@@ -315,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 num_gpus=args.gpus_per_node, memory=args.memory_bytes or None,
                 scheduling_strategy=in_bundle(i), max_retries=0,
             ).remote(i, args.nodes, args.key, config, list(args.torchrun), endpoint, deadline))
-        return _collect(ray, refs, args.nodes)
+        return _collect(ray, refs, args.nodes, places)
     except KeyboardInterrupt:
         _say("stopping: cancelling every node's torchrun")
         _cancel(ray, refs, wait_s=2.0)
@@ -327,10 +333,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
 
 
-def _collect(ray: Any, refs: list[Any], nodes: int) -> int:
-    """Wait for every node; cancel the rest when one fails; print the result; the exit code."""
+def _collect(ray: Any, refs: list[Any], nodes: int,
+             places: Sequence[dict[str, Any]] = ()) -> int:
+    """Wait for every node; cancel the rest when one fails; name a lost node (node_loss.py);
+    print the result; the exit code. ``places``: each node's ``probe``, to name a node whose
+    task died."""
     ended: list[dict[str, Any]] = []
     pending = list(refs)
+    cancelled: set[int] = set()
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
         for ref in done:
@@ -338,25 +348,34 @@ def _collect(ray: Any, refs: list[Any], nodes: int) -> int:
             try:
                 info = ray.get(ref)
             except Exception as err:  # noqa: BLE001 - the worker or its node died, cancelled
+                place = places[node] if node < len(places) else {}
                 info = {"node": node, "exit_code": None, "result": None,
+                        "address": place.get("address"), "host": place.get("host"),
                         "error": f"{type(err).__name__}: "
                                  f"{(str(err).strip().splitlines() or [''])[0][:300]}"}
+            info.update(seen_at=time.time(), cancelled=node in cancelled)
             ended.append(info)
             if info.get("exit_code") != 0 and pending:
                 _say(f"node {node} failed ({_ending(info)}): stopping the other nodes")
+                cancelled.update(refs.index(ref) for ref in pending)
                 _cancel(ray, pending, wait_s=CANCEL_WAIT_S)
     time.sleep(LOG_FLUSH_S)
     for info in sorted(ended, key=lambda i: i["node"]):
         _say(f"node {info['node']} of {nodes} ended: {_ending(info)}")
     results = [i for i in ended if i.get("result")]
-    if results:
-        _print_result(results[0]["result"])
+    result = results[0]["result"] if results else None
     failed = [i for i in ended if i.get("exit_code") != 0]  # in the order they ended
-    if not failed:
-        return 0
     rank0 = [i for i in failed if i.get("result")]
-    first = (rank0 or failed)[0]
-    return first["exit_code"] if first.get("exit_code") else EXIT_ERROR
+    first = (rank0 or failed or [{}])[0]
+    code = (first["exit_code"] if first.get("exit_code") else EXIT_ERROR) if failed else 0
+    loss = lost_node(ended, nodes) if failed else None
+    if loss is not None:  # the lost node, never a survivor whose ranks noticed it
+        _say(describe(loss))
+        result = {**(result or {"status": STATUS_ERROR, "exit_code": code,
+                                "message": describe(loss)}), "disruption": loss}
+    if result:
+        _print_result(result)
+    return code
 
 
 def _ending(info: dict[str, Any]) -> str:

@@ -64,8 +64,8 @@ def _node(i, code, result=None):
     # stopped; torchrun's code is the job's, the result says permanent.
     ([_node(1, 1, {"status": "bad_config", "exit_code": 78}), _node(0, 0)], 1,
      {"status": "bad_config", "exit_code": 78}, [0]),
-    # node 1's worker died: node 0 is stopped, the job fails without a result.
-    ([(1, RuntimeError("NodeDiedError: node 10.0.0.1 died")), _node(0, 0)], 1, None, [0]),
+    # node 1's worker died: node 0 is stopped, the job fails naming node 1 (node_loss.py).
+    ([(1, RuntimeError("NodeDiedError: node 10.0.0.1 died")), _node(0, 0)], 1, "node 1", [0]),
 ], ids=["success", "rank0-fails", "node-dies"])
 def test_the_launcher_waits_for_every_node_and_stops_the_rest_on_a_failure(
         monkeypatch, capsys, ends, exit_code, result, cancelled):
@@ -73,7 +73,12 @@ def test_the_launcher_waits_for_every_node_and_stops_the_rest_on_a_failure(
     fake = _FakeRay(ends)
     assert launcher._collect(fake, [0, 1], 2) == exit_code
     out = capsys.readouterr().out
-    assert parse_result(out) == result
+    if result == "node 1":  # no result of its own, the lost node's record as the job's
+        found = parse_result(out)
+        assert found["status"] == "error" and found["exit_code"] == 1, found
+        assert found["disruption"]["node"] == "node 1" and "NodeDiedError" in found["message"]
+    else:
+        assert parse_result(out) == result
     assert fake.cancelled == cancelled
     assert "node 0 of 2 ended" in out and "node 1 of 2 ended" in out, out
     if exit_code:
