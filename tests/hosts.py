@@ -303,6 +303,20 @@ class TestHosts:
                 continue
         return found
 
+    def leftovers(self, words: Sequence[str]) -> list[str]:
+        """``h<i>: <command line>`` of every live process on the hosts whose command line holds
+        one of ``words``."""
+        return [f"h{i}: {' '.join(p.cmdline())[:200]}" for i in range(self.count)
+                for word in words for p in self.processes(i, word)]
+
+    def wait_nothing_left(self, words: Sequence[str], timeout_s: float = 30.0) -> None:
+        """Poll until no process of ``words`` is left on any host; fail naming them after
+        ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.leftovers(words) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not self.leftovers(words), self.leftovers(words)
+
     def shape(self, rate: str | None = None, delay: str | None = None) -> None:
         """``rate`` (tc units, e.g. ``"100mbit"``) and one-way ``delay`` (``"1ms"``) on every
         host's link in both directions; ``shape()`` with neither removes the shaping.

@@ -20,6 +20,7 @@ user). The node declares ``cpus`` CPUs (default 2) whatever the machine has
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -296,3 +297,20 @@ def two_host_slurm(prefix: str, prepare=None, **options) -> Iterator[tuple[objec
                 os.environ.pop("SLURM_CONF", None)
             else:
                 os.environ["SLURM_CONF"] = before
+
+
+#: What runs a rank or its node's launch on a test host: none of it may outlive a job.
+JOB_WORDS = ("trainforge.trainer.train", "node_preflight", "torch.distributed.run")
+
+
+def job_logs(backend, job) -> str:
+    """A Slurm job's log and every other node's console (``ranks/node-<N>.log``), joined."""
+    folder = backend.job_dir(job.identity)
+    parts = [folder / "job.log", *sorted((folder / "ranks").glob("node-*.log"))]
+    return "\n".join(p.read_text(errors="replace") for p in parts if p.exists())
+
+
+def newest_step(log: Path) -> int:
+    """The newest step the trainer's log lines in ``log`` show (0: none yet)."""
+    found = re.findall(r"step (\d+)/\d+ \|", log.read_text(errors="replace")) if log.exists() else []
+    return int(found[-1]) if found else 0

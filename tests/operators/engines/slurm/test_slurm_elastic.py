@@ -31,14 +31,13 @@ from trainforge.ledger.attempts import attempt_records, job_dir_records
 from trainforge.ledger.disruptions import NODE_LOSS, disruption_figures
 from trainforge.ledger.tries import try_ended
 from tests.faults.faultlib import wait_for
-from tests.slurm_cluster import two_host_slurm
+from tests.slurm_cluster import JOB_WORDS, job_logs, newest_step, two_host_slurm
 from tests.trainer.conftest import build_dataset, make_job
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
 
 MAX_STEPS = 120
 LOSE_AFTER_STEP = 12
-WORDS = ("trainforge.trainer.train", "node_preflight", "torch.distributed.run")
 
 
 @pytest.fixture(scope="module")
@@ -64,26 +63,19 @@ def _job(tmp_path: Path, dataset: Path, key: str) -> TrainingJob:
                        max_runtime_s=600.0, startup_timeout_s=60.0, max_restarts=1)
 
 
-def _logs(backend, job) -> str:
-    folder = backend.job_dir(job.identity)
-    parts = [folder / "job.log", *sorted((folder / "ranks").glob("node-*.log"))]
-    return "\n".join(p.read_text(errors="replace") for p in parts if p.exists())
 
 
-def _newest_step(log: Path) -> int:
-    found = re.findall(r"step (\d+)/\d+ \|", log.read_text(errors="replace")) if log.exists() else []
-    return int(found[-1]) if found else 0
 
 
 def _lose_node(backend, handle, job, hosts, i: int) -> float:
     """Past the first checkpoint, SIGKILL host ``i``'s torchrun agent and its ranks."""
     log = backend.job_dir(job.identity) / "job.log"
-    wait_for("the job past its step-10 checkpoint", lambda: _newest_step(log) >= LOSE_AFTER_STEP
+    wait_for("the job past its step-10 checkpoint", lambda: newest_step(log) >= LOSE_AFTER_STEP
              or backend.status(handle).state.terminal, 240, 0.2)
-    assert not backend.status(handle).state.terminal, _logs(backend, job)[-3000:]
+    assert not backend.status(handle).state.terminal, job_logs(backend, job)[-3000:]
     # (on the first node srun's own command line names torchrun too: srun is not the agent)
     agents = [p for p in hosts.processes(i, "torch.distributed.run") if p.name() != "srun"]
-    assert agents, _logs(backend, job)[-3000:]
+    assert agents, job_logs(backend, job)[-3000:]
     for proc in [p for a in agents for p in a.children(recursive=True)] + agents:
         proc.kill()
     return time.monotonic()
@@ -94,14 +86,6 @@ def _wait_end(backend, handle, timeout_s: float):
                     timeout_s, 0.5)
 
 
-def _nothing_left(hosts, timeout_s: float = 30.0) -> None:
-    def left():
-        return [f"h{i}: {' '.join(p.cmdline())[:200]}" for i in range(hosts.count)
-                for word in WORDS for p in hosts.processes(i, word)]
-    deadline = time.monotonic() + timeout_s
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left(), left()
 
 
 def test_losing_a_node_goes_on_with_the_survivor_to_max_steps(tmp_path, cluster, dataset):
@@ -113,7 +97,7 @@ def test_losing_a_node_goes_on_with_the_survivor_to_max_steps(tmp_path, cluster,
     assert "#SBATCH --nodes=1-2" in script and "--nnodes=1:" in script, script
     _lose_node(backend, handle, job, hosts, 1)
     status = _wait_end(backend, handle, 300)
-    text = _logs(backend, job)
+    text = job_logs(backend, job)
     print(status.message)  # what Airflow's task log shows (pytest -s)
     assert status.state is JobState.SUCCEEDED, (status, text[-4000:])
     # One job, one run of its script: the survivor went on inside the same allocation.
@@ -143,7 +127,7 @@ def test_losing_a_node_goes_on_with_the_survivor_to_max_steps(tmp_path, cluster,
     recomputed = attempts[1]["reached_step"] - attempts[1]["resumed_step"]
     assert recomputed >= 1 and metrics[f"disruptions/{NODE_LOSS}/steps_recomputed"] == recomputed
     assert tags[f"ledger/disruptions/{NODE_LOSS}"].startswith(f"try 1: {hosts.name(1)}"), tags
-    _nothing_left(hosts)
+    hosts.wait_nothing_left(JOB_WORDS)
 
 
 def test_losing_the_store_host_fails_fast_and_the_retry_runs_on_the_survivor(
@@ -155,22 +139,22 @@ def test_losing_the_store_host_fails_fast_and_the_retry_runs_on_the_survivor(
     lost = _lose_node(backend, handle, job, hosts, 0)
     status = _wait_end(backend, handle, 120)
     took = time.monotonic() - lost
-    text = _logs(backend, job)
+    text = job_logs(backend, job)
     print(status.message, f"({took:.1f} s)")
     assert status.state is JobState.FAILED, (status, text[-4000:])
     assert status.result["disruption"]["node"] == hosts.name(0), status.result
     assert took < 60, (took, text[-4000:])
-    _nothing_left(hosts)
+    hosts.wait_nothing_left(JOB_WORDS)
 
     retry = replace(job, identity=replace(job.identity, try_number=2))
     handle2 = backend.submit(retry)
     script = (backend.job_dir(retry.identity) / "job.sbatch").read_text()
     assert f"#SBATCH --exclude={hosts.name(0)}" in script, script
     status2 = _wait_end(backend, handle2, 300)
-    text2 = _logs(backend, retry)
+    text2 = job_logs(backend, retry)
     assert status2.state is JobState.SUCCEEDED, (status2, text2[-4000:])
     started = re.search(r"trainforge: Slurm job \d+ on (\S+); rendezvous (\S+):\d+", text2)
     assert started and started[1] == hosts.name(1), text2[-3000:]
     assert started[2] == hosts.address(1), (started[2], hosts.addresses)
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" in text2
-    _nothing_left(hosts)
+    hosts.wait_nothing_left(JOB_WORDS)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -26,7 +25,7 @@ from trainforge.contract import FailureKind
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
 from tests.faults.faultlib import wait_for
-from tests.slurm_cluster import two_host_slurm
+from tests.slurm_cluster import newest_step, two_host_slurm
 from tests.trainer.conftest import build_dataset, make_job
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
@@ -36,9 +35,6 @@ COLLECTIVE_TIMEOUT_S = 15
 SLURMD_TIMEOUT_S = 10
 
 
-def _newest_step(log: Path) -> int:
-    found = re.findall(r"step (\d+)/\d+ \|", log.read_text(errors="replace")) if log.exists() else []
-    return int(found[-1]) if found else 0
 
 
 def _trainers(hosts, i: int) -> list[str]:
@@ -90,11 +86,11 @@ def test_a_lost_host_fails_the_job_as_transient_and_the_retry_resumes_exactly_on
 
         first = backend.submit(job(1))
         log = backend.job_dir(job(1).identity) / "job.log"
-        wait_for("the first try past its step-10 checkpoint", lambda: _newest_step(log) >= 12
+        wait_for("the first try past its step-10 checkpoint", lambda: newest_step(log) >= 12
                  or backend.status(first).state.terminal, 240, 0.2)
         assert not backend.status(first).state.terminal, log.read_text()[-3000:]
         hosts.cut(1)
-        cut_at, cut_step = time.monotonic(), _newest_step(log)
+        cut_at, cut_step = time.monotonic(), newest_step(log)
         status = wait_for("the first try to end", lambda: (s := backend.status(first)).state.terminal
                           and s, COLLECTIVE_TIMEOUT_S + 4 * SLURMD_TIMEOUT_S + 60)
         noticed_s = time.monotonic() - cut_at
@@ -105,7 +101,7 @@ def test_a_lost_host_fails_the_job_as_transient_and_the_retry_resumes_exactly_on
         # words), and the job ended soon after (srun tears the step down once a task fails; the
         # controller fails the job once the node misses SlurmdTimeout).
         assert f"Timed out waiting {COLLECTIVE_TIMEOUT_S * 1000}ms" in text, text[-3000:]
-        assert _newest_step(log) < cut_step + 5, text[-3000:]
+        assert newest_step(log) < cut_step + 5, text[-3000:]
         assert noticed_s < COLLECTIVE_TIMEOUT_S + 2 * SLURMD_TIMEOUT_S + 30, (noticed_s, status)
 
         hosts.restore(1)

@@ -26,7 +26,7 @@ from trainforge.engines.slurm.backend import SlurmBackend
 from trainforge.ledger.disruptions import NODE_LOSS, event_disruption
 from trainforge.ledger.tries import try_ended
 from tests.faults.faultlib import wait_for
-from tests.slurm_cluster import two_host_slurm
+from tests.slurm_cluster import job_logs, two_host_slurm
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
 
@@ -49,33 +49,21 @@ def _job(key: str) -> TrainingJob:
                        max_runtime_s=600.0, startup_timeout_s=60.0)
 
 
-def _logs(backend, job) -> str:
-    folder = backend.job_dir(job.identity)
-    parts = [folder / "job.log", *sorted((folder / "ranks").glob("node-*.log"))]
-    return "\n".join(p.read_text(errors="replace") for p in parts if p.exists())
 
 
 def _running_on_both(backend, handle, job, hosts) -> None:
     ranks = backend.job_dir(job.identity) / "ranks" / "node-1.log"
-    wait_for("both ranks printing", lambda: "rank1 line 3" in _logs(backend, job)
-             and "rank0 line 3" in _logs(backend, job) or backend.status(handle).state.terminal, 45)
-    assert not backend.status(handle).state.terminal, _logs(backend, job)[-3000:]
+    wait_for("both ranks printing", lambda: "rank1 line 3" in job_logs(backend, job)
+             and "rank0 line 3" in job_logs(backend, job) or backend.status(handle).state.terminal, 45)
+    assert not backend.status(handle).state.terminal, job_logs(backend, job)[-3000:]
     assert ranks.exists()
 
 
-def _nothing_left(hosts, timeout_s: float = 30.0) -> None:
-    def left():
-        return [f"h{i}: {' '.join(p.cmdline())[:200]}" for i in range(hosts.count)
-                for word in WORDS for p in hosts.processes(i, word)]
-    deadline = time.monotonic() + timeout_s
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left(), left()
 
 
 def _assert_names_the_lost_node(status, backend, handle, job, lost: str, survivor: str,
                                 killed_at: float) -> dict:
-    text = _logs(backend, job)
+    text = job_logs(backend, job)
     print(status.message)  # what Airflow's task log shows (pytest -s)
     assert status.state is JobState.FAILED, (status, text[-3000:])
     assert status.failure is FailureKind.TRANSIENT, status
@@ -103,7 +91,7 @@ def test_a_killed_agent_names_its_node_not_the_survivor(tmp_path, cluster):
     handle = backend.submit(job)
     _running_on_both(backend, handle, job, hosts)
     agents = hosts.processes(1, "torch.distributed.run")
-    assert agents, _logs(backend, job)[-3000:]
+    assert agents, job_logs(backend, job)[-3000:]
     for proc in [p for a in agents for p in a.children(recursive=True)] + agents:
         proc.kill()
     killed_at = time.time()
@@ -113,7 +101,7 @@ def test_a_killed_agent_names_its_node_not_the_survivor(tmp_path, cluster):
                                        hosts.name(0), killed_at)
     assert loss["source"].startswith("srun: its task 1"), loss
     assert loss["detection_s"] < 15, loss
-    _nothing_left(hosts)
+    hosts.wait_nothing_left(WORDS)
 
 
 def test_a_dead_host_is_named_from_slurms_node_state(tmp_path, cluster):
@@ -129,4 +117,4 @@ def test_a_dead_host_is_named_from_slurms_node_state(tmp_path, cluster):
     loss = _assert_names_the_lost_node(status, backend, handle, job, hosts.name(1),
                                        hosts.name(0), killed_at)
     assert "Slurm" in loss["source"] or "controller" in loss["source"], loss
-    _nothing_left(hosts)
+    hosts.wait_nothing_left(WORDS)

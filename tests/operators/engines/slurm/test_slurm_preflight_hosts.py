@@ -19,13 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from trainforge.contract import FailureKind
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
-from tests.slurm_cluster import two_host_slurm
+from tests.slurm_cluster import JOB_WORDS, job_logs, two_host_slurm
 from tests.trainer.conftest import build_dataset, make_job
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
@@ -74,31 +73,10 @@ def _wait_end(backend, handle, timeout_s: float):
     raise AssertionError(f"job {handle} not ended after {timeout_s:.0f} s")
 
 
-def _logs(backend, job) -> str:
-    folder = backend.job_dir(job.identity)
-    parts = [folder / "job.log", *sorted((folder / "ranks").glob("node-*.log"))]
-    return "\n".join(p.read_text(errors="replace") for p in parts if p.exists())
 
 
-def _nothing_left(hosts) -> list[str]:
-    found = []
-    for i in range(hosts.count):
-        for pid in hosts.pids(i):
-            try:
-                cmdline = " ".join(psutil.Process(pid).cmdline())
-            except psutil.NoSuchProcess:
-                continue
-            if any(w in cmdline for w in ("trainforge.trainer.train", "torch.distributed.run",
-                                          "node_preflight")):
-                found.append(f"h{i}: {cmdline[:200]}")
-    return found
 
 
-def _wait_nothing_left(hosts, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _nothing_left(hosts) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _nothing_left(hosts), _nothing_left(hosts)
 
 
 def test_a_two_node_job_trains_where_each_hosts_own_name_maps_to_127_0_1_1(
@@ -107,7 +85,7 @@ def test_a_two_node_job_trains_where_each_hosts_own_name_maps_to_127_0_1_1(
     backend = SlurmBackend(tmp_path / "runs")
     job = _job(tmp_path, dataset, "debian-hosts")
     status = _wait_end(backend, backend.submit(job), 300)
-    text = _logs(backend, job)
+    text = job_logs(backend, job)
     assert status.state is JobState.SUCCEEDED, (status, text[-4000:])
     for i in range(2):
         assert (f"trainforge: node h{i} (node {i} of 2) reaches the rendezvous "
@@ -116,7 +94,7 @@ def test_a_two_node_job_trains_where_each_hosts_own_name_maps_to_127_0_1_1(
                 "NCCL_SOCKET_IFNAME=eth0") in text, text[-4000:]
     assert "process group up: backend=gloo world_size=2" in text
     assert "step 4/4 |" in text
-    _wait_nothing_left(hosts)
+    hosts.wait_nothing_left(JOB_WORDS)
 
 
 def test_an_interface_no_node_has_fails_permanently_at_once_naming_node_and_address(
@@ -127,7 +105,7 @@ def test_an_interface_no_node_has_fails_permanently_at_once_naming_node_and_addr
     started = time.monotonic()
     status = _wait_end(backend, backend.submit(job), 120)
     took = time.monotonic() - started
-    text = _logs(backend, job)
+    text = job_logs(backend, job)
     assert status.state is JobState.FAILED, (status, text[-3000:])
     assert status.failure is FailureKind.PERMANENT, (status, text[-3000:])
     assert took < STARTUP_TIMEOUT_S, (took, status)
@@ -135,8 +113,8 @@ def test_an_interface_no_node_has_fails_permanently_at_once_naming_node_and_addr
     assert "preflight failed on node h" in status.message, status.message
     assert f"rendezvous {hosts.address(0)}:" in status.message, status.message
     assert "its own address 10." in status.message and " on eth0" in status.message
-    assert "torch.distributed.run" not in " ".join(_nothing_left(hosts))
-    _wait_nothing_left(hosts)
+    assert "torch.distributed.run" not in " ".join(hosts.leftovers(JOB_WORDS))
+    hosts.wait_nothing_left(JOB_WORDS)
 
 
 def test_an_unreachable_rendezvous_fails_permanently_within_the_startup_timeout(
@@ -158,7 +136,7 @@ def test_an_unreachable_rendezvous_fails_permanently_within_the_startup_timeout(
         took = time.monotonic() - running
     finally:
         hosts.run(1, ["iptables", "-w", "-D", *drop])
-    text = _logs(backend, job)
+    text = job_logs(backend, job)
     assert status.state is JobState.FAILED, (status, text[-3000:])
     assert status.failure is FailureKind.PERMANENT, (status, text[-3000:])
     # Within the startup timeout of the job's start (and the poll and Slurm's teardown).
@@ -169,7 +147,7 @@ def test_an_unreachable_rendezvous_fails_permanently_within_the_startup_timeout(
                      f"its own address {hosts.address(1)} on eth0",
                      "could not reach the rendezvous"):
         assert fragment in message, (fragment, message)
-    _wait_nothing_left(hosts)
+    hosts.wait_nothing_left(JOB_WORDS)
 
 
 def _wait_running(backend, handle) -> float:

@@ -29,7 +29,7 @@ import pytest
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
 from tests.faults.faultlib import wait_for
-from tests.slurm_cluster import two_host_slurm
+from tests.slurm_cluster import JOB_WORDS, job_logs, newest_step, two_host_slurm
 from tests.trainer.conftest import build_dataset, make_job
 
 pytestmark = [pytest.mark.multihost, pytest.mark.integration, pytest.mark.distributed]
@@ -61,9 +61,6 @@ def _job(tmp_path: Path, dataset: Path, key: str, max_restarts: int) -> Training
                        startup_timeout_s=60.0, max_restarts=max_restarts)
 
 
-def _newest_step(log: Path) -> int:
-    found = re.findall(r"step (\d+)/\d+ \|", log.read_text(errors="replace")) if log.exists() else []
-    return int(found[-1]) if found else 0
 
 
 def _rank(hosts, i: int) -> psutil.Process | None:
@@ -73,33 +70,20 @@ def _rank(hosts, i: int) -> psutil.Process | None:
     return ranks[0] if ranks else None
 
 
-def _logs(backend, job) -> str:
-    folder = backend.job_dir(job.identity)
-    parts = [folder / "job.log", *sorted((folder / "ranks").glob("node-*.log"))]
-    return "\n".join(p.read_text(errors="replace") for p in parts if p.exists())
 
 
 def _kill_a_rank_on_the_second_host(backend, handle, job, hosts) -> int:
     """SIGKILL host 1's rank past the first checkpoint; the step it was at."""
     log = backend.job_dir(job.identity) / "job.log"
-    wait_for("the job past its step-10 checkpoint", lambda: _newest_step(log) >= KILL_AFTER_STEP
+    wait_for("the job past its step-10 checkpoint", lambda: newest_step(log) >= KILL_AFTER_STEP
              or backend.status(handle).state.terminal, 240, 0.2)
-    assert not backend.status(handle).state.terminal, _logs(backend, job)[-3000:]
+    assert not backend.status(handle).state.terminal, job_logs(backend, job)[-3000:]
     rank = wait_for("the rank on the second host", lambda: _rank(hosts, 1), 30, 0.2)
-    step = _newest_step(log)
+    step = newest_step(log)
     os.kill(rank.pid, signal.SIGKILL)
     return step
 
 
-def _wait_nothing_left(hosts, timeout_s: float = 30.0) -> None:
-    def left():
-        return [f"h{i}: {' '.join(p.cmdline())[:200]}" for i in range(hosts.count)
-                for word in ("trainforge.trainer.train", "node_preflight", "torch.distributed.run")
-                for p in hosts.processes(i, word)]
-    deadline = time.monotonic() + timeout_s
-    while left() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left(), left()
 
 
 def test_a_killed_rank_is_restarted_inside_the_same_job(tmp_path, cluster, dataset):
@@ -110,7 +94,7 @@ def test_a_killed_rank_is_restarted_inside_the_same_job(tmp_path, cluster, datas
     killed_at = _kill_a_rank_on_the_second_host(backend, handle, job, hosts)
     status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
                       300, 0.5)
-    text = _logs(backend, job)
+    text = job_logs(backend, job)
     assert status.state is JobState.SUCCEEDED, (status, text[-4000:])
     # One job, one run of its script: the restart happened inside the step.
     assert len(re.findall(r"trainforge: Slurm job \d+ on", text)) == 1, text[-4000:]
@@ -121,7 +105,7 @@ def test_a_killed_rank_is_restarted_inside_the_same_job(tmp_path, cluster, datas
     assert resumed and int(resumed[-1]) % 10 == 0, (resumed, text[-4000:])
     assert 10 <= int(resumed[-1]) <= killed_at + 10, (resumed, killed_at, text[-4000:])
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" in text
-    _wait_nothing_left(hosts)
+    hosts.wait_nothing_left(JOB_WORDS)
 
 
 def test_without_restarts_a_killed_rank_fails_the_job(tmp_path, cluster, dataset):
@@ -132,10 +116,10 @@ def test_without_restarts_a_killed_rank_fails_the_job(tmp_path, cluster, dataset
     _kill_a_rank_on_the_second_host(backend, handle, job, hosts)
     status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
                       120, 0.5)
-    text = _logs(backend, job)
+    text = job_logs(backend, job)
     assert status.state is JobState.FAILED, (status, text[-4000:])
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" not in text
-    _wait_nothing_left(hosts)
+    hosts.wait_nothing_left(JOB_WORDS)
 
 
 def test_a_lost_agent_still_ends_the_job_at_once_with_restarts_left(tmp_path, cluster, dataset):
@@ -144,19 +128,19 @@ def test_a_lost_agent_still_ends_the_job_at_once_with_restarts_left(tmp_path, cl
     job = _job(tmp_path, dataset, "agent-lost", max_restarts=1)
     handle = backend.submit(job)
     log = backend.job_dir(job.identity) / "job.log"
-    wait_for("the job past its step-10 checkpoint", lambda: _newest_step(log) >= KILL_AFTER_STEP
+    wait_for("the job past its step-10 checkpoint", lambda: newest_step(log) >= KILL_AFTER_STEP
              or backend.status(handle).state.terminal, 240, 0.2)
     agents = hosts.processes(1, "torch.distributed.run")
-    assert agents, _logs(backend, job)[-3000:]
+    assert agents, job_logs(backend, job)[-3000:]
     for proc in [p for a in agents for p in a.children(recursive=True)] + agents:
         proc.kill()
     killed = time.monotonic()
     status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s,
                       60, 0.25)
     took = time.monotonic() - killed
-    text = _logs(backend, job)
+    text = job_logs(backend, job)
     assert status.state is JobState.FAILED, (status, text[-4000:])
     # Well before the 60 s rendezvous join timeout a new round would wait for the lost node.
     assert took < 20, (took, text[-4000:])
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" not in text
-    _wait_nothing_left(hosts)
+    hosts.wait_nothing_left(JOB_WORDS)
