@@ -175,6 +175,15 @@ def _wait(backend, handle, timeout_s: float = 120.0):
     raise AssertionError(f"Ray job {handle['submission_id']} did not end in {timeout_s} s")
 
 
+def _both_ranks_printed(backend, handle, line: str, timeout_s: float = 120.0) -> None:
+    """Wait until the job log shows ``line`` of the fake trainer from both ranks."""
+    deadline, text = time.monotonic() + timeout_s, ""
+    while not (f"rank0 {line}" in text and f"rank1 {line}" in text):
+        assert time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.5)
+        text = backend._client().get_job_logs(handle["submission_id"])
+
+
 def test_cancelling_a_two_node_job_stops_torchrun_on_both_hosts(cluster):
     from trainforge.engines.base import JobState
     from trainforge.engines.ray.backend import RayBackend
@@ -182,11 +191,7 @@ def test_cancelling_a_two_node_job_stops_torchrun_on_both_hosts(cluster):
     hosts, ray = cluster
     backend = RayBackend(address=ray.address)
     handle = backend.submit(_fake_job("r-cancel", {"lines": 1, "sleep_s": 300}, nodes=2))
-    deadline, text = time.monotonic() + 120, ""
-    while not ("rank0 line 0" in text and "rank1 line 0" in text):
-        assert time.monotonic() < deadline, text[-3000:]
-        time.sleep(0.5)
-        text = backend._client().get_job_logs(handle["submission_id"])
+    _both_ranks_printed(backend, handle, "line 0")
     members = _job_processes(hosts)
     assert {i for i, _, _ in members} == {0, 1}, members  # torchrun and a rank on each host
     assert backend.cancel(handle, grace_s=30).state is JobState.CANCELLED
@@ -251,11 +256,7 @@ def test_a_lost_node_is_named_never_the_survivor(cluster):
     hosts, ray = cluster
     backend = RayBackend(address=ray.address)
     handle = backend.submit(_fake_job("r-lost", {"lines": 3000, "line_sleep_s": 0.2}, nodes=2))
-    deadline, text = time.monotonic() + 120, ""
-    while not ("rank0 line 3" in text and "rank1 line 3" in text):
-        assert time.monotonic() < deadline, text[-3000:]
-        time.sleep(0.5)
-        text = backend._client().get_job_logs(handle["submission_id"])
+    _both_ranks_printed(backend, handle, "line 3")
     # The second host's torchrun agent and its rank die, as when the machine's processes go
     # (whichever node of the job it runs: Ray places the bundles).
     agents = [psutil.Process(pid) for i, pid, cmd in _job_processes(hosts)
