@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainforge.contract import EXIT_ERROR, RESULT_FILE_ENV, STATUS_ERROR
+from trainforge.engines.ray import procs
 from trainforge.engines.ray.node_loss import describe, lost_node
 
 MODULE = "trainforge.engines.ray.launcher"
@@ -51,8 +52,6 @@ IS_HOST = "{is_host}"
 
 PENDING_REPORT_S = 30.0
 """How often the wait for the placement group says what it waits for, seconds."""
-STOP_GRACE_S = 20.0
-"""SIGTERM to a node's torchrun, then SIGKILL after this many seconds."""
 CANCEL_WAIT_S = 60.0
 """How long the other nodes get to stop after one failed, before their workers are killed."""
 LOG_FLUSH_S = 2.0
@@ -91,17 +90,9 @@ def _free_port(address: str) -> int:
         return sock.getsockname()[1]
 
 
-def _pdeathsig() -> Any:
-    """A function for ``preexec_fn`` that asks for SIGTERM when the parent dies
-    (``prctl(PR_SET_PDEATHSIG)``), or None where there is no such call. libc is loaded here, in
-    the parent: the child of a threaded process (a Ray worker) must not import or allocate."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+def node_marker(key: str) -> str:
+    """What every process of job ``key`` on a node has on its command line (procs.py)."""
+    return f"trainforge-{key}.node-"
 
 
 def host_port(address: str, port: int) -> str:
@@ -129,7 +120,7 @@ def run_node(node: int, nodes: int, key: str, config: str, argv: list[str],
     from trainforge.engines import node_preflight
 
     address = ray.util.get_node_ip_address()
-    job_dir = tempfile.mkdtemp(prefix=f"trainforge-{key}.node-{node}.")
+    job_dir = tempfile.mkdtemp(prefix=f"{node_marker(key)}{node}.")
     os.makedirs(os.path.join(job_dir, "ranks"), exist_ok=True)
     with open(os.path.join(job_dir, "job.json"), "w", encoding="utf-8") as out:
         out.write(config)
@@ -161,14 +152,14 @@ def run_node(node: int, nodes: int, key: str, config: str, argv: list[str],
     env.update(extra)
     proc = subprocess.Popen(command, env=env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, preexec_fn=_pdeathsig())
+                            stderr=subprocess.STDOUT, preexec_fn=procs.pdeathsig())
     pump = threading.Thread(target=_pump, args=(proc.stdout, console), daemon=True)
     pump.start()
     try:
         while proc.poll() is None:  # a loop, not wait(): Ray's cancel interrupts between polls
             time.sleep(0.2)
     except BaseException:  # cancelled (KeyboardInterrupt) or the worker is exiting
-        _stop(proc)
+        procs.stop(proc)
         raise
     finally:
         pump.join(timeout=5)
@@ -206,17 +197,6 @@ def _pump(stream: Any, path: str) -> None:
             log.flush()
             sys.stdout.buffer.write(line)
             sys.stdout.buffer.flush()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _cluster_nodes(ray: Any) -> str:
@@ -321,10 +301,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 num_gpus=args.gpus_per_node, memory=args.memory_bytes or None,
                 scheduling_strategy=in_bundle(i), max_retries=0,
             ).remote(i, args.nodes, args.key, config, list(args.torchrun), endpoint, deadline))
-        return _collect(ray, refs, args.nodes, places)
+        code = _collect(ray, refs, args.nodes, places)
+        if code:  # a cancelled node's ranks may outlive its torchrun: none may outlive the job
+            _reap(ray, args, in_bundle)
+        return code
     except KeyboardInterrupt:
         _say("stopping: cancelling every node's torchrun")
         _cancel(ray, refs, wait_s=2.0)
+        if refs:  # the node tasks had started
+            _reap(ray, args, in_bundle)
         return 143
     finally:
         try:
@@ -376,6 +361,21 @@ def _collect(ray: Any, refs: list[Any], nodes: int,
     if result:
         _print_result(result)
     return code
+
+
+def _reap(ray: Any, args: argparse.Namespace, in_bundle: Any) -> None:
+    """Stop what is left of the job on every node (procs.reap); say what was."""
+    refs = [ray.remote(procs.reap).options(num_cpus=0, scheduling_strategy=in_bundle(i),
+                                           max_retries=0).remote(node_marker(args.key))
+            for i in range(args.nodes)]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=procs.STOP_GRACE_S + 10.0)
+    for i, ref in enumerate(refs):
+        try:
+            pids = ray.get(ref) if ref in done else None
+        except Exception:  # noqa: BLE001 - a lost node runs nothing
+            continue
+        if pids:
+            _say(f"node {i}: stopped {len(pids)} process(es) left by its torchrun")
 
 
 def _ending(info: dict[str, Any]) -> str:
