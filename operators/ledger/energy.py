@@ -14,9 +14,7 @@ Over several attempts a device keeps its weakest source; the ``gpu`` kind's is i
 one source, or ``mixed`` (docs/contracts.md, "Run ledger").
 
 When an attempt read no GPU at all, or there is no attempt record, the ``gpu`` kind is
-``estimated`` from the spec, with the reason::
-
-    gpu kWh = gpu_hours x cost.gpu_power_watts / 1000
+``estimated`` from the spec, with the reason, as ``gpu_hours x cost.gpu_power_watts / 1000``.
 
 **CPU**: ``measured-rapl`` when every attempt record read RAPL, else ``estimated`` (with the
 reason) as ``cpu_core_hours x cost.cpu_core_power_watts / 1000``.

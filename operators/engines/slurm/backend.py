@@ -18,17 +18,10 @@ shared with the compute nodes, ``<runs_root>/<identity key>/``:
 ``node_loss.json``      the node a failed job lost and when (``node_loss``), decided once
 ======================  ========================================================================
 
-Where the outcome comes from, in order: ``squeue`` while the controller knows the job (pending,
-running, and for ``MinJobAge``, 300 s by default, after it ended); then ``sacct`` (needs
-Slurm's accounting database, slurmdbd); then the job folder's ``exit.json``. A cluster without
-accounting is therefore fully supported as long as the job folder is shared.
-
-State mapping: see :data:`~trainforge.engines.slurm.script.STATES` (Slurm state -> JobState) and
-:data:`~trainforge.engines.slurm.script.NEVER_RUNS`. A job still pending after
-``startup_timeout_s`` is cancelled and FAILED (transient) with Slurm's reason; a pending reason
-that can never clear (time limit above the partition's, unknown account, ...) fails it at once,
-permanently. A failure is permanent when the trainer's result says ``bad_config`` or
-``diverged`` or the exit code is 78 or 79 (docs/contracts.md), transient otherwise.
+The outcome comes from ``squeue`` while the controller knows the job, then ``sacct`` (with
+slurmdbd), then the folder's ``exit.json``: a cluster without accounting is fully supported.
+States map through :data:`~trainforge.engines.slurm.script.STATES` and ``NEVER_RUNS``; what is
+permanent and what transient: docs/slurm.md, "What happens".
 """
 
 from __future__ import annotations
