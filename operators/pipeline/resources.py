@@ -33,7 +33,8 @@ class NodeRange(SpecModel):
     def _ordered(self) -> NodeRange:
         if self.min > self.max:
             raise field_errors(NodeRange, (("max",), f"nodes.max must be at least nodes.min "
-                               f"(got min {self.min}, max {self.max})", self.max, ()))
+                               f"(got min {self.min}, max {self.max}; expected max {self.min} or "
+                               f"more)", self.max, ()))
         return self
 
     def __str__(self) -> str:

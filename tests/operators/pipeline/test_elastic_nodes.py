@@ -47,7 +47,7 @@ def _one(text: str, path: str):
     ("{min: 0, max: 2}", "training.resources.nodes.min", 18,
      "greater than or equal to 1 (got 0)"),
     ("{min: 3, max: 2}", "training.resources.nodes.max", 26,
-     "nodes.max must be at least nodes.min (got min 3, max 2)"),
+     "nodes.max must be at least nodes.min (got min 3, max 2; expected max 3 or more)"),
     ("{min: 1}", "training.resources.nodes.max", 5, "required field is missing"),
     ("{min: 1, max: 2, foo: 1}", "training.resources.nodes.foo", 29,
      "unknown field (got 'foo'; expected one of: max, min)"),
