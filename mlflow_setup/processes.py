@@ -48,6 +48,19 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
+def group_listens_on(pgid: int, port: int) -> bool:
+    """Whether a process of group ``pgid`` listens on TCP ``port``: the server that answered
+    on the port is the one started, not another that took the port first."""
+    for proc in group_members(pgid):
+        try:
+            if any(conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port
+                   for conn in proc.net_connections("tcp")):
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
 def terminate_group(pgid: int, grace_s: float, process: subprocess.Popen[bytes] | None) -> None:
     def wait_gone(budget_s: float) -> bool:
         deadline = time.monotonic() + budget_s

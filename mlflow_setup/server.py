@@ -39,7 +39,12 @@ from trainforge.mlflow_setup.home import (
     remove_pid_file,
     write_pid_file,
 )
-from trainforge.mlflow_setup.processes import free_port, port_in_use, terminate_group
+from trainforge.mlflow_setup.processes import (
+    free_port,
+    group_listens_on,
+    port_in_use,
+    terminate_group,
+)
 from trainforge.mlflow_setup.stores import check_stores, driver_uri, has_password, redact
 
 log = logging.getLogger(__name__)
@@ -372,6 +377,13 @@ def _launch(config: ServerConfig, timeout_s: float, interval_s: float) -> Server
     log.info("started MLflow server pid %d at %s (log %s)", process.pid, url, log_path)
     try:
         wait_healthy(url, timeout_s, interval_s, log_file=log_path, process=process)
+        if not group_listens_on(process.pid, port):
+            # Another server bound the port between the check above and this one's start
+            # (two runs starting together): what answered is not this home's server.
+            raise ServerStartError(
+                str(config.home),
+                f"port {port} on {config.host} was taken by another server while this one "
+                f"started; pick another --port (0 = any free)")
     except ServerExitedError:
         # The `mlflow server` process is gone, but its uvicorn workers share its process group
         # and may outlive it: stop whatever is left so nothing is orphaned.

@@ -21,12 +21,12 @@ import os
 import re
 from urllib.parse import SplitResult, urlsplit, urlunsplit
 
+from trainforge.contract import S3_URI
 from trainforge.mlflow_setup.errors import StoreArgumentError, StoreUnreachableError
 
 CONNECT_TIMEOUT_S = 5
 _SQLITE = re.compile(r"^sqlite:///.+")
 _POSTGRES_SCHEMES = ("postgresql", "postgresql+psycopg2", "postgres")  # all run on psycopg2
-_S3 = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/.*)?$")
 
 
 def redact(uri: str) -> str:
@@ -104,7 +104,7 @@ def check_artifacts_destination(destination: str) -> str:
     if scheme == "file":
         return "local"
     if scheme == "s3":
-        if not _S3.match(destination):
+        if not S3_URI.match(destination):
             raise StoreArgumentError("--artifacts-destination", destination,
                                      "s3://BUCKET[/PREFIX] with a bucket name of 3-63 lower-case "
                                      "letters, digits, '.' or '-'")
@@ -128,7 +128,7 @@ def check_s3_bucket(destination: str, timeout_s: float = CONNECT_TIMEOUT_S) -> N
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket = _S3.match(destination).group(1)  # type: ignore[union-attr]
+    bucket = S3_URI.match(destination).group(1)  # type: ignore[union-attr]
     config = Config(connect_timeout=timeout_s, read_timeout=timeout_s, retries={"total_max_attempts": 2})
     endpoint = s3_endpoint_url()
     try:

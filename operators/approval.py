@@ -24,8 +24,13 @@ TAG_BY = APPROVAL_TAG_PREFIX + "by"
 TAG_REASON = APPROVAL_TAG_PREFIX + "reason"  # the approver's reason, the timeout's or the cancel's
 TAG_AT = APPROVAL_TAG_PREFIX + "at"  # ISO 8601 UTC time of the request or the answer
 TAG_DAG_RUN = APPROVAL_TAG_PREFIX + "dag_run"  # "<dag_id>/<run_id>" that asked
+TAG_TRY = APPROVAL_TAG_PREFIX + "try"  # the try number of approve_champion that asked
+TAG_HISTORY = APPROVAL_TAG_PREFIX + "history"  # one line per decision, oldest first
 PENDING, APPROVED, REJECTED, TIMED_OUT = "pending", "approved", "rejected", "timed_out"
 CANCELLED = "cancelled"  # the task ended without an answer (trainforge.approval_close)
+DECISIONS = (APPROVED, REJECTED, TIMED_OUT, CANCELLED)  # statuses that end a request
+CLOSED_BY_ID = "trainforge"  # responded_by.id of a request closed without an answer
+HISTORY_MAX_CHARS = 5000  # MLflow's longest model version tag value; the oldest lines go first
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,70 @@ def outcome_of(chosen: list[str], params_input: dict[str, Any], responded_by: di
     return ApprovalOutcome(status, by, reason, responded_at)
 
 
+def with_history(tags: dict[str, str], history: str | None) -> dict[str, str]:
+    """``tags`` plus :data:`TAG_HISTORY`: the version's ``history`` with one more line when
+    ``tags`` record a decision (``pending`` is no decision: the history stays as it was).
+
+    A line reads ``<at> <status> by <by> in <dag_run> try <try>: <reason>``; past
+    :data:`HISTORY_MAX_CHARS` the oldest lines are dropped.
+    """
+    if tags.get(TAG_STATUS) not in DECISIONS:
+        return dict(tags)
+    line = (f"{tags.get(TAG_AT, '?')} {tags[TAG_STATUS]} by {tags.get(TAG_BY, 'none')} in "
+            f"{tags.get(TAG_DAG_RUN, '?')} try {tags.get(TAG_TRY, '?')}: "
+            f"{tags.get(TAG_REASON, 'none')}").replace("\n", " ")
+    lines = [*(history or "").splitlines(), line]
+    while len(lines) > 1 and len("\n".join(lines)) > HISTORY_MAX_CHARS:
+        lines.pop(0)
+    return {**tags, TAG_HISTORY: "\n".join(lines)[-HISTORY_MAX_CHARS:]}
+
+
+def upstream_states(task: Any, context: Any) -> dict[str, str]:
+    """``{task_id: state}`` in this DAG run of every task upstream of ``task``, read from Airflow
+    through the Task SDK when asked (``"none"``: no state); ``{}`` for a task outside a DAG."""
+    upstream = task.get_flat_relative_ids(upstream=True) if getattr(task, "has_dag", lambda: False)() else set()
+    if not upstream:
+        return {}
+    ti = context["ti"]
+    found = ti.get_task_states(dag_id=ti.dag_id, run_ids=[ti.run_id]) or {}
+    states = found.get(ti.run_id) or {}
+    return {task_id: str(getattr(states.get(task_id), "value", states.get(task_id)) or "none")
+            for task_id in upstream}
+
+
+def upstream_refusal(upstream_states: dict[str, str], dag_run: str) -> str | None:
+    """Why ``champion`` must not move in this DAG run: an upstream task, validate_checkpoint
+    among them, that is not in state success (a person marked it failed meanwhile); or None."""
+    not_passed = {task: state for task, state in sorted(upstream_states.items()) if state != "success"}
+    if not_passed:
+        listed = ", ".join(f"{task} is {state}" for task, state in not_passed.items())
+        return (f"{listed} in this DAG run ({dag_run}): champion moves only to a version whose "
+                f"upstream tasks, validate_checkpoint among them, succeeded in this run")
+    return None
+
+
+def promotion_refusal(*, version: str, upstream_states: dict[str, str], tags: dict[str, str],
+                      dag_run: str, try_number: int) -> str | None:
+    """Why ``champion`` must not move to ``version`` now, or None (docs/registry.md, "The
+    champion invariant").
+
+    Args:
+        upstream_states: task id -> state in this DAG run of every task upstream of the
+            approval (``validate_checkpoint`` among them); ``"none"`` for no state.
+        tags: the version's tags as they are now.
+        dag_run: ``"<dag_id>/<run_id>"`` of this DAG run; ``try_number`` the approval's try.
+    """
+    refusal = upstream_refusal(upstream_states, dag_run)
+    if refusal:
+        return refusal
+    asked = (tags.get(TAG_STATUS), tags.get(TAG_DAG_RUN), tags.get(TAG_TRY))
+    if asked != (PENDING, dag_run, str(try_number)):
+        return (f"v{version}'s approval tags say status {asked[0]} asked by {asked[1]} try "
+                f"{asked[2]}, not pending for {dag_run} try {try_number}: the answer is not for "
+                f"this request")
+    return None
+
+
 def _value(value: Any) -> str:
     return "—" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
 
@@ -85,7 +154,7 @@ def request_body(*, gate: dict[str, Any], thresholds: dict[str, Any], model_card
     Args:
         gate: the ``register_model`` XCom's ``gate`` (``trainforge.gate.GateDecision``).
         thresholds: spec field -> value of the absolute thresholds and the gate rule.
-        model_card: the version's description (trainforge.tasks.register_model.model_card).
+        model_card: the version's description (trainforge.model_card.model_card).
         links: title -> URL (MLflow run, model version, Airflow DAG run); empty ones left out.
     """
     version, champion = gate.get("candidate_version"), gate.get("champion_version")

@@ -16,6 +16,7 @@ from typing import Any
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
+from trainforge.callbacks import try_started_tag
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.pipeline.loader import SpecError, validate_overrides
 from trainforge.pipeline.model import PipelineSpec
@@ -34,6 +35,13 @@ TUNABLE_PARAMS: dict[str, str] = {
     "seed": "training.optimization.seed",
     "checkpoint_interval_steps": "training.checkpoint.interval_steps",
 }
+
+
+def _try_started(ti: Any) -> dict[str, str]:
+    """The tag saying this try of the task began: a callback for an older try then changes
+    nothing (trainforge.callbacks)."""
+    try_number = getattr(ti, "try_number", None)
+    return {try_started_tag(ti.task_id): str(int(try_number))} if try_number else {}
 
 
 def fail_permanently(message: str) -> None:
@@ -93,7 +101,8 @@ class TrainforgeStageOperator(BaseOperator):
             experiment_name=spec.experiment_name,
             dag_id=ti.dag_id,
             run_id=ti.run_id,
-            tags={"trainforge.pipeline": spec.dag_id, "trainforge.spec_file": self.spec_file},
+            tags={"trainforge.pipeline": spec.dag_id, "trainforge.spec_file": self.spec_file,
+                  **_try_started(ti)},
         )
         self._record_run_link(ti, run_id)
         return run_id
@@ -105,6 +114,8 @@ class TrainforgeStageOperator(BaseOperator):
         ti = context["ti"]
         try:
             run_id = self.mlflow_hook.find_run(spec.experiment_name, ti.dag_id, ti.run_id)
+            if run_id is not None:
+                self.mlflow_hook.set_tags(run_id, _try_started(ti))
         except Exception:  # noqa: BLE001 - the link is a convenience, never a failure
             self.log.debug("could not find the MLflow run for its link", exc_info=True)
             run_id = None

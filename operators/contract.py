@@ -17,8 +17,52 @@ uses the standard library only, so importing it pulls neither Airflow nor torch.
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from typing import Any
+
+S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/.*)?$")
+"""What an ``s3://bucket[/prefix]`` location looks like wherever one is given (the spec, the job
+config, the MLflow server's artifact store): a valid bucket name (group 1), then any prefix."""
+
+DATASET_FORMAT = "trainforge.dataset/v1"
+"""``format`` of a prepared dataset's manifest, :data:`DATASET_MANIFEST` in its folder
+(docs/contracts.md, "Dataset"): data preparation writes it, the trainer reads it."""
+DATASET_MANIFEST = "manifest.json"
+DATASET_SPLITS = ("train", "validation")
+
+
+def dataset_files(manifest: Mapping[str, Any]) -> list[str]:
+    """Every file a dataset manifest lists (tokenizer, shards, an examples dataset's loss masks and
+    example offsets, document indexes), the manifest itself excluded. Raises KeyError,
+    TypeError or AttributeError on a manifest without them."""
+    files = [manifest["tokenizer"]["file"]]
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            files.append(shard["file"])
+            files += [shard[key]["file"] for key in ("loss_mask", "examples") if isinstance(shard.get(key), dict)]
+        if isinstance(split.get("index"), dict):
+            files.append(split["index"]["file"])
+    template = (manifest.get("examples") or {}).get("chat_template")
+    if isinstance(template, dict):
+        files.append(template["file"])
+    return files
+
+
+def attention_errors(hidden_size: int, num_heads: int, num_kv_heads: int) -> list[tuple[str, str]]:
+    """``(field, message)`` for each rule a spec-built model's attention shape breaks: the spec
+    (``trainforge validate``) and the trainer refuse a model section by this one definition.
+    ``hidden_size`` splits into ``num_heads`` heads of an even size (rotary embeddings rotate
+    pairs); ``num_heads`` is a multiple of ``num_kv_heads`` (grouped-query attention)."""
+    errors = []
+    if hidden_size % num_heads or (hidden_size // num_heads) % 2:
+        errors.append(("num_heads", f"hidden_size={hidden_size} must be divisible by num_heads="
+                       f"{num_heads} into an even head size (rotary embeddings rotate pairs)"))
+    if num_heads % num_kv_heads:
+        errors.append(("num_kv_heads", f"num_heads={num_heads} must be a multiple of "
+                       f"num_kv_heads={num_kv_heads} (grouped-query attention)"))
+    return errors
+
 
 JOB_FORMAT = "trainforge.job/v1"
 """``format`` field of every job config."""
@@ -38,6 +82,10 @@ LEDGER_DIR_ENV = "TRAINFORGE_LEDGER_DIR"
 """Environment variable naming the folder where every try of a task keeps its attempt records (a
 path or an ``s3://`` prefix), set by the ``train`` task: the next try, on a new job folder, still
 finds them."""
+
+#: ``model.config_overrides`` keys a spec with ``model.pretrained`` may set (dropout-like floats).
+PRETRAINED_OVERRIDABLE = frozenset({"attention_dropout", "hidden_dropout", "embd_pdrop",
+                                    "resid_pdrop", "attn_pdrop"})
 
 EXIT_OK = 0
 EXIT_ERROR = 1

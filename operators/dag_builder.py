@@ -34,7 +34,7 @@ from typing import Any
 from airflow.sdk import DAG, Asset, Param
 
 from trainforge.base import TUNABLE_PARAMS
-from trainforge.callbacks import close_mlflow_run_on_failure
+from trainforge.callbacks import clear_failure_on_success, close_mlflow_run_on_failure
 from trainforge.deadline import deadline_alert
 from trainforge.graph import TaskGraph, TaskKind, TaskNode, task_graph, task_timeouts
 from trainforge.pipeline.loader import SpecError, SpecIssue, load_spec
@@ -170,6 +170,7 @@ def _default_args(spec: PipelineSpec) -> dict[str, Any]:
     if p.defaults.execution_timeout:
         args["execution_timeout"] = dt.timedelta(seconds=p.defaults.execution_timeout)
     args["on_failure_callback"] = [close_mlflow_run_on_failure]
+    args["on_success_callback"] = [clear_failure_on_success]
     email = p.notifications.email
     if email is not None:
         from airflow.providers.smtp.notifications.smtp import SmtpNotifier

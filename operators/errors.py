@@ -28,3 +28,8 @@ class TriggerEventError(TrainforgeError):
 
 class StageError(TrainforgeError):
     """A pipeline stage (data prep, validation, registration) failed on its inputs."""
+
+
+class PluginNotLoaded(TrainforgeError):
+    """Airflow did not load the trainforge plugin in this process (trainforge.plugin_status):
+    raised while a DAG file is parsed, so the plugin's reason is that file's import error."""

@@ -28,24 +28,50 @@ def init_block(checkpoint: str, source: str) -> dict[str, str]:
 
 def render_job_config(
     spec: PipelineSpec, dataset_dir: str, checkpoint_dir: str, identity: JobIdentity,
-    init: dict[str, str] | None = None,
+    init: dict[str, str] | None = None, pretrained: dict[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """The JSON job config the trainer reads. Batch sizes count sequences.
 
     ``init`` (see :func:`init_block`) starts training from existing weights when the run has no
-    checkpoint of its own; ``model.config_overrides`` appears only when the spec sets some, and
-    ``distributed.world_size_change`` only when it is not the default ``continue``, so configs
-    of specs without them are unchanged.
+    checkpoint of its own; ``model.config_overrides`` appears only when the spec sets some,
+    ``distributed.world_size_change`` only when it is not the default ``continue`` and
+    ``data.packing`` only when true, so configs of specs without them are unchanged.
+    ``pretrained``: the resolved ``model.pretrained`` (trainforge.model_source,
+    ``ResolvedModel.job_section()``), required when the spec sets it; the model section is then
+    the reduced one of the contract.
+
+    Raises:
+        ValueError: the spec sets ``model.pretrained`` and ``pretrained`` is None, or the reverse.
     """
     config = _render(spec, dataset_dir, checkpoint_dir, identity)
+    if (spec.model.pretrained is None) != (pretrained is None):
+        raise ValueError(f"model.pretrained is {spec.model.pretrained!r} but the resolved "
+                         f"pretrained section is {pretrained!r}: resolve the spec's source with "
+                         f"trainforge.model_source.resolve_pretrained and pass its job_section()")
+    if spec.training.peft is not None:
+        config["peft"] = spec.training.peft.model_dump(mode="json")
+    if pretrained is not None:
+        config["model"] = pretrained_model_section(spec)
+        config["pretrained"] = {"folder": pretrained["folder"], "source": pretrained["source"],
+                                "revision": pretrained.get("revision")}
     if spec.model.config_overrides:
         config["model"]["config_overrides"] = dict(sorted(spec.model.config_overrides.items()))
+    if spec.data.packing:  # like world_size_change: configs of specs without it are unchanged
+        config["data"]["packing"] = True
     if spec.training.fault.world_size_change != "continue":
         # Like config_overrides: configs of specs that keep the default are unchanged.
         config["distributed"]["world_size_change"] = spec.training.fault.world_size_change
     if init is not None:
         config["init"] = init_block(init["checkpoint"], init["source"])
     return config
+
+
+def pretrained_model_section(spec: PipelineSpec) -> dict[str, Any]:
+    """The job config's ``model`` section with ``model.pretrained``: the architecture is the
+    folder's config.json; ``dropout`` (its attention_dropout) only when the spec sets it."""
+    model = spec.model
+    return {"family": "pretrained",
+            "dropout": model.dropout if "dropout" in model.model_fields_set else None}
 
 
 def _render(
@@ -114,8 +140,9 @@ def build_training_job(
     init: dict[str, str] | None = None,
     secret_env: dict[str, str] | None = None,
     secret_env_source: str = "",
+    pretrained: dict[str, str | None] | None = None,
 ) -> TrainingJob:
-    """The engine-neutral job for the spec's training section (``init``: see
+    """The engine-neutral job for the spec's training section (``init``, ``pretrained``: see
     :func:`render_job_config`).
 
     The spec's S3 endpoint (``storage.endpoint_url`` or ``data.s3_endpoint_url``) reaches every
@@ -128,7 +155,8 @@ def build_training_job(
     env = {**({"AWS_ENDPOINT_URL_S3": endpoint} if endpoint else {}), **env}
     return TrainingJob(
         identity=identity,
-        config=render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init),
+        config=render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init,
+                                 pretrained=pretrained),
         nodes=resources.max_nodes,
         min_nodes=resources.min_nodes if resources.elastic else None,
         processes_per_node=resources.processes_per_node,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import json
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -76,6 +78,87 @@ def prerequisite_summary(reasons: list[str]) -> list[str]:
         if count:
             lines.append(f"{count} skipped: {what}: {install}")
     return lines
+
+
+#: What one test at a time may use on this machine, and how its tests are recognised (a marker,
+#: a fixture or a folder): under pytest-xdist (``make test``) every module that touches one runs
+#: on the same worker, one module after another (docs/testing.md, "Two workers").
+EXCLUSIVE = (("docker", "marker", "docker"), ("hosts", "marker", "multihost"),
+             # Slurm clusters number their jobs from 1 and derive rendezvous ports from the id
+             ("hosts", "path", "tests/operators/engines/slurm/"),
+             ("wheel", "marker", "wheel"), ("ray", "fixture", "ray_head"),
+             ("kube", "fixture", "kube_apiserver"),
+             # one airflow standalone for the session, not one per worker
+             ("standalone", "fixture", "_standalone_server"))
+#: Measured seconds per test module (``python -m tests.durations JUNIT_XML`` writes it).
+DURATIONS = Path(__file__).with_name("durations.json")
+_GROUPS_KEY = "trainforge_test_groups"  # the workers' input: where they write the groups
+
+
+class XdistGroups:
+    """pytest-xdist's controller side of the units of work (registered only with xdist on)."""
+
+    @staticmethod
+    def pytest_configure_node(node) -> None:
+        """Each worker writes the unit of work of every test module to one file
+        (:func:`pytest_collection_modifyitems`), which the scheduler reads."""
+        config = node.config
+        if not hasattr(config, "_trainforge_groups"):
+            folder = Path(tempfile.mkdtemp(prefix="trainforge-groups-"))
+            atexit.register(shutil.rmtree, folder, True)
+            config._trainforge_groups = folder / "groups.json"
+        node.workerinput[_GROUPS_KEY] = str(config._trainforge_groups)
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        """One unit of work per test module, or for all the modules that use one exclusive
+        resource (:data:`EXCLUSIVE`): ``xdist_group`` marks cannot say that under pytest 9
+        (the group suffix of a test id is lost)."""
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ModuleGroups(LoadScopeScheduling):
+            groups: dict[str, str] | None = None
+
+            def _split_scope(self, nodeid: str) -> str:
+                if self.groups is None:  # written by every worker before it reports its tests
+                    self.groups = json.loads(Path(config._trainforge_groups).read_text())
+                module = nodeid.split("::", 1)[0]
+                return self.groups.get(module, module)
+
+        return ModuleGroups(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.has_plugin("xdist") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(XdistGroups(), "trainforge-xdist-groups")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a pytest-xdist worker: the unit of work of each module (itself, or the exclusive
+    resource it uses), written for the controller's scheduler, and the tests ordered longest
+    unit first by the measured durations, so that the two workers end together."""
+    workerinput = getattr(config, "workerinput", None)
+    if not workerinput or _GROUPS_KEY not in workerinput:  # not an xdist worker: pytest's order
+        return
+    modules: dict[str, str] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        for group, kind, name in EXCLUSIVE:
+            hit = (item.get_closest_marker(name) if kind == "marker" else
+                   name in item.fixturenames if kind == "fixture" else module.startswith(name))
+            if hit and modules.get(module, module) == module:
+                modules[module] = group
+        modules.setdefault(module, module)
+    out = Path(workerinput[_GROUPS_KEY])
+    part = out.with_name(f"{out.name}.{os.getpid()}")
+    part.write_text(json.dumps(modules))
+    os.replace(part, out)  # every worker writes the same map
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    unit_s: dict[str, float] = {}
+    for module, group in modules.items():
+        unit_s[group] = unit_s.get(group, 0.0) + seconds.get(module, 1.0)
+    items.sort(key=lambda item: -unit_s[modules[item.nodeid.split("::", 1)[0]]])  # stable
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
@@ -409,3 +492,21 @@ def postgres_server() -> Iterator[dict]:
             subprocess.run([*prefix, os.path.join(bin_dir, "pg_ctl"), "-D", data, "-m", "fast", "-w",
                             "-t", "60", "stop"], capture_output=True, timeout=120, cwd=root)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory: pytest.TempPathFactory):
+    """A factory ``hf_model(family) -> Path``: a tiny random-weight Hugging Face model folder
+    of ``family`` (one of ``tests.hf_models.FAMILIES``: bf16 shards + index, tokenizer, chat
+    template, generation config), made once per session with the default seed and reused."""
+    from tests.hf_models import make_hf_model
+
+    root = tmp_path_factory.mktemp("hf-models")
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            made[family] = make_hf_model(root / family, family)
+        return made[family]
+
+    return make

@@ -24,7 +24,6 @@ import ipaddress
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tests.ports import free_ports
 
 ASSETS_ENV = "KUBEBUILDER_ASSETS"
 CRDS_ENV = "TRAINFORGE_ENVTEST_CRDS"
@@ -66,12 +66,6 @@ def missing() -> str | None:
     if lacking:
         return f"{CRDS_ENV}={crds} lacks {', '.join(lacking)}"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _write_certificates(root: Path) -> None:
@@ -141,7 +135,7 @@ class KubeApiServer:
     def start(self, timeout_s: float = 90.0) -> None:
         _write_certificates(self.root)
         (self.root / "tokens.csv").write_text(f"{self._token},admin,admin,system:masters\n")
-        etcd_port, peer_port, api_port = _free_port(), _free_port(), _free_port()
+        etcd_port, peer_port, api_port = free_ports(3)
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         self._spawn("etcd", [
             str(self.assets / "etcd"), "--data-dir", str(self.root / "etcd-data"),

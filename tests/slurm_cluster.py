@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from tests.ports import free_ports
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "scontrol", "sinfo")
 
@@ -43,12 +44,6 @@ def missing_binaries() -> list[str]:
 
 def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class SlurmCluster:
@@ -101,7 +96,7 @@ class SlurmCluster:
         key = r / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        ctld_port, d_port = _free_port(), _free_port()
+        ctld_port, d_port = free_ports(2)
         nodes = ",".join(self.node_names)
         ctld = ("localhost" if self.hosts is None
                 else f"{self.hosts.name(0)}({self.hosts.address(0)})")

@@ -242,8 +242,10 @@ class CheckpointWriter:
         """Write step ``step`` (staged tensors, as `checkpoint.write_checkpoint` takes them) and
         then apply retention, on the writer thread; returns the folder it is writing.
 
-        ``on_written(folder)`` runs on the thread once the manifest is written, ``on_ended(result)``
-        when the write ended, failed or not. Raises RuntimeError while a write is in flight.
+        ``on_written(folder)`` runs on the thread once the manifest is written, while the gate is
+        still held: once `abandon` returned, a published manifest has been reported to it.
+        ``on_ended(result)`` runs when the write ended, failed or not. Raises RuntimeError while a
+        write is in flight.
         """
         if self.busy:
             raise RuntimeError(f"the write of step {self._step} is in flight: wait() first")
@@ -264,8 +266,9 @@ class CheckpointWriter:
         return result
 
     def abandon(self) -> None:
-        """From now on no manifest is written (one being written is finished first); the files
-        the thread goes on writing never count. For a process that exits with a write in flight."""
+        """From now on no manifest is written (one being written is finished first, and its
+        ``on_written`` run); the files the thread goes on writing never count. For a process that
+        exits with a write in flight."""
         self._gate.close()
 
     def _run(self, root, step, weights, optimizer_state, trainer_state, meta, rank_files, keep_last,
@@ -273,11 +276,19 @@ class CheckpointWriter:
         # Process-directed signals must reach the main thread, whose handlers they are for.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         t0 = time.perf_counter()
+        folder = ckpt.step_dir(root, step)
+
+        @contextmanager
+        def commit() -> Iterator[None]:  # the manifest and on_written under one hold of the gate
+            with self._gate.commit():
+                yield
+                _call(on_written, folder)
+
         try:
             path = ckpt.write_checkpoint(root, step, weights, optimizer_state, trainer_state, meta, rank_files,
-                                         commit_guard=self._gate.commit)
+                                         commit_guard=commit)
             written_s = time.perf_counter() - t0
-            _call(on_written, path)
+            _call(on_written, path)  # again when an existing complete folder was kept (no commit ran)
             deleted = ckpt.apply_retention(root, keep_last, trusted=path)  # path: hashed as written
             result = WriteResult(step, path, time.perf_counter() - t0, len(deleted))
             log.info("checkpoint %s written in the background in %.2fs (files, hashes and manifest %.2fs; "

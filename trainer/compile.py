@@ -47,11 +47,13 @@ def missing_compiler(device_type: str) -> str | None:
 
 
 def compile_layers(model: torch.nn.Module) -> int:
-    """Compile each decoder layer of a `LlamaForCausalLM` in place; returns how many.
+    """Compile each decoder layer of a causal LM in place (`decoder_layers`); returns how many.
 
     Call after activation checkpointing is enabled and before DDP/FSDP2 wrap the model.
     """
-    layers = model.model.layers
+    from trainforge.trainer.model import decoder_layers
+
+    layers = decoder_layers(model)
     for layer in layers:
         layer.compile(dynamic=False)
     return len(layers)

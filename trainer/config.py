@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainforge.contract import JOB_FORMAT
-# S3_URI is also read from here.
-from trainforge.trainer.config_fields import S3_URI, Section, scalar_overrides  # noqa: F401
+from trainforge.contract import JOB_FORMAT, attention_errors
+from trainforge.trainer.config_fields import Section, scalar_overrides, show  # noqa: F401
 from trainforge.trainer.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -38,6 +37,8 @@ BACKENDS = ("auto", "gloo", "nccl")
 # checkpoint's world_size_history) or is refused with ConfigError (exit 78).
 WORLD_SIZE_CHANGES = ("continue", "refuse")
 FAMILIES = ("llama",)
+#: ``model.family`` of a job whose architecture comes from a pretrained folder's config.json.
+PRETRAINED_FAMILY = "pretrained"
 
 
 @dataclass(frozen=True)
@@ -52,22 +53,35 @@ class Identity:
 class DataConfig:
     dataset_dir: str  # absolute path of a prepared dataset folder, or its s3://bucket/prefix/<digest> URI
     sequence_length: int  # tokens per training sequence
+    packing: bool = False  # examples datasets: several examples per sequence (trainforge.trainer.packing)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model section. With ``family == "pretrained"`` only ``dropout`` (None: the checkpoint's)
+    and ``config_overrides`` are set: the architecture is the pretrained folder's config.json."""
+
     family: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    rope_theta: float
-    dropout: float  # attention dropout probability, [0, 1)
-    tie_word_embeddings: bool
-    # further LlamaConfig keys (spec model.config_overrides); checked against LlamaConfig by
-    # trainforge.trainer.model.llama_config
+    hidden_size: int | None
+    num_layers: int | None
+    num_heads: int | None
+    num_kv_heads: int | None
+    intermediate_size: int | None
+    rope_theta: float | None
+    dropout: float | None  # attention dropout probability, [0, 1)
+    tie_word_embeddings: bool | None
+    # further config keys (spec model.config_overrides); checked by trainforge.trainer.model.llama_config,
+    # or for a pretrained model by trainforge.trainer.pretrained (contract.PRETRAINED_OVERRIDABLE)
     config_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """Open weights to start from: a Hugging Face model folder (docs/model.md, "Open weights")."""
+
+    folder: str  # absolute folder or s3:// prefix: config.json, *.safetensors (+ index), tokenizer files
+    source: str  # the spec's URI: a folder, s3://, models:/..., hf://org/name[@revision]
+    revision: str | None  # what the source resolved to: a Hub commit, models:/<name>/<version>, or None
 
 
 @dataclass(frozen=True)
@@ -138,6 +152,17 @@ class DistributedConfig:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """The ``peft`` section (method ``lora``): trainforge.trainer.adapters applies it."""
+
+    r: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...] | None  # None: the family's attention and MLP projections
+    merge: bool  # register merged full weights (True) or the adapter with a reference to its base
+
+
+@dataclass(frozen=True)
 class JobConfig:
     identity: Identity
     data: DataConfig
@@ -150,6 +175,8 @@ class JobConfig:
     framework: FrameworkConfig
     raw: dict[str, Any]  # the JSON object as read, saved verbatim into each checkpoint's meta.json
     init: InitConfig | None = None  # optional "init" section: initial weights
+    pretrained: PretrainedSource | None = None  # optional "pretrained" section: open weights
+    peft: LoraSettings | None = None  # optional "peft" section: LoRA adapters on the pretrained weights
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro-steps per optimizer step on each rank: global / (micro * world).
@@ -195,34 +222,23 @@ def parse_job_config(obj: Any) -> JobConfig:
     s.done()
 
     s = top.section("data")
-    data = DataConfig(s.location("dataset_dir"), s.int("sequence_length", lo=2, hi=1 << 20))
+    data = DataConfig(s.location("dataset_dir"), s.int("sequence_length", lo=2, hi=1 << 20),
+                      s.bool("packing", default=DataConfig.packing))
     s.done()
 
     s = top.section("model")
-    model = ModelConfig(
-        family=s.str("family", FAMILIES),
-        hidden_size=s.int("hidden_size", lo=1),
-        num_layers=s.int("num_layers", lo=1),
-        num_heads=s.int("num_heads", lo=1),
-        num_kv_heads=s.int("num_kv_heads", lo=1),
-        intermediate_size=s.int("intermediate_size", lo=1),
-        rope_theta=s.float("rope_theta", lo=0.0, lo_open=True),
-        dropout=s.float("dropout", lo=0.0, hi=1.0, hi_open=True),
-        tie_word_embeddings=s.bool("tie_word_embeddings"),
-        config_overrides=scalar_overrides(s._get("config_overrides", {}), "model.config_overrides"),
-    )
-    s.done()
-    if model.hidden_size % model.num_heads != 0 or (model.hidden_size // model.num_heads) % 2:
-        raise ConfigError(
-            f"model.hidden_size={model.hidden_size} must be divisible by model.num_heads="
-            f"{model.num_heads} into an even head size (rotary embeddings rotate pairs)"
+    pretrained_family = s.obj.get("family") == PRETRAINED_FAMILY if isinstance(s.obj, dict) else False
+    if pretrained_family:
+        model = ModelConfig(
+            family=s.str("family", (PRETRAINED_FAMILY,)), hidden_size=None, num_layers=None, num_heads=None,
+            num_kv_heads=None, intermediate_size=None, rope_theta=None, tie_word_embeddings=None,
+            dropout=None if s.obj.get("dropout") is None else s.float("dropout", lo=0.0, hi=1.0, hi_open=True),
+            config_overrides=scalar_overrides(s._get("config_overrides", {}), "model.config_overrides"),
         )
-    if model.num_heads % model.num_kv_heads != 0:
-        raise ConfigError(
-            f"model.num_heads={model.num_heads} must be a multiple of model.num_kv_heads="
-            f"{model.num_kv_heads} (grouped-query attention)"
-        )
-
+        s.used.add("dropout")  # null: the checkpoint's own dropout
+        s.done()
+    else:
+        model = _scratch_model(s)
     s = top.section("optim")
     optim = OptimConfig(
         max_steps=s.int("max_steps", lo=1),
@@ -292,9 +308,62 @@ def parse_job_config(obj: Any) -> JobConfig:
         s = top.section("init")
         init = InitConfig(s.location("checkpoint"), s.str("source"))
         s.done()
+    pretrained = None
+    if "pretrained" in top.obj:
+        s = top.section("pretrained")
+        revision = s._get("revision", None)
+        if revision is not None and (not isinstance(revision, str) or not revision):
+            raise ConfigError(f"pretrained.revision={revision!r}: expected null or a non-empty string")
+        pretrained = PretrainedSource(s.location("folder"), s.str("source"), revision)
+        s.done()
+    if (pretrained is not None) != (model.family == PRETRAINED_FAMILY):
+        raise ConfigError(f"model.family={model.family!r} with{'' if pretrained else 'out'} a pretrained section: "
+                          f"expected family {PRETRAINED_FAMILY!r} exactly when the job config has one")
+    if pretrained is not None and init is not None:
+        raise ConfigError("init and pretrained sections together: expected at most one (pretrained weights are "
+                          "the initial weights)")
+    peft = _peft(top.section("peft")) if "peft" in top.obj else None
+    if peft is not None and pretrained is None:
+        raise ConfigError("a peft section without a pretrained one: expected LoRA adapters only on pretrained "
+                          "weights (model.pretrained)")
     top.done()
     return JobConfig(identity, data, model, optim, precision, checkpoint, logging_cfg, distributed, framework, obj,
-                     init=init)
+                     init=init, pretrained=pretrained, peft=peft)
+
+
+def _peft(s: Section) -> LoraSettings:
+    """The ``peft`` section: LoRA's rank, alpha, dropout, target modules (``auto`` or names), merge."""
+    s.str("method", ("lora",))
+    targets = s._get("target_modules", "auto")
+    if targets != "auto" and (not isinstance(targets, list) or not targets
+                              or not all(isinstance(t, str) and t for t in targets)):
+        raise ConfigError(f"peft.target_modules={show(targets)}: expected 'auto' or a non-empty list of module names")
+    settings = LoraSettings(r=s.int("r", lo=1), alpha=s.float("alpha", lo=0.0, lo_open=True),
+                            dropout=s.float("dropout", lo=0.0, hi=1.0, hi_open=True),
+                            target_modules=None if targets == "auto" else tuple(targets), merge=s.bool("merge"))
+    s.done()
+    return settings
+
+
+def _scratch_model(s: Section) -> ModelConfig:
+    """The model section of a model built from the spec's fields (a Llama from random weights)."""
+    model = ModelConfig(
+        family=s.str("family", FAMILIES),
+        hidden_size=s.int("hidden_size", lo=1),
+        num_layers=s.int("num_layers", lo=1),
+        num_heads=s.int("num_heads", lo=1),
+        num_kv_heads=s.int("num_kv_heads", lo=1),
+        intermediate_size=s.int("intermediate_size", lo=1),
+        rope_theta=s.float("rope_theta", lo=0.0, lo_open=True),
+        dropout=s.float("dropout", lo=0.0, hi=1.0, hi_open=True),
+        tie_word_embeddings=s.bool("tie_word_embeddings"),
+        config_overrides=scalar_overrides(s._get("config_overrides", {}), "model.config_overrides"),
+    )
+    s.done()
+    errors = attention_errors(model.hidden_size, model.num_heads, model.num_kv_heads)
+    if errors:
+        raise ConfigError("; ".join(f"model.{message}" for _, message in errors))
+    return model
 
 
 def load_job_config(path: str | Path) -> JobConfig:

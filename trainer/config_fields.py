@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import Any
 
-from trainforge.contract import JOB_FORMAT
+from trainforge.contract import JOB_FORMAT, S3_URI
 from trainforge.trainer.errors import ConfigError
 
 # S3 bucket naming rules (3-63 characters: lower-case letters, digits, '.', '-'), as the spec checks.
-S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
 
 
 class Section:

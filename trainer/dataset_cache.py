@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from trainforge.contract import dataset_files
 from trainforge.storage import Storage
 from trainforge.storage.settle import read_written, size_written
 from trainforge.trainer.dataset import MANIFEST, Dataset, read_dataset
@@ -65,11 +66,7 @@ def listed_files(manifest: dict[str, Any], where: str) -> list[str]:
         DatasetError: the manifest lacks the tokenizer or splits, or names a file outside the folder.
     """
     try:
-        names = [manifest["tokenizer"]["file"]]
-        for split in manifest["splits"].values():
-            names += [shard["file"] for shard in split["shards"]]
-            if isinstance(split.get("index"), dict):
-                names.append(split["index"]["file"])
+        names = dataset_files(manifest)
     except (KeyError, TypeError, AttributeError) as err:
         raise DatasetError(f"{where}: no tokenizer file or split shards listed ({err!r})") from err
     for name in names:

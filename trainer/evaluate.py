@@ -21,6 +21,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+import logging
 from typing import Any
 
 import numpy as np
@@ -34,13 +35,16 @@ from trainforge.storage import storage_for
 from trainforge.storage.files import atomic_write_json
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.config import parse_job_config
-from trainforge.trainer.data import TokenStream, open_dataset, validation_windows
+from trainforge.trainer.data import ExampleIndex, TokenStream, open_dataset, validation_examples, validation_windows
 from trainforge.trainer.dataset import Dataset
 from trainforge.trainer.errors import ConfigError, TrainerError
-from trainforge.trainer.model import build_model, llama_config, load_weights
+from trainforge.trainer.loss import IGNORE_INDEX
+from trainforge.trainer.model import job_model, load_weights
 
 EVAL_FORMAT = "trainforge.evaluation/v1"
 _SAMPLE_CHARS = 2000  # text encoded by both tokenizers to confirm they agree
+
+log = logging.getLogger(__name__)
 
 
 _UNIGRAM_CACHE: dict[tuple[str, str], torch.Tensor] = {}
@@ -66,25 +70,57 @@ def evaluate(model: torch.nn.Module, dataset: Dataset, seq_len: int, max_tokens:
              device: str = "cpu") -> dict[str, float]:
     """Validation loss, perplexity, bits per byte and the unigram baseline (formulas: module doc).
 
+    An examples dataset counts its loss tokens only (what the assistant says): its validation
+    examples in order, padded (`validation_examples`), nats summed over their targets / their
+    number; ``val_tokens`` is that number.
+
     Raises:
-        TrainerError: the validation split is shorter than ``seq_len + 1`` tokens.
+        TrainerError: the validation split is shorter than ``seq_len + 1`` tokens, or (examples)
+            holds no loss token.
     """
     split = dataset.splits["validation"]
     nll = unigram_nll(dataset)
     total_nats, unigram_nats, n = 0.0, 0.0, 0
-    for x, y in validation_windows(TokenStream(dataset, "validation"), seq_len, max_tokens, batch_size):
+    batches = (validation_examples(ExampleIndex(dataset, "validation"), seq_len, max_tokens, batch_size)
+               if dataset.examples is not None else
+               validation_windows(TokenStream(dataset, "validation"), seq_len, max_tokens, batch_size))
+    for x, y in batches:
         logits = model(input_ids=x.to(device), use_cache=False).logits.float()  # (b, T, vocab)
-        total_nats += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum").item()
-        unigram_nats += nll[y].sum().item()
-        n += y.numel()
+        total_nats += F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), reduction="sum",
+                                      ignore_index=IGNORE_INDEX).item()
+        targets = y[y != IGNORE_INDEX] if dataset.examples is not None else y  # a stream: every y a target
+        unigram_nats += nll[targets].sum().item()
+        n += targets.numel()
+    if n == 0 and dataset.examples is not None:
+        raise TrainerError(f"validation split has {split.documents} examples and no loss token among "
+                           f"their first {max_tokens} to evaluate")
     if n == 0:
         raise TrainerError(f"validation split has {split.tokens} tokens, fewer than sequence_length + 1 = "
                            f"{seq_len + 1}")
     loss = total_nats / n
     est_bytes = n * split.bytes_utf8 / split.tokens
     return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0)),
-            "val_bits_per_byte": total_nats / math.log(2) / est_bytes, "val_tokens": n,
+            "val_bits_per_byte": total_nats / math.log(2) / est_bytes if est_bytes else math.nan, "val_tokens": n,
             "unigram_perplexity": math.exp(unigram_nats / n)}
+
+
+#: Validation tokens `loss_at_start` evaluates: enough for a stable figure, a second or two on a CPU.
+START_EVAL_TOKENS = 16_384
+
+
+@torch.no_grad()
+def loss_at_start(model: torch.nn.Module, dataset: Dataset, seq_len: int, device: Any = "cpu") -> float:
+    """The validation loss of a pretrained model before its first step (``val/loss_at_start``),
+    over the first `START_EVAL_TOKENS` validation tokens: what fine-tuning starts from, and
+    proof that the weights loaded (a random model scores about ln(vocab))."""
+    was_training = model.training
+    model.eval()
+    try:
+        loss = evaluate(model, dataset, seq_len, START_EVAL_TOKENS, 4, device)["val_loss"]
+    finally:
+        model.train(was_training)
+    log.info("val/loss_at_start %.4f nats/token (the pretrained model before step 1)", loss)
+    return loss
 
 
 def validation_documents(dataset: Dataset, max_tokens: int) -> list[str]:
@@ -190,8 +226,8 @@ def _from_checkpoint(step_dir: Path, dataset: Dataset) -> tuple[torch.nn.Module,
         raise TrainerError(f"checkpoint {step_dir} does not verify: {'; '.join(problems)}")
     c = ckpt.load_checkpoint(step_dir)
     cfg = parse_job_config(c.meta["job_config"])
-    model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, cfg.data.sequence_length))
-    load_weights(model, c.weights)
+    with job_model(cfg, dataset) as model:
+        load_weights(model, c.weights)
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(dataset.tokenizer_path), eos_token=dataset.eos_token,
                                         clean_up_tokenization_spaces=False)
     return model, tokenizer
@@ -209,10 +245,12 @@ def tokenizer_matches(tokenizer: Any, dataset: Dataset, sample: str) -> bool:
 
 
 def evaluate_models(uris: dict[str, str], dataset_dir: str | Path, max_eval_tokens: int = 65536,
-                    batch_size: int = 8, device: str = "cpu") -> dict[str, Any]:
+                    batch_size: int = 8, device: str = "cpu", task: Any = None) -> dict[str, Any]:
     """Evaluate every ``{name: uri}`` on ``dataset_dir``'s validation split; returns the report.
 
     A model that fails to load or evaluate is reported with ``ok: false`` and its ``error``.
+    ``task`` (a trainforge.trainer.task_eval.TaskEval) also scores each loaded model on its
+    prompts, under the model's ``task`` key (ok false with an error when it cannot).
 
     Raises:
         DatasetError: the dataset does not verify.
@@ -241,6 +279,8 @@ def evaluate_models(uris: dict[str, str], dataset_dir: str | Path, max_eval_toke
                         "tokenizers differ: compare val_bits_per_byte over the same text")
     for name, (model, tokenizer) in loaded.items():
         entry = report["models"][name]
+        if task is not None:
+            entry["task"] = task.score(model, tokenizer, device)
         try:
             if same:
                 metrics = evaluate(model, dataset, entry["context"], max_eval_tokens, batch_size, device)
@@ -271,9 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", required=True, help="where to write the JSON report")
     p.add_argument("--max-eval-tokens", type=int, default=65536)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    from trainforge.trainer import task_eval
+
+    task_eval.add_arguments(p)
     args = p.parse_args(argv)
     try:
-        report = evaluate_models(dict(args.model), args.dataset, args.max_eval_tokens, device=args.device)
+        task = task_eval.from_args(args)
+        report = evaluate_models(dict(args.model), args.dataset, args.max_eval_tokens, device=args.device,
+                                 task=task)
     except ConfigError as err:  # includes DatasetError
         print(f"trainforge.trainer.evaluate: {err}", file=sys.stderr)
         return EXIT_CONFIG
@@ -282,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, m in report["models"].items():
         print(f"{'OK  ' if m['ok'] else 'FAIL'} {name} {m['uri']}: " +
               (", ".join(f"{k}={v:.4g}" for k, v in m["metrics"].items() if v is not None) or m["error"] or ""))
+        if "task" in m:
+            print(f"     {name} task score: {task_eval.summary(m['task'])}")
     return 0 if report["ok"] else 1
 
 

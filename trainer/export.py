@@ -2,9 +2,11 @@
 
     python -m trainforge.trainer.export --checkpoint STEP_DIR --dataset DIR --out HF_DIR
 
-HF_DIR gets ``config.json``, ``model.safetensors``, ``generation_config.json``, the tokenizer
-files (a `PreTrainedTokenizerFast` over the dataset's tokenizer.json, EOS = BOS = PAD = the
-dataset's end-of-text token) and ``trainforge_export.json`` (where it came from). It loads with
+HF_DIR gets ``config.json``, ``model*.safetensors``, ``generation_config.json``, the tokenizer
+files and ``trainforge_export.json`` (where it came from). A model trained from open weights keeps
+its base folder's tokenizer files, chat template and generation config (every EOS id), and the
+export info names the base (`base_model_info`); a model built from the spec's fields gets a
+`PreTrainedTokenizerFast` over the dataset's tokenizer.json (EOS = BOS = PAD = its end-of-text token). It loads with
 ``AutoModelForCausalLM`` / ``AutoTokenizer`` / ``pipeline("text-generation")`` and is what
 ``mlflow.transformers.log_model(transformers_model=HF_DIR, task="text-generation")`` takes.
 
@@ -16,6 +18,7 @@ load, 78 for bad arguments (HF_DIR exists and is not empty, dataset does not ver
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -23,16 +26,20 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 from trainforge.contract import EXIT_CONFIG, EXIT_ERROR
 from trainforge.storage import storage_for
-from trainforge.storage.files import chmod_like_umask
+from trainforge.storage.files import chmod_like_umask, sha256_file
 from trainforge.trainer import checkpoint as ckpt
-from trainforge.trainer.config import parse_job_config
+from trainforge.trainer.config import PretrainedSource, parse_job_config
 from trainforge.trainer.data import open_dataset
+from trainforge.trainer.dataset import Dataset
 from trainforge.trainer.errors import CheckpointError, ConfigError
-from trainforge.trainer.model import build_model, llama_config, load_weights
+from trainforge.trainer.adapters import checkpoint_model, merged_weights
+from trainforge.trainer.model import job_model, load_weights
+from trainforge.trainer.pretrained import INDEX, SINGLE, TOKENIZER_FILES, open_folder
 
 EXPORT_INFO = "trainforge_export.json"
 
@@ -72,29 +79,36 @@ def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str)
     except (KeyError, ConfigError) as err:
         raise CheckpointError(f"{step_dir / ckpt.META}: no valid job_config ({err})") from err
 
-    model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, cfg.data.sequence_length))
-    try:
-        load_weights(model, c.weights)
-    except ValueError as err:
-        raise CheckpointError(f"{step_dir}: {err}") from err
-    model.config.use_cache = True  # inference default; training ran without the KV cache
-    model.generation_config = GenerationConfig(bos_token_id=dataset.eos_id, eos_token_id=dataset.eos_id,
-                                               pad_token_id=dataset.eos_id)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(dataset.tokenizer_path), eos_token=dataset.eos_token,
-                                        bos_token=dataset.eos_token, pad_token=dataset.eos_token,
-                                        model_max_length=cfg.data.sequence_length,
-                                        clean_up_tokenization_spaces=False)  # it would eat spaces in BPE text
-
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with contextlib.ExitStack() as stack:
+            base = None if cfg.pretrained is None else stack.enter_context(open_folder(cfg.pretrained.folder))
+            try:
+                model = stack.enter_context(checkpoint_model(cfg, dataset, c.weights, folder=base))
+            except ValueError as err:
+                raise CheckpointError(f"{step_dir}: {err}") from err
+            if cfg.peft is not None:  # LoRA: the adapters folded into the base, saved as full weights
+                merged = merged_weights(model)
+                model = stack.enter_context(job_model(cfg, dataset, folder=base))
+                load_weights(model, merged)
+                del merged
+            model.config.use_cache = True  # inference default; training ran without the KV cache
+            info = {"checkpoint": source, "step": c.step,
+                    "checkpoint_digest": hashlib.sha256((step_dir / ckpt.MANIFEST).read_bytes()).hexdigest(),
+                    "dataset_digest": dataset.digest, "config_digest": c.meta.get("config_digest")}
+            if base is None:
+                _save_scratch(model, dataset, cfg.data.sequence_length, tmp)
+            else:
+                model.save_pretrained(tmp)
+                for name in TOKENIZER_FILES:  # the base's own tokenizer, chat template and EOS ids
+                    if (base / name).is_file():
+                        shutil.copyfile(base / name, tmp / name)
+                if dataset.examples is not None and dataset.examples.chat_template_path is not None:
+                    _set_chat_template(tmp, dataset.examples.chat_template_path.read_text(encoding="utf-8"))
+                info["base_model"] = base_model_info(base, cfg.pretrained)
         for path in tmp.iterdir():
             chmod_like_umask(path)
-        info = {"checkpoint": source, "step": c.step,
-                "checkpoint_digest": hashlib.sha256((step_dir / ckpt.MANIFEST).read_bytes()).hexdigest(),
-                "dataset_digest": dataset.digest, "config_digest": c.meta.get("config_digest")}
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
@@ -102,6 +116,55 @@ def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _set_chat_template(folder: Path, template: str) -> None:
+    """Give the exported tokenizer the chat template its examples were rendered with (the spec's
+    data.chat_template, or the base's own): the model answers in the format it was trained on."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    if tokenizer.chat_template != template:
+        tokenizer.chat_template = template
+        tokenizer.save_pretrained(str(folder))
+
+
+def _save_scratch(model: torch.nn.Module, dataset: Dataset, sequence_length: int, out: Path) -> None:
+    """Save a model built from the spec's fields with a tokenizer over the dataset's tokenizer.json."""
+    model.generation_config = GenerationConfig(bos_token_id=dataset.eos_id, eos_token_id=dataset.eos_id,
+                                               pad_token_id=dataset.eos_id)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(dataset.tokenizer_path), eos_token=dataset.eos_token,
+                                        bos_token=dataset.eos_token, pad_token=dataset.eos_token,
+                                        model_max_length=sequence_length,
+                                        clean_up_tokenization_spaces=False)  # it would eat spaces in BPE text
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def base_model_info(folder: Path, source: PretrainedSource) -> dict[str, str | None]:
+    """Lineage of a model trained from open weights: the base URI, what it resolved to, a digest
+    of its weights index (or single weights file) and the licence its model card declares."""
+    index = folder / INDEX if (folder / INDEX).is_file() else folder / SINGLE
+    return {"source": source.source, "revision": source.revision,
+            "weights_index_sha256": sha256_file(index) if index.is_file() else None,
+            "license": model_card_license(folder)}
+
+
+def model_card_license(folder: Path) -> str | None:
+    """The ``license:`` of the folder's README.md front matter (the Hub's model card), if any."""
+    try:
+        text = (folder / "README.md").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    if not text.startswith("---"):
+        return None
+    for line in text.split("\n")[1:]:
+        if line.strip() == "---":
+            break
+        key, _, value = line.partition(":")
+        if key.strip() == "license" and value.strip():
+            return value.strip().strip("'\"")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,11 +48,14 @@ T = TypeVar("T")
 
 
 def flops_per_token(non_embedding_params: int, layers: int, heads: int, head_dim: int,
-                    seq_len: int) -> int:
-    """Training FLOPs per token as torchtitan counts them: 6 x parameters (forward 2, backward 4;
-    embeddings left out, they are a lookup) + 12 x layers x heads x head_dim x sequence length
-    (the attention scores and their use, forward and backward)."""
-    return 6 * non_embedding_params + 12 * layers * heads * head_dim * seq_len
+                    seq_len: int, trainable_non_embedding: int | None = None) -> int:
+    """Training FLOPs per token as torchtitan counts them, with frozen weights counted for what
+    runs (docs/contracts.md, "MFU"): 2 x parameters forward, 2 x parameters for the activations'
+    gradients, 2 x trainable parameters for the weights' gradients (embeddings left out, they
+    are a lookup), + 12 x layers x heads x head_dim x sequence length (the attention scores and
+    their use, forward and backward). All parameters trainable (None): the familiar 6 x N."""
+    trainable = non_embedding_params if trainable_non_embedding is None else trainable_non_embedding
+    return 4 * non_embedding_params + 2 * trainable + 12 * layers * heads * head_dim * seq_len
 
 
 class AttemptClock:

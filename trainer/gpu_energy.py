@@ -7,7 +7,8 @@ For each device, the first that works when metering starts:
 2. ``power_integration``: the power readings (``nvmlDeviceGetPowerUsage``, milliwatts) sampled
    by a background thread at `POWER_HZ` and integrated by the trapezoid rule (and once more at
    every read, so the figure runs up to the read);
-3. ``unknown``, with the reason (what NVML answered): never 0. The orchestrator does not
+3. ``unknown``, with the reason (what NVML answered, or why the rank's device could not be
+   identified): never 0. The orchestrator does not
    estimate such a device from the spec's per-GPU power: it is typically a MIG instance or a
    vGPU, a share of a board whose power is not that figure (trainforge.ledger.energy).
 
@@ -50,9 +51,16 @@ class GpuReading:
 
     def entry(self) -> dict[str, Any]:
         """The device's part of the attempt record (docs/contracts.md, "Run ledger")."""
-        out: dict[str, Any] = {"uuid": self.gpu.uuid, "source": self.source}
+        out: dict[str, Any] = {}
+        if self.gpu.uuid is not None:
+            out["uuid"] = self.gpu.uuid
+        if self.gpu.parent_uuid is not None:
+            out["parent_uuid"] = self.gpu.parent_uuid
         if self.gpu.pci_bus_id:
             out["pci_bus_id"] = self.gpu.pci_bus_id
+        if self.gpu.local_rank is not None:
+            out["local_rank"] = self.gpu.local_rank
+        out["source"] = self.source
         if self.source == UNKNOWN:
             out["reason"] = self.reason or "unknown"
         else:
@@ -62,6 +70,8 @@ class GpuReading:
 
 def _start(nvml: Any, gpu: JobGpu) -> GpuReading:
     """A device's meter, from the first source NVML answers for it (module docstring)."""
+    if gpu.handle is None:  # not identified (trainforge.trainer.gpus): never a guessed GPU's
+        return GpuReading(gpu, UNKNOWN, reason=f"not identified: {gpu.reason}")
     error = getattr(nvml, "NVMLError", Exception)
     try:
         return GpuReading(gpu, NVML, start_mj=int(nvml.nvmlDeviceGetTotalEnergyConsumption(gpu.handle)))

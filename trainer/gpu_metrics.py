@@ -71,10 +71,10 @@ class JobGpuMonitor(BaseMetricsMonitor):
 
 def restrict_gpus(monitor: Any, gpus: JobGpus) -> None:
     """Make ``monitor`` (an MLflow ``SystemMetricsMonitor``) watch the job's GPUs only: its
-    NVIDIA GPU monitor is dropped (it watches the whole node) and, when the job has devices,
-    :class:`JobGpuMonitor` takes its place. An AMD GPU monitor (no NVML) is left as it is."""
+    NVIDIA GPU monitor is dropped (it watches the whole node) and, when the job has identified
+    devices, :class:`JobGpuMonitor` takes their place. An AMD GPU monitor (no NVML) is left as it is."""
     from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
 
     monitor.monitors = [m for m in monitor.monitors if not isinstance(m, GPUMonitor)]
-    if gpus.devices:
-        monitor.monitors.append(JobGpuMonitor(gpus.nvml, gpus.devices))
+    if gpus.identified:  # an unidentified device is no GPU NVML could be asked about
+        monitor.monitors.append(JobGpuMonitor(gpus.nvml, gpus.identified))

@@ -26,6 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 CHUNK_LOGITS_MIB = 256
 #: Targets with this value add no loss and are left out of the mean (F.cross_entropy's default).
 IGNORE_INDEX = -100
+#: ``mean``: nats per target (nan when every target is ignored); ``sum``: nats summed over the
+#: targets (0 when every one is ignored), for a caller that divides by a count of its own.
+REDUCTIONS = ("mean", "sum")
 
 
 def chunk_tokens_for(vocab_size: int, logits_mib: int = CHUNK_LOGITS_MIB) -> int:
@@ -35,23 +38,40 @@ def chunk_tokens_for(vocab_size: int, logits_mib: int = CHUNK_LOGITS_MIB) -> int
     return max(64, logits_mib * 2**18 // vocab_size // 64 * 64)  # 2**18 fp32 values per MiB
 
 
-def plain_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def plain_lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                  reduction: str = "mean", position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """`lm_loss` the direct way: all ``(b, T, vocab)`` logits, then ``F.cross_entropy`` in fp32."""
-    logits = model(input_ids=x, use_cache=False).logits  # (b, T, vocab)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    logits = model(input_ids=x, use_cache=False, **_positions(position_ids)).logits  # (b, T, vocab)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction=_checked(reduction))
+
+
+def _positions(position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The forward's ``position_ids`` keyword when given (packed rows), else none: the model's own
+    0 .. T-1 and plain causal attention."""
+    return {} if position_ids is None else {"position_ids": position_ids}
+
+
+def _checked(reduction: str) -> str:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}, expected one of {REDUCTIONS}")
+    return reduction
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-            chunk_tokens: int | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy in nats per token (targets `IGNORE_INDEX` left out).
+            chunk_tokens: int | None = None, reduction: str = "mean",
+            position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean (or summed: ``reduction``, `REDUCTIONS`) next-token cross-entropy in nats per token
+    (targets `IGNORE_INDEX` left out).
 
     Args:
-        model: a `LlamaForCausalLM`, bare, under FSDP2 (``fully_shard`` on the root), or wrapped
+        model: a transformers causal LM, bare, under FSDP2 (``fully_shard`` on the root), or wrapped
             in DDP; its decoder layers may be compiled one by one, its root not.
         x: (b, T) int64 input ids.
         y: (b, T) int64 targets (x shifted left by one).
         chunk_tokens: tokens per chunk; None: `chunk_tokens_for` the vocabulary. When ``b * T``
             is at most this (or it is 0), the plain path (`plain_lm_loss`).
+        position_ids: (b, T) int64 or None. Packed rows (trainforge.trainer.packing): restarting
+            at 0 for each example, which also masks attention per example.
     Returns:
         scalar float32 tensor (computed in fp32 even under bf16 autocast).
     Raises:
@@ -62,8 +82,10 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     head = causal_lm.get_output_embeddings()
     if chunk_tokens is None:
         chunk_tokens = chunk_tokens_for(head.weight.shape[0])
-    if chunk_tokens <= 0 or y.numel() <= chunk_tokens or head.bias is not None:
-        return plain_lm_loss(model, x, y)
+    # softcapped logits (Gemma 2) are the model's own forward: the chunked path applies lm_head alone
+    softcap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    if chunk_tokens <= 0 or y.numel() <= chunk_tokens or head.bias is not None or softcap:
+        return plain_lm_loss(model, x, y, reduction, position_ids)
 
     captured: list[torch.Tensor] = []
 
@@ -74,7 +96,8 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     try:
         # The root forward (FSDP2 unshards the embedding, final norm and lm_head for it) with an
         # empty logits_to_keep: lm_head sees (b, 0, hidden) and computes no logits.
-        model(input_ids=x, use_cache=False, logits_to_keep=torch.empty(0, dtype=torch.long, device=x.device))
+        model(input_ids=x, use_cache=False, logits_to_keep=torch.empty(0, dtype=torch.long, device=x.device),
+              **_positions(position_ids))
     finally:
         hook.remove()
     weight = head.weight  # (vocab, hidden); FSDP2: the root's unsharded parameter until its post-backward
@@ -82,12 +105,13 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         raise RuntimeError("lm_loss: the lm_head weight is sharded after the root forward (FSDP2 root with "
                            "reshard_after_forward=True?); fully_shard the root with the default, or set "
                            "trainforge.trainer.loss.CHUNK_LOGITS_MIB = 0 for the plain loss")
-    return linear_cross_entropy(captured[0].flatten(0, 1), weight, y.flatten(), chunk_tokens)
+    return linear_cross_entropy(captured[0].flatten(0, 1), weight, y.flatten(), chunk_tokens, reduction)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk_tokens: int) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(hidden, weight).float(), targets)``, ``chunk_tokens`` rows at a time.
+                         chunk_tokens: int, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction=reduction)``,
+    ``chunk_tokens`` rows at a time.
 
     Args:
         hidden: (N, hidden) final hidden states.
@@ -95,7 +119,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         targets: (N,) int64 token ids, or `IGNORE_INDEX`.
         chunk_tokens: rows per chunk; memory holds one chunk's (chunk_tokens, vocab) logits.
     Returns:
-        scalar float32 mean over the targets that are not `IGNORE_INDEX` (nan if none).
+        scalar float32 mean over the targets that are not `IGNORE_INDEX` (nan if none), or their
+        sum (0 if none) with ``reduction="sum"``.
 
     The matmuls run in the autocast dtype when autocast is on (as ``F.linear`` would), else in
     ``hidden``'s dtype; softmax and loss in fp32. Gradients reach ``hidden`` and ``weight``
@@ -103,11 +128,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     """
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    return _LinearCrossEntropy.apply(hidden, weight, targets, int(chunk_tokens), dtype)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, int(chunk_tokens), dtype,
+                                     _checked(reduction) == "mean")
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The `LlamaForCausalLM` under a DDP wrapper or a ``torch.compile`` one."""
+    """The causal LM under a DDP wrapper or a ``torch.compile`` one."""
     while True:
         if isinstance(model, DistributedDataParallel):
             model = model.module
@@ -138,7 +164,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                chunk_tokens: int, dtype: torch.dtype) -> torch.Tensor:
+                chunk_tokens: int, dtype: torch.dtype, mean: bool) -> torch.Tensor:
         valid = targets != IGNORE_INDEX  # (N,)
         index = targets.clamp(min=0).unsqueeze(1)  # (N, 1); ignored rows read column 0, counted 0
         lse = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)  # (N,) logsumexp
@@ -152,10 +178,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 lse[rows] = logits.gather(1, index[rows]).squeeze(1).float() - logp  # x_t - log p_t
                 total -= torch.where(valid[rows], logp, 0.0).sum()
                 del logits
-        count = valid.sum()
+        count = valid.sum() if mean else torch.ones((), dtype=torch.long, device=hidden.device)  # sum: no division
         ctx.save_for_backward(hidden, weight, targets, lse, count)
         ctx.chunk_tokens, ctx.dtype = chunk_tokens, dtype
-        return total / count
+        return total / count if mean else total
 
     @staticmethod
     @once_differentiable
@@ -195,4 +221,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del g  # before the next slice's logits
         if need_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None

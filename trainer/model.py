@@ -1,9 +1,10 @@
-"""The model: a small Llama-style causal LM built from a config (never downloaded).
+"""The model of a job: the one place that turns the job config into a network (docs/model.md).
 
-`llama_config` maps the job config's ``model`` section plus the dataset's vocabulary onto
-`transformers.LlamaConfig`; `build_model` instantiates `LlamaForCausalLM` with fresh weights
-(initialised from torch's global RNG, so seed first). The same function serves the trainer, the
-validator and the exporter, so the three always agree on parameter names and shapes.
+`job_model` is what every program (train, validate, evaluate, export) calls: a model from the
+spec's fields (`llama_config`: a small Llama with fresh weights from torch's global RNG, so seed
+first), or a pretrained Hugging Face folder's architecture, with its weights for training
+(trainforge.trainer.pretrained). `decoder_layers` and `flops_per_token_of` read the decoder layers
+and sizes from the model itself, whatever its family.
 
 `load_initial_weights` starts a run from existing weights (the job config's ``init`` section):
 a trainer checkpoint (another stage's) or a Hugging Face model folder (a registered model).
@@ -11,19 +12,21 @@ a trainer checkpoint (another stage's) or a Hugging Face model folder (a registe
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
 import torch
 from tokenizers import Tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from trainforge.storage import Storage, storage_for
 from trainforge.storage.files import sha256_file
 from trainforge.trainer import checkpoint as ckpt
-from trainforge.trainer.config import ModelConfig, parse_job_config
+from trainforge.trainer.config import JobConfig, ModelConfig, parse_job_config
 from trainforge.trainer.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -79,8 +82,8 @@ def llama_config(model: ModelConfig, vocab_size: int, eos_id: int, max_positions
     )
 
 
-def build_model(config: LlamaConfig, device: torch.device | str = "cpu") -> LlamaForCausalLM:
-    """A freshly initialised fp32 `LlamaForCausalLM` on ``device``, initialised there.
+def build_model(config: Any, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """A freshly initialised fp32 causal LM of ``config`` on ``device``, initialised there.
 
     Built on the meta device (no memory), materialised on ``device`` and initialised in place by
     transformers' own ``init_weights`` (normal(0, initializer_range) matrices, unit norms, the
@@ -89,20 +92,104 @@ def build_model(config: LlamaConfig, device: torch.device | str = "cpu") -> Llam
     seed it first; the same seed gives the same weights on every rank (docs/model.md, "Initial
     weights").
     """
-    config._attn_implementation = "sdpa"
+    if getattr(config, "_attn_implementation", None) is None:
+        config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = (LlamaForCausalLM(config) if isinstance(config, LlamaConfig)
+                 else AutoModelForCausalLM.from_config(config, dtype=torch.float32))  # not the saved dtype
     model.to_empty(device=device)
     model.init_weights()  # initialise every parameter and buffer, then tie the embeddings again
     return model
 
 
-def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+@contextlib.contextmanager
+def job_model(cfg: JobConfig, dataset: Any, device: torch.device | str = "cpu", *,
+              weights: bool | str = False, folder: Path | None = None) -> Iterator[torch.nn.Module]:
+    """The job's model on ``device``, fp32: the one way every program builds it.
+
+    Without ``cfg.pretrained``: `build_model` of `llama_config` (fresh weights). With it: the
+    pretrained folder's architecture, and its weights when ``weights`` (the trainer's start;
+    validate and export load a checkpoint into fresh ones instead); ``weights="shards"``: the
+    parameters left on meta for FSDP2 to shard, then `pretrained.fill_shards` (the shards checked
+    here first). The pretrained folder stays
+    open (an ``s3://`` one downloaded) while the context lasts; ``folder``: one already opened
+    with `trainforge.trainer.pretrained.open_folder`.
+
+    Raises:
+        ConfigError: the pretrained folder is unusable, or the dataset was encoded with another
+            tokenizer than the folder's (a retry cannot fix either).
+    """
+    if cfg.pretrained is None:
+        yield build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, cfg.data.sequence_length),
+                          device=device)
+        return
+    from trainforge.trainer import pretrained
+
+    with (contextlib.nullcontext(folder) if folder is not None
+          else pretrained.open_folder(cfg.pretrained.folder)) as folder:
+        config = pretrained.read_config(folder, cfg.model)
+        _check_dataset_tokenizer(folder, config, dataset, cfg.pretrained.source)
+        if weights == "shards":
+            pretrained.check_shards(folder, config)
+            model = pretrained.build_empty(config)
+        elif weights:
+            model = pretrained.load_pretrained(folder, config, device)
+            log.info("loaded %s (%s) from %s: %s, %d parameters", cfg.pretrained.source,
+                     cfg.pretrained.revision or "unversioned", cfg.pretrained.folder, type(model).__name__,
+                     sum(p.numel() for p in model.parameters()))
+        else:
+            model = build_model(config, device=device)
+        yield model
+
+
+def _check_dataset_tokenizer(folder: Path, config: Any, dataset: Any, source: str) -> None:
+    """The dataset must be encoded with the folder's tokenizer.json, and its ids must fit the embedding."""
+    tok = folder / "tokenizer.json"
+    if not tok.is_file():
+        raise ConfigError(f"pretrained {source}: no tokenizer.json in {folder}")
+    if sha256_file(tok) != dataset.tokenizer_sha256:
+        raise ConfigError(f"pretrained {source}: the dataset was encoded with another tokenizer "
+                          f"(sha256 {dataset.tokenizer_sha256[:12]}, the model's tokenizer.json "
+                          f"{sha256_file(tok)[:12]}): prepare the data with the model's tokenizer")
+    if dataset.vocab_size > config.vocab_size:
+        raise ConfigError(f"pretrained {source}: the dataset's vocabulary ({dataset.vocab_size} ids) does not fit "
+                          f"the model's embedding (config.json vocab_size {config.vocab_size})")
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's list of decoder layers, found from the model itself: the `ModuleList` of the
+    classes it declares in ``_no_split_modules`` (every transformers decoder does), else the
+    decoder's ``layers``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(
+                type(m).__name__ in names for m in module):
+            return module
+    layers = getattr(model.get_decoder(), "layers", None)
+    if isinstance(layers, torch.nn.ModuleList):
+        return layers
+    raise ConfigError(f"{type(model).__name__}: no list of decoder layers found (no ModuleList of "
+                      f"{sorted(names) or 'its _no_split_modules'})")
+
+
+def attention_shape(config: Any) -> tuple[int, int, int]:
+    """``(layers, attention heads, head size)`` of a transformers config, for the FLOP count."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return text.num_hidden_layers, heads, head_dim
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, reduction: str = "mean",
+            position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy in nats per token.
 
     Args:
         x: (b, T) int64 input ids.
-        y: (b, T) int64 targets (x shifted left by one).
+        y: (b, T) int64 targets (x shifted left by one; -100: not a target).
+        reduction: ``mean``, or ``sum`` of the targets' nats (0 when none; trainforge.trainer.loss).
+        position_ids: (b, T) int64 of packed rows, restarting per example (trainforge.trainer.packing);
+            None: 0 .. T-1 in every row.
     Returns:
         scalar float32 tensor (computed in fp32 even under bf16 autocast).
 
@@ -113,10 +200,10 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     """
     from trainforge.trainer import loss  # here, not at the top: this function is all of model.py that uses it
 
-    return loss.lm_loss(model, x, y)
+    return loss.lm_loss(model, x, y, reduction=reduction, position_ids=position_ids)
 
 
-def enable_activation_checkpointing(model: LlamaForCausalLM) -> None:
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder layer's activations in the backward pass instead of storing them.
 
     Uses transformers' own wrapping of the decoder layers with non-reentrant
@@ -131,12 +218,12 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """``{alias: name}`` for state-dict names whose tensor is an earlier name's (tied weights).
 
     E.g. ``{"lm_head.weight": "model.embed_tokens.weight"}`` with ``tie_word_embeddings``.
-    Call on an unsharded model (it compares storage pointers).
+    Call on an unsharded model (it compares storage pointers; on meta, the tensor objects).
     """
     seen: dict[int, str] = {}
     aliases = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
-        ptr = tensor.data_ptr()
+        ptr = id(tensor) if tensor.is_meta else tensor.data_ptr()  # meta tensors have no storage to compare
         if ptr in seen:
             aliases[name] = seen[ptr]
         else:

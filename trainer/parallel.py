@@ -28,10 +28,12 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trainforge.trainer.adapters import adapter_weights, is_lora, load_adapter_weights
 from trainforge.trainer.compile import compile_layers, missing_compiler
 from trainforge.trainer.config import ConfigError, JobConfig
 from trainforge.trainer.distributed import Dist
-from trainforge.trainer.model import check_weights, enable_activation_checkpointing, load_weights, tied_aliases, weights_state_dict
+from trainforge.trainer.model import (check_weights, decoder_layers, enable_activation_checkpointing, load_weights,
+                                      tied_aliases, weights_state_dict)
 from trainforge.trainer.powersgd import PowerSGDHook, powersgd_hook
 
 log = logging.getLogger(__name__)
@@ -44,13 +46,14 @@ class Parallel:
     """The model as the training loop sees it after `parallelize`."""
 
     kind: str  # "single" (no process group) | "ddp" | "fsdp"
-    model: torch.nn.Module  # the LlamaForCausalLM holding the parameters (DTensor shards under fsdp)
+    model: torch.nn.Module  # the causal LM holding the parameters (DTensor shards under fsdp)
     module: torch.nn.Module  # what the forward pass calls: the DDP wrapper, else ``model``
     shapes: dict[str, torch.Size]  # full (unsharded) state-dict shapes
     aliases: dict[str, str]  # tied state-dict names -> the name stored in checkpoints
     rank: int
     powersgd: PowerSGDHook | None = None  # the DDP hook's state under gradient_compression "powersgd"
     compiled: bool = False  # the decoder layers are torch.compile'd (framework.compile, a compiler found)
+    adapters_only: bool = False  # LoRA (training.peft): checkpoints hold the trainable adapters alone
 
     @contextmanager
     def grad_sync(self, sync: bool) -> Iterator[None]:
@@ -89,7 +92,8 @@ class Parallel:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                                  get_optimizer_state_dict)
 
-            full_to_cpu = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            full_to_cpu = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                           ignore_frozen_params=self.adapters_only)
             weights = get_model_state_dict(self.model, options=full_to_cpu)  # {} on ranks > 0
             by_name = get_optimizer_state_dict(self.model, optimizer, options=full_to_cpu)
             if self.rank != 0:
@@ -98,6 +102,8 @@ class Parallel:
             return weights, optimizer_state_by_index(by_name, self.param_names(optimizer))
         if self.rank != 0:
             return None, None
+        if self.adapters_only:
+            return adapter_weights(self.model), optimizer.state_dict()
         return weights_state_dict(self.model), optimizer.state_dict()
 
     def load_full_state(self, weights: dict[str, torch.Tensor], optimizer_state: dict,
@@ -108,17 +114,22 @@ class Parallel:
             ValueError: the weights do not match the model (names or shapes).
         """
         if self.kind != "fsdp":
-            load_weights(self.model, weights)
+            (load_adapter_weights if self.adapters_only else load_weights)(self.model, weights)
             optimizer.load_state_dict(optimizer_state)
             return
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
 
-        check_weights(self.shapes, set(self.aliases), weights)
         full = dict(weights)  # set_model_state_dict replaces the values in place
-        for alias, name in self.aliases.items():
-            full[alias] = full[name]
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))  # each rank keeps its shard
+        if self.adapters_only:  # the adapters alone; the frozen base came from the pretrained folder
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            check_weights({n: self.shapes[n] for n in trainable}, set(), weights)
+        else:
+            check_weights(self.shapes, set(self.aliases), weights)
+            for alias, name in self.aliases.items():
+                full[alias] = full[name]
+        set_model_state_dict(self.model, full, options=StateDictOptions(  # each rank keeps its shard
+            full_state_dict=True, strict=not self.adapters_only))
         by_name = optimizer_state_by_name(optimizer_state, self.param_names(optimizer))
         set_optimizer_state_dict(self.model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
@@ -157,6 +168,7 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, d: Dist) -> Parallel:
     wrapper and its communication hook.
     """
     fw = cfg.framework
+    lora = is_lora(model)
     aliases = tied_aliases(model)
     shapes = {n: t.shape for n, t in model.state_dict().items()}
     if fw.activation_checkpointing:
@@ -176,21 +188,21 @@ def parallelize(model: torch.nn.Module, cfg: JobConfig, d: Dist) -> Parallel:
         if fw.parallelism != "ddp" or fw.gradient_compression != "none":
             log.info("one process without torchrun: framework.parallelism=%r and gradient_compression=%r "
                      "have nothing to shard or compress", fw.parallelism, fw.gradient_compression)
-        return Parallel("single", model, model, shapes, aliases, d.rank, compiled=compiled)
+        return Parallel("single", model, model, shapes, aliases, d.rank, compiled=compiled, adapters_only=lora)
     if fw.parallelism == "fsdp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(d.device.type, (d.world_size,))
-        for layer in model.model.layers:
+        layers = decoder_layers(model)
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        log.info("FSDP2: %d decoder layers and the root sharded over %d ranks", len(model.model.layers),
-                 d.world_size)
-        return Parallel("fsdp", model, model, shapes, aliases, d.rank, compiled=compiled)
+        log.info("FSDP2: %d decoder layers and the root sharded over %d ranks", len(layers), d.world_size)
+        return Parallel("fsdp", model, model, shapes, aliases, d.rank, compiled=compiled, adapters_only=lora)
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     powersgd = register_compression(ddp, cfg)
-    return Parallel("ddp", model, ddp, shapes, aliases, d.rank, powersgd, compiled=compiled)
+    return Parallel("ddp", model, ddp, shapes, aliases, d.rank, powersgd, compiled=compiled, adapters_only=lora)
 
 
 def register_compression(ddp: DDP, cfg: JobConfig) -> PowerSGDHook | None:

@@ -25,6 +25,7 @@ import transformers
 from trainforge.storage import Location
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer import powersgd
+from trainforge.trainer.adapters import adapter_base_sha256, check_adapter_base
 from trainforge.trainer.amp import Precision
 from trainforge.trainer.checkpoint_writer import CheckpointWriter, WriteResult, storage_addresses
 from trainforge.trainer.config import ConfigError, JobConfig
@@ -89,6 +90,18 @@ def resume(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, 
     if c.meta.get("dataset_digest") != dataset.digest:
         raise ConfigError(f"checkpoint {c.path} was trained on dataset {c.meta.get('dataset_digest')}, "
                           f"data.dataset_dir has {dataset.digest}; use a new checkpoint.dir")
+    if saved.get("peft") != cfg.raw.get("peft"):
+        def what(peft: Any) -> str:
+            return f"LoRA adapters {peft}" if peft else "full weights"
+        raise ConfigError(f"checkpoint {c.path} holds {what(saved.get('peft'))}; the job config asks for "
+                          f"{what(cfg.raw.get('peft'))} (training.peft); use a new checkpoint.dir")
+    if cfg.peft is not None:
+        check_adapter_base(c.path, c.meta, cfg)
+    if bool(saved.get("data", {}).get("packing")) != bool(cfg.raw["data"].get("packing")):
+        raise ConfigError(f"checkpoint {c.path} was trained with data.packing "
+                          f"{bool(saved.get('data', {}).get('packing'))}, the job config asks for "
+                          f"{bool(cfg.raw['data'].get('packing'))}: a step's batch differs between the two; use a "
+                          "new checkpoint.dir")
     saved_seq_len = saved.get("data", {}).get("sequence_length")
     if saved.get("model") != cfg.raw["model"] or saved_seq_len != cfg.data.sequence_length:
         raise ConfigError(f"checkpoint {c.path} has model {saved.get('model')} and sequence_length "
@@ -213,6 +226,8 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
         if par.powersgd is not None:
             meta["powersgd"] = {"files": list(rank_files), "iteration": par.powersgd.state.iter,
                                 "restarts": par.powersgd.restarts}
+        if par.adapters_only:  # the base the adapters belong to: refused on another one
+            meta["adapter"] = {"method": "lora", "base_sha256": adapter_base_sha256(cfg)}
         t_stage = time.perf_counter()
         # FSDP's gathered full state is a private CPU copy already: only what aliases live state is copied.
         shared = _live_storages(par, optimizer) if par.kind == "fsdp" else None
@@ -279,7 +294,10 @@ def _state_to_stage(par: Parallel, optimizer) -> tuple[dict | None, dict | None]
         return par.full_state(optimizer)
     if par.rank != 0:
         return None, None
-    weights = {name: t.detach() for name, t in par.model.state_dict().items() if name not in par.aliases}
+    if par.adapters_only:  # LoRA: the trainable adapters alone (the base is the pretrained folder's)
+        weights = {name: p.detach() for name, p in par.model.named_parameters() if p.requires_grad}
+    else:
+        weights = {name: t.detach() for name, t in par.model.state_dict().items() if name not in par.aliases}
     return weights, optimizer.state_dict()
 
 
@@ -342,6 +360,15 @@ def finish_pending_write() -> None:
         log.warning("the background write of checkpoint step %d failed: %s", result.step, result.error)
     _writer.stager.clear()
     _writer = None
+
+
+def close_pending_write() -> None:
+    """Rank 0, on a failure that ends the process at once (SIGTERM, a lost peer): from now on no
+    manifest is published, and one being published finishes first and is in
+    ``last_checkpoint``. The result then names every checkpoint the process completed. A no-op
+    without a write (and on other ranks)."""
+    if _writer is not None:
+        _writer.abandon()
 
 
 def abandon_pending_write() -> None:

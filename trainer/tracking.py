@@ -129,6 +129,13 @@ class MlflowTracker:
                      self.logged_through)
         return self.logged_through
 
+    def log_at_start(self, metrics: dict[str, float]) -> None:
+        """Log ``metrics`` at step 0, before the first optimizer step (``val/loss_at_start``)."""
+        now_ms = int(time.time() * 1000)
+        batch = [self._mlflow.entities.Metric(k, float(v), now_ms, 0) for k, v in metrics.items()]
+        if batch:
+            self._call("log_batch(start metrics)", self.client.log_batch, self.run_id, metrics=batch)
+
     def log_metrics(self, step: int, metrics: dict[str, float], tags: dict[str, str] | None = None
                     ) -> None:
         """Log ``metrics`` at optimizer step ``step`` (once per step) and ``tags`` in one

@@ -1,25 +1,28 @@
-"""Train a small Llama-style LM on a prepared dataset: the program torchrun launches.
+"""Train a causal LM (the spec's small Llama, or open weights) on a prepared dataset: what torchrun runs.
 
     # 2 processes on one machine (gloo on CPU, nccl when CUDA is available):
     torchrun --standalone --nproc-per-node=2 -m trainforge.trainer.train --config job.json
     # one process, no torchrun (debugging):
     python -m trainforge.trainer.train --config job.json
 
-Environment: MLFLOW_TRACKING_URI + MLFLOW_RUN_ID (rank 0 logs params, step metrics and system/* metrics into that
-existing run; unset URI = no MLflow), TRAINFORGE_RESULT_FILE (rank 0 writes result.json there on
+Environment: MLFLOW_TRACKING_URI + MLFLOW_RUN_ID (rank 0 logs params, step and system/* metrics into that
+run; unset URI = no MLflow), TRAINFORGE_RESULT_FILE (rank 0 writes result.json there on
 every exit it survives to see), OMP_NUM_THREADS (torch threads per process; 1 when unset),
 TRAINFORGE_JOB_DIR (rank 0 writes its run-ledger records under ``ledger/``: trainer/goodput.py).
 
-Exit codes (docs/contracts.md): 0 finished at max_steps, 78 bad config or dataset, 79 diverged
-(non-finite loss or gradient norm, or non-finite weights at a checkpoint), anything else is a
-crash the orchestrator retries; every attempt first resumes from the newest valid checkpoint.
+Exit codes (docs/contracts.md): 0 finished at max_steps, 78 bad config, dataset or model (the check before
+step 1: trainer/model_check.py), 79 diverged (non-finite loss or gradient norm, or non-finite weights at a
+checkpoint), anything else is a crash the orchestrator retries; every attempt first resumes from the
+newest valid checkpoint.
 
 One optimizer step: global_batch sequences = micro_batch x world x accum; each rank runs
 ``accum`` forward/backward passes (gradients reduced only on the last: DDP.no_sync, FSDP2
 set_requires_gradient_sync), clips the global gradient norm, checks the loss is finite, then
-steps AdamW. The pieces the job config's ``precision`` and ``framework`` choose live in
-trainer/amp.py (autocast, fp16 loss scaling) and trainer/parallel.py (DDP or FSDP2, gradient
-compression, activation checkpointing, checkpoint state under either).
+steps AdamW. The loss is the mean over the global batch's targets (an examples dataset's are
+counted first: docs/trainer.md, "Loss normalisation"). The pieces the job config's ``precision``
+and ``framework`` choose live in trainer/amp.py (autocast, fp16 loss scaling) and
+trainer/parallel.py (DDP or FSDP2, gradient compression, activation checkpointing, checkpoint
+state under either).
 """
 
 from __future__ import annotations
@@ -52,25 +55,27 @@ from trainforge.contract import (EXIT_ERROR, EXIT_OK, JOB_DIR_ENV, RESULT_FILE_E
                                  STATUS_SUCCESS)
 from trainforge.storage.files import atomic_write_json
 from trainforge.trainer import checkpoint as ckpt
-from trainforge.trainer.amp import MIN_LOSS_SCALE, Precision
+from trainforge.trainer.amp import Precision
 from trainforge.trainer.compile import RecompileWatch
-from trainforge.trainer.config import ConfigError, JobConfig, OptimConfig, load_job_config
-from trainforge.trainer.data import BatchSampler, TokenStream, open_dataset
+from trainforge.trainer.config import ConfigError, JobConfig, load_job_config
+from trainforge.trainer.data import make_sampler, open_dataset
 from trainforge.trainer.distributed import Dist, setup_distributed, shut_down
 from trainforge.trainer.energy import EnergyMeter
 from trainforge.trainer.errors import DivergedError, TerminatedError, TrainerError
 from trainforge.trainer.goodput import AttemptClock, flops_per_token
-from trainforge.trainer.gpus import JobGpus
-from trainforge.trainer.model import build_model, llama_config, lm_loss, load_initial_weights
-from trainforge.trainer.parallel import parallelize
+from trainforge.trainer.gpus import JobGpus, torch_cuda_uuids
+from trainforge.trainer.loss import IGNORE_INDEX
+from trainforge.trainer.model import attention_shape, lm_loss
+from trainforge.trainer.model_check import check_model
+from trainforge.trainer.optim import make_optimizer, should_step
 from trainforge.trainer.schedule import lr_at
-from trainforge.trainer.state import (finish_pending_write, has_own_checkpoint, reserve_staging, resume,
-                                      save)
+from trainforge.trainer.start import start_model
+from trainforge.trainer.state import close_pending_write, finish_pending_write, reserve_staging, resume, save
 from trainforge.trainer.tracking import MlflowTracker
 
 log = logging.getLogger("trainforge.trainer.train")
 
-__all__ = ["after_training_failure", "lr_at", "main", "make_optimizer", "should_step", "train"]
+__all__ = ["after_training_failure", "lr_at", "main", "micro_batch_loss", "train"]
 
 
 @dataclass
@@ -83,103 +88,57 @@ class Outcome:
     last_checkpoint: str | None = None
 
 
-def make_optimizer(model: torch.nn.Module, o: OptimConfig, fused: bool | None = None) -> torch.optim.AdamW:
-    """AdamW with weight decay on 2-D+ parameters (matmuls, embeddings) only, not on norms.
-
-    ``fused``: one fused kernel for the whole update (`fused_adamw_supported` decides when None);
-    else torch's default (foreach). Both keep the same state_dict, so a checkpoint written by one
-    resumes in the other.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    if fused is None:
-        fused = fused_adamw_supported(params)
-    return torch.optim.AdamW(groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=1e-8,
-                             fused=fused or None)
-
-
-def fused_adamw_supported(params: list[torch.Tensor]) -> bool:
-    """Whether torch's fused AdamW kernel takes these parameters: floating point, all on one device
-    type that has the kernel (CUDA; also the CPU in torch >= 2.4)."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # the list torch checks
-
-    kinds = {p.device.type for p in params}
-    return (len(kinds) == 1 and kinds <= set(_get_fused_kernels_supported_devices())
-            and all(torch.is_floating_point(p) for p in params))
-
-
-def should_step(step: int, loss: float, grad_norm: float, lr: float, loss_scale: float | None) -> bool:
-    """Whether optimizer step ``step`` (1-based) may be taken; False: an fp16 overflow, skip it.
-
-    Args:
-        loss: mean train loss of the step over all ranks, nats/token.
-        grad_norm: global L2 norm of the (unscaled) gradients.
-        loss_scale: the fp16 loss scale before this step's update, None for fp32/bf16.
-    Raises:
-        DivergedError: the loss is not finite; or the gradient norm is not finite without
-            loss scaling, or with a loss scale already below `MIN_LOSS_SCALE`.
-    """
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        return True
-    if math.isfinite(loss) and loss_scale is not None and loss_scale >= MIN_LOSS_SCALE:
-        return False  # fp16 overflow: GradScaler skips the step and halves the scale
-    scale = f", loss scale {loss_scale:g} (below {MIN_LOSS_SCALE:g})" if loss_scale is not None else ""
-    raise DivergedError(f"step {step}: train loss {loss}, grad norm {grad_norm} at lr {lr:.3g}{scale}; "
-                        f"stopping before the optimizer step, no checkpoint written after step {step - 1}")
-
-
 def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     """Run (or finish) the training described by ``cfg``; ``out`` tracks progress for the result file."""
     o, T = cfg.optim, cfg.data.sequence_length
     accum = cfg.grad_accum_steps(d.world_size)  # ConfigError when the batch does not divide
-    random.seed(o.seed)
-    np.random.seed(o.seed % 2**32)
+    random.seed(o.seed), np.random.seed(o.seed % 2**32)
     torch.manual_seed(o.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's; FSDP2 relies on it)
 
     # Startup phases, logged before the first step; imports and the process group come before train().
     since_start_s, marks = time.time() - process_started_at(), [("setup", time.perf_counter())]
     dataset = open_dataset(cfg.data.dataset_dir)
     marks.append(("dataset", time.perf_counter()))
-    sampler = BatchSampler(TokenStream(dataset, "train"), T, o.micro_batch_size, accum, d.world_size, o.seed)
-    model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, T), device=d.device)
-    n_params = sum(p.numel() for p in model.parameters())  # before sharding; tied weights counted once
-    marks.append(("model", time.perf_counter()))
-    if cfg.init is not None and not has_own_checkpoint(cfg, d):  # its own checkpoint wins on a retry
-        load_initial_weights(model, cfg.init.checkpoint, dataset.tokenizer_path, dataset.tokenizer_sha256)
-    par = parallelize(model, cfg, d)  # DDP or FSDP2 (+ compression hook, activation checkpointing)
+    sampler = make_sampler(dataset, T, o.micro_batch_size, accum, d.world_size, o.seed, cfg.data.packing)
+    examples = dataset.examples is not None  # loss per loss token of the global batch (_loss_tokens)
+    started = start_model(cfg, d, dataset)  # built or loaded, initial weights, DDP or FSDP2
+    model, par, n_params, at_start = started.model, started.par, started.n_params, started.at_start
+    marks.append(("model and parallelize", time.perf_counter()))
     # After sharding: FSDP2 replaces the parameters. The fused kernel cannot take the (1,) overflow
     # flag of FSDP's ShardedGradScaler (torch 2.13): fp16 under FSDP steps with foreach AdamW.
     optimizer = make_optimizer(par.model, o, fused=False if par.kind == "fsdp" and cfg.precision == "fp16" else None)
     amp = Precision(cfg.precision, d.device, sharded=par.kind == "fsdp")
-    marks.append(("parallelize", time.perf_counter()))
+    marks.append(("optimizer", time.perf_counter()))
     t_restore = time.perf_counter()
     step, tokens_seen, metrics, world_sizes = resume(cfg, d, dataset, par, optimizer, amp)
     restore_s = time.perf_counter() - t_restore
     marks.append(("restore", time.perf_counter()))
+    check_model(par.model, d)  # whole, finite, tied, the config's rotary frequencies: else exit 78, on every rank
+    marks.append(("check", time.perf_counter()))
     out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, metrics.get("train_loss")
     if step and d.rank == 0:
         out.last_checkpoint = ckpt.join(cfg.checkpoint.dir, ckpt.step_dir_name(step))  # local path or s3:// URI
     par.model.train()
     tokens_per_step = o.global_batch_size * T
 
-    tracker = MlflowTracker.from_env() if d.rank == 0 else None
-    # the job's own GPUs on rank 0's machine: metered, and the only ones in system/* metrics
-    gpus = (JobGpus.open() if d.device.type == "cuda" else JobGpus.none()) if d.rank == 0 else None
+    tracker = MlflowTracker.from_env() if d.rank == 0 else None  # gpus: the job's own on rank 0's machine
+    gpus = (JobGpus.open(cuda_uuids=torch_cuda_uuids()) if d.device.type == "cuda" else JobGpus.none()) \
+        if d.rank == 0 else None  # each local rank's device by torch's UUID for it
     clock = _attempt_clock(cfg, d, model, n_params, tokens_per_step, gpus) if d.rank == 0 else None
     if clock:  # steps up to the newest one the run holds are trained again: wasted progress
         reached = tracker.skip_logged_steps(step) if tracker else step  # exactly once: never re-logged
         clock.restored(restore_s, step, reached)
     if tracker:
-        flat = {f"{s}.{k}": v for s in ("data", "model", "optim", "checkpoint", "logging", "distributed")
-                for k, v in cfg.raw[s].items()}
+        flat = {f"{s}.{k}": v for s in ("data", "model", "optim", "checkpoint", "logging", "distributed",
+                                        "pretrained") if s in cfg.raw for k, v in cfg.raw[s].items()}
         flat |= {f"framework.{k}": v for k, v in dataclasses.asdict(cfg.framework).items()}  # resolved defaults
         tracker.log_params(flat | {"optim.lr_schedule": o.lr_schedule, "precision": cfg.precision,
                                    "world_size": d.world_size, "grad_accum_steps": accum,
                                    "num_parameters": n_params, "dataset_digest": dataset.digest,
                                    "config_digest": cfg.digest()})
-        # Params keep the first attempt's world_size; the tag holds every change.
-        tracker.set_tags({"trainforge.world_size_history": json.dumps(world_sizes, separators=(",", ":"))})
+        tracker.log_at_start(at_start)  # {} without pretrained weights: nothing logged
+        tracker.set_tags({  # params keep the first attempt's world_size; the tag holds every change
+            "trainforge.world_size_history": json.dumps(world_sizes, separators=(",", ":"))})
     log.info("model: %d parameters; %d steps of %d sequences x %d tokens (micro %d x world %d x accum %d); "
              "%s, %s, %s schedule, %s AdamW", n_params, o.max_steps, o.global_batch_size, T, o.micro_batch_size,
              d.world_size, accum, par.kind, cfg.precision, o.lr_schedule,
@@ -203,15 +162,17 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             lr = lr_at(step, o)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            loss_sum = torch.zeros((), device=d.device)  # mean loss of this rank's micro-batches
+            loss_sum = torch.zeros((), device=d.device)  # this rank's share of the step's loss x world
             batches = sampler.micro_batches(step, d.rank)
-            for a, (x, y) in enumerate(clock.batches(batches) if clock else batches):  # (micro_batch, T) int64
+            loss_tokens = _loss_tokens(batches, d) if examples else tokens_per_step  # N, the global batch's
+            for a, batch in enumerate(clock.batches(batches) if clock else batches):  # x, y[, positions]: (m, T) int64
                 if d.device.type == "cuda":  # pinned: the copy does not wait for the GPU to drain
-                    x, y = x.pin_memory(), y.pin_memory()
-                x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
+                    batch = tuple(t.pin_memory() for t in batch)
+                x, y, *positions = (t.to(d.device, non_blocking=True) for t in batch)
                 with par.grad_sync(a == accum - 1):  # reduce across ranks on the last micro-batch only
-                    with amp.autocast():
-                        loss = lm_loss(par.module, x, y) / accum  # scalar, nats/token
+                    with amp.autocast():  # scalar: this micro-batch's share of the step's mean, nats/token
+                        loss = micro_batch_loss(par.module, x, y, accum, loss_tokens if examples else None,
+                                                d.world_size, *positions)
                     amp.backward(loss)
                 loss_sum += loss.detach()
             amp.unscale(optimizer)  # fp16: true gradients before clipping
@@ -233,15 +194,16 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             if clock:
                 clock.step_done(step)
             out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, loss_value
-            metrics = {"train_loss": loss_value, "learning_rate": lr, "grad_norm": grad_norm}
+            metrics = {"train_loss": loss_value, "learning_rate": lr, "grad_norm": grad_norm,
+                       "loss_tokens": loss_tokens}  # targets of this step's loss (padded and prompt ones not)
             if not math.isfinite(grad_norm):  # a skipped fp16 step: keep inf out of meta.json and MLflow
                 del metrics["grad_norm"]
 
             if d.rank == 0 and (step % cfg.logging.log_every_steps == 0 or step == o.max_steps):
                 elapsed = time.perf_counter() - t_window
                 metrics["tokens_per_s"] = steps_in_window * tokens_per_step / max(elapsed, 1e-9)
-                log.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | tok/s %.0f", step, o.max_steps,
-                         loss_value, lr, grad_norm, metrics["tokens_per_s"])
+                log.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | tok/s %.0f | loss_tokens %d", step,
+                         o.max_steps, loss_value, lr, grad_norm, metrics["tokens_per_s"], loss_tokens)
                 ledger_tags = clock.snapshot()
                 if tracker:
                     tracker.log_metrics(step, metrics, tags=ledger_tags)
@@ -272,6 +234,33 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     del par, model, optimizer
 
 
+def micro_batch_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, accum: int, loss_tokens: int | None,
+                     world_size: int, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The loss one micro-batch backpropagates, so that the gradients summed over micro-batches
+    and averaged over ranks (DDP, FSDP2) are those of the mean over the global batch's targets.
+
+    Args:
+        x, y: (m, T) int64 (`IGNORE_INDEX` targets left out); position_ids: (m, T) of packed rows, or None.
+        loss_tokens: N, the targets of the whole global batch (examples datasets): the summed
+            nats / N x ``world_size`` (0 when N is 0). None (a document stream, where every
+            micro-batch has m x T targets): the micro-batch's mean / ``accum``, the same mean.
+    Returns:
+        scalar float32 tensor.
+    """
+    if loss_tokens is None:
+        return lm_loss(model, x, y, position_ids=position_ids) / accum
+    return lm_loss(model, x, y, reduction="sum", position_ids=position_ids) / (max(loss_tokens, 1) / world_size)
+
+
+def _loss_tokens(batches: list[tuple[torch.Tensor, ...]], d: Dist) -> int:
+    """N: the targets (not `IGNORE_INDEX`: ``batch[1]``, padded or packed) of this step's micro-batches
+    on every rank, counted before the first forward so that each micro-batch's backward can divide by it."""
+    count = torch.tensor(sum(int((batch[1] != IGNORE_INDEX).sum()) for batch in batches), device=d.device)
+    if d.enabled:
+        dist.all_reduce(count)
+    return int(count.item())
+
+
 def _flush(clock: AttemptClock, tracker: MlflowTracker | None) -> None:
     """Rank 0's attempt record as of now, to the job folder and the run (trainer/goodput.py)."""
     ledger_tags = clock.snapshot()
@@ -283,10 +272,11 @@ def _attempt_clock(cfg: JobConfig, d: Dist, model: torch.nn.Module, n_params: in
                    tokens_per_step: int, gpus: JobGpus) -> AttemptClock:
     """Rank 0's ledger clock of this attempt, with the energy counters of its machine and of the
     job's ``gpus`` on it."""
-    m = cfg.model
     embedding = model.get_input_embeddings().weight.numel()
-    fpt = flops_per_token(n_params - embedding, m.num_layers, m.num_heads, m.hidden_size // m.num_heads,
-                          cfg.data.sequence_length)
+    # LoRA: the adapters run too, and only they get weight gradients (n_params: the base alone).
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad) if cfg.peft is not None else None
+    fpt = flops_per_token(n_params + (adapters or 0) - embedding, *attention_shape(model.config),
+                          cfg.data.sequence_length, trainable_non_embedding=adapters)
     cuda = d.device.type == "cuda"
     return AttemptClock(world_size=d.world_size, tokens_per_step=tokens_per_step, flops_per_token=fpt,
                         device=torch.cuda.get_device_name(d.device) if cuda else "cpu",
@@ -362,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         status, message, consistent = STATUS_ERROR, f"{type(err).__name__}: {err}", False
         log.exception("training failed")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish reporting; torchrun SIGKILLs after its grace period
+    if not consistent:
+        close_pending_write()  # a manifest being published is finished and reported; none after the result
     result = {"status": status, "exit_code": code, "message": message, "final_step": out.final_step,
               "tokens_seen": out.tokens_seen, "final_train_loss": out.final_train_loss,
               "last_checkpoint": out.last_checkpoint}

@@ -41,7 +41,7 @@ from trainforge.trainer.dataset import Dataset
 from trainforge.trainer.errors import CheckpointError, ConfigError, TrainerError
 from trainforge.trainer.evaluate import evaluate, greedy_sample
 from trainforge.trainer.expectations import Expectations, check_consistency
-from trainforge.trainer.model import build_model, llama_config, load_weights
+from trainforge.trainer.adapters import checkpoint_model
 from trainforge.trainer.quarantine import quarantine
 
 REPORT_FORMAT = "trainforge.validation/v1"
@@ -147,10 +147,14 @@ def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_
     if weights is None or cfg is None:
         r.skip("shapes", "needs loaded weights and a valid meta.json")
     else:
-        model = build_model(llama_config(cfg.model, dataset.vocab_size, dataset.eos_id, cfg.data.sequence_length))
         try:
-            load_weights(model, weights)
-            r.add("shapes", True, f"{len(weights)} tensors match the {cfg.model.family} config")
+            with checkpoint_model(cfg, dataset, weights) as model:  # LoRA: the base, then the adapters
+                pass
+            what = "LoRA adapter tensors fit the base" if cfg.peft is not None else "tensors match the"
+            r.add("shapes", True, f"{len(weights)} {what} {type(model.config).__name__} of the job")
+        except ConfigError as err:  # the pretrained folder the job names cannot build its model
+            r.add("shapes", False, f"cannot build the job's model: {err}")
+            model = None
         except ValueError as err:
             r.add("shapes", False, str(err), damaged=True)
             model = None

@@ -62,6 +62,12 @@ def for_engine(spec: PipelineSpec, engine: str) -> tuple[PipelineSpec, list[str]
                                and not str(current).startswith("s3://")):
             node[leaf] = value
             used.append(f"{'.'.join(path)}: {value}")
+    pretrained = (raw.get("model") or {}).get("pretrained")
+    if (pretrained and not get_engine(engine).shared_disk
+            and not pretrained.startswith(("s3://", "models:/"))):  # the ranks cannot read this disk
+        name = pretrained.rstrip("/").rsplit("/", 1)[-1].split("@")[0]
+        raw["model"]["pretrained"] = f"s3://your-bucket/models/{name}/"
+        used.append(f"model.pretrained: {raw['model']['pretrained']} (a copy of {pretrained})")
     return PipelineSpec.model_validate(raw), used
 
 
@@ -89,8 +95,9 @@ def write_spec(spec: PipelineSpec, path: Path) -> Path:
     """Write ``spec`` as YAML to ``path`` (atomically); the loader reads it back unchanged."""
     path.parent.mkdir(parents=True, exist_ok=True)
     raw = spec.model_dump(mode="json")
-    if raw["registry"].get("approval") is None:
-        del raw["registry"]["approval"]  # in a file, an empty approval key is an error
+    for key in ("approval", "eval"):  # in a file, an empty approval or eval key is an error
+        if key in raw["registry"] and raw["registry"][key] is None:
+            del raw["registry"][key]
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("# Derived by `trainforge run --engine`; edit the original spec instead.\n"
                    + yaml.safe_dump(raw, sort_keys=False))

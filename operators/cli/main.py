@@ -81,6 +81,11 @@ def _real(path: Path) -> Path:
         return path.absolute()
 
 
+def _plain_location(uri: str) -> bool:
+    """Whether a ``model.pretrained`` URI is a folder or ``s3://`` prefix (no revision to resolve)."""
+    return not uri.startswith(("hf://", "models:/"))
+
+
 @app.command()
 def validate(
     paths: list[Path] = typer.Argument(..., help="Spec files or folders."),
@@ -203,6 +208,9 @@ def render(file: Path, engine: str = typer.Option(None, help="Engine to render f
             env={"MLFLOW_TRACKING_URI": "<tracking uri>",
                  "MLFLOW_RUN_ID": f"<mlflow run id{' of stage ' + stage.name if stage.name else ''}>"},
             init=init,
+            pretrained=None if spec.model.pretrained is None else {
+                "folder": "<the folder model.pretrained resolves to>", "source": spec.model.pretrained,
+                "revision": "<what it resolves to>" if not _plain_location(spec.model.pretrained) else None},
         )
         backend = get_backend(
             stage.training.engine,

@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.text import Text
 
 from trainforge.cli.engine_switch import derived_spec, write_spec
-from trainforge.cli.runner_console import ConsoleFilter, retry_delays
+from trainforge.cli.runner_console import ConsoleFilter, failed_task_tracebacks, retry_delays
 from trainforge.cli.runner_summary import collect_summary, print_summary
 from trainforge.engines.base import JobState
 from trainforge.engines.local.backend import LocalBackend
@@ -383,6 +383,9 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
         summary = collect_summary(spec, tracking_uri, airflow_run, times)
         summary["wall_seconds"] = round(time.monotonic() - started, 1)
         print_summary(summary, console)
+        failed = [task for task, info in times.items() if info["state"] == "failed"]
+        for line in failed_task_tracebacks(log_path, failed) if failed else ():
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
         if summary_json:
             Path(summary_json).write_text(json.dumps(summary, indent=2, default=str))
     ok = airflow_run.get("state") == "success"

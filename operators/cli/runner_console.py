@@ -2,14 +2,18 @@
 
 Airflow's output is structlog lines (``<time>Z [level] event [logger] loc=...``); the console
 gets task starts and ends with their outcomes, trainforge's own log lines, every warning or
-error, and one line per wait. The full output goes to the run's log file (trainforge.cli.runner).
+error, and one line per wait. The full output goes to the run's log file (trainforge.cli.runner);
+when the run fails, :func:`failed_task_tracebacks` gives each failed task's traceback from it.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 _STRUCTLOG = re.compile(r"^\S+Z \[(?P<level>\w+)\s*\] (?P<event>.*?) \[(?P<logger>[\w.]+)\] loc=")
 _TIME = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?)Z ")
@@ -168,3 +172,85 @@ def _duration(seconds: float) -> str:
 def console_line(line: str) -> str | None:
     """:class:`ConsoleFilter` for a single line seen on its own (no task state known)."""
     return ConsoleFilter()(line)
+
+
+TRACEBACK_LINES = 20
+"""How many lines of a failed task's traceback ``trainforge run`` prints (its end)."""
+_TRACEBACK_START = "Traceback (most recent call last):"
+_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line \d+')
+_CARETS = re.compile(r"^\s*[\^~]+\s*$")  # Python 3.11's markers under a frame's source line
+
+
+def task_tracebacks(lines: Iterable[str]) -> dict[str, list[str]]:
+    """``{task_id: lines}``: the last traceback Airflow printed while each task ran, with its
+    chained exceptions ("During handling of the above exception...").
+
+    A traceback is the plain lines from ``Traceback (most recent call last):`` to the next
+    structlog line; the task is the one whose ``[DAG TEST] starting task_id=`` came last (`dags
+    test` runs one task at a time). A later try's traceback replaces an earlier try's.
+    """
+    found: dict[str, list[str]] = {}
+    task: str | None = None
+    block: list[str] | None = None
+    for line in lines:
+        line = line.rstrip("\n")
+        if match := _STRUCTLOG.match(line):
+            block = None
+            if started := _TASK_START.search(match["event"]):
+                task = started[1]
+            continue
+        if line == _TRACEBACK_START and block is None and task is not None:
+            block = found[task] = []
+        if block is not None:
+            block.append(line)
+    return found
+
+
+def _airflow_folders() -> tuple[str, ...]:
+    """The folders of the installed ``airflow`` package (its task runner's frames live there)."""
+    spec = importlib.util.find_spec("airflow")
+    return tuple(os.path.join(folder, "") for folder in spec.submodule_search_locations or ()
+                 ) if spec else ()
+
+
+def traceback_tail(block: list[str], max_lines: int = TRACEBACK_LINES) -> list[str]:
+    """The last ``max_lines`` lines of a traceback, without Python's ``^^^^`` marker lines and
+    without the frames inside Airflow's own package (the task runner's, the same for every
+    task), which it counts in one line where it leaves them out."""
+    airflow = _airflow_folders()
+    kept: list[str] = []
+    skipped, in_airflow = 0, False
+    for line in block:
+        frame = _FRAME.match(line)
+        if frame:
+            in_airflow = bool(airflow) and frame["file"].startswith(airflow)
+        elif not line.startswith("    "):  # not a frame's source line: the frame has ended
+            in_airflow = False
+        if in_airflow:
+            skipped += bool(frame)
+            continue
+        if skipped:
+            kept.append(f"  ... {skipped} frame(s) inside Airflow left out")
+            skipped = 0
+        if not _CARETS.match(line):
+            kept.append(line)
+    return kept[-max_lines:]
+
+
+def failed_task_tracebacks(log_path: Path, failed: Iterable[str]) -> list[str]:
+    """What ``trainforge run`` prints after a failed run: for each task of ``failed`` (task ids),
+    the end of its last traceback in the run's full log ``log_path``, or a line saying the log
+    holds none."""
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as handle:
+            found = task_tracebacks(handle)
+    except OSError as err:
+        return [f"The failed tasks' tracebacks cannot be read from {log_path}: {err}"]
+    out: list[str] = []
+    for task in sorted(failed, key=lambda t: list(found).index(t) if t in found else len(found)):
+        if task not in found:
+            out.append(f"Task {task} failed with no traceback in the log ({log_path})")
+            continue
+        out.append(f"Task {task} failed; the end of its traceback ({log_path} has it whole):")
+        out.extend(f"  {line}" for line in traceback_tail(found[task]))
+    return out

@@ -88,6 +88,8 @@ def collect_summary(spec: PipelineSpec, tracking_uri: str, airflow_run: dict[str
             "trainforge.model_version") and tags.get("trainforge.model_version") else []),
         "gate_decision": tags.get("trainforge.gate.decision"),
         "gate_reason": tags.get("trainforge.gate.reason"),
+        "task_score": metrics.get("eval/task_score"),
+        "base_task_score": metrics.get("eval/task_score_base"),
         "champion_after": tags.get("trainforge.gate.champion_after"),
         "params_logged": len(params),
         "failed_tries": failed_tries(tags),
@@ -151,6 +153,15 @@ def gate_line(summary: dict[str, Any]) -> str:
             f"({f'champion stays {champion}' if champion else 'no champion: the alias stays unset'})")
 
 
+def task_line(summary: dict[str, Any]) -> str:
+    """The registered version's score on registry.eval.prompts, and the base model's before
+    fine-tuning when it was scored."""
+    line = f"{summary['task_score']:.3f}"
+    if summary.get("base_task_score") is not None:
+        line += f" after fine-tuning; {summary['base_task_score']:.3f} before (the base model)"
+    return line
+
+
 def print_summary(summary: dict[str, Any], console: Console) -> None:
     def fmt(value, spec=""):
         if value is None:
@@ -180,6 +191,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
                               f"@{', @'.join(summary.get('aliases') or [])}")
          if summary.get("registered_model") else "- (not registered)"),
         ("eval gate", gate_line(summary)),
+        *([("task score", task_line(summary))] if summary.get("task_score") is not None else []),
         ("MLflow run", fmt(summary.get("mlflow_run_url"))),
     ]
     usage = summary.get("accounting") or {}

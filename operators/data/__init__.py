@@ -1,7 +1,7 @@
 """Data preparation: stream text, JSONL or Parquet sources (local or S3, optionally gzip/zstd),
-clean, deduplicate and split them by document, train (or reuse) a byte-level BPE tokenizer,
-encode token shards in parallel workers and write a manifest (docs/contracts.md, "Dataset";
-docs/data.md). No Airflow, no MLflow; the ``prepare_data`` operator wraps :func:`prepare_dataset`.
+clean, deduplicate and split them by document, train (or reuse) a byte-level BPE tokenizer or
+use a pretrained model's (:mod:`trainforge.data.model_tokenizer`), encode token shards in
+parallel workers and write a manifest (docs/contracts.md, "Dataset"; docs/data.md). No Airflow, no MLflow; the ``prepare_data`` operator wraps :func:`prepare_dataset`.
 
 The demo corpus fetcher lives in :mod:`trainforge.data.corpus`
 (``python -m trainforge.data.corpus fetch --dest DIR``).
@@ -28,7 +28,10 @@ from trainforge.data.settings import EOS_TOKEN, PrepareSettings
 # and errors (e.g. at DAG-parse time) stays cheap (STYLE habit 13).
 _LAZY = {
     "FORMAT": "trainforge.data.manifest",
+    "ModelEos": "trainforge.data.model_tokenizer",
     "load_manifest": "trainforge.data.manifest",
+    "load_model_eos": "trainforge.data.model_tokenizer",
+    "model_eos": "trainforge.data.model_tokenizer",
     "verify_dataset": "trainforge.data.manifest",
     "PreparedDataset": "trainforge.data.result",
     "prepare_dataset": "trainforge.data.prepare",
@@ -49,6 +52,7 @@ __all__ = [
     "EmptyCorpusError",
     "InvalidSettingsError",
     "MalformedRecordError",
+    "ModelEos",
     "PrepareSettings",
     "PreparedDataset",
     "SourceAccessError",
@@ -57,6 +61,8 @@ __all__ = [
     "SourceNotFoundError",
     "TokenizerSourceError",
     "load_manifest",
+    "load_model_eos",
+    "model_eos",
     "prepare_dataset",
     "verify_dataset",
 ]

@@ -60,8 +60,12 @@ def train_tokenizer(texts: Iterable[str], *, vocab_size: int, special_tokens: Se
     return tokenizer
 
 
-def load_tokenizer(text: str, *, uri: str, vocab_size: int, eos_token: str) -> Tokenizer:
+def load_tokenizer(text: str, *, uri: str, vocab_size: int | None, eos_token: str,
+                   remedy: str | None = None) -> Tokenizer:
     """A reused ``tokenizer.json`` (its content ``text``), checked against the dataset.
+
+    ``vocab_size`` None: a pretrained model's tokenizer, whose ids set the size; ``remedy``:
+    the advice its errors give (see :class:`TokenizerSourceError`).
 
     Raises:
         TokenizerSourceError: not a tokenizer, no ``eos_token``, or more ids than ``vocab_size``.
@@ -69,11 +73,11 @@ def load_tokenizer(text: str, *, uri: str, vocab_size: int, eos_token: str) -> T
     try:
         tokenizer = Tokenizer.from_str(text)
     except Exception as err:  # tokenizers raises a bare Exception for bad JSON
-        raise TokenizerSourceError(uri, f"not a tokenizers JSON file ({err})") from err
+        raise TokenizerSourceError(uri, f"not a tokenizers JSON file ({err})", remedy) from err
     if tokenizer.token_to_id(eos_token) is None:
-        raise TokenizerSourceError(uri, f"it has no EOS token {eos_token!r}")
+        raise TokenizerSourceError(uri, f"it has no EOS token {eos_token!r}", remedy)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size > vocab_size:
+    if vocab_size is not None and size > vocab_size:
         raise TokenizerSourceError(
             uri, f"it has {size} tokens but data.tokenizer.vocab_size is {vocab_size} "
             f"(set vocab_size >= {size}, usually the vocab_size it was trained with)")

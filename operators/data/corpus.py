@@ -21,6 +21,7 @@ Cached: when DEST holds a ``SOURCE.json`` whose files all verify, nothing is fet
 from __future__ import annotations
 
 import argparse
+import fcntl
 import fnmatch
 import hashlib
 import importlib.util
@@ -115,10 +116,35 @@ def fetch_corpus(dest: Path | str, *, timeout_s: float = 600.0,
     """
     dest = Path(dest).absolute()
     if not verify_corpus(dest):
-        info = _info(dest, cached=True)
-        log.info("corpus already present at %s (%d files verified); nothing to do",
-                 dest, len(info.files))
-        return info
+        return _present(dest, log)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        lock = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as err:
+        raise CorpusFetchError("checking the destination", "destination",
+                               f"cannot create or open {dest.parent}: {err}",
+                               "choose another --dest") from None
+    try:
+        # Two fetches into one folder at once (two runs starting together): one fetches, the
+        # other waits on the parent folder's lock and then finds the corpus there.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not verify_corpus(dest):
+            return _present(dest, log)
+        return _fetch(dest, timeout_s, log)
+    finally:
+        os.close(lock)  # releases the lock
+
+
+def _present(dest: Path, log: logging.Logger | logging.LoggerAdapter) -> CorpusInfo:
+    info = _info(dest, cached=True)
+    log.info("corpus already present at %s (%d files verified); nothing to do",
+             dest, len(info.files))
+    return info
+
+
+def _fetch(dest: Path, timeout_s: float,
+           log: logging.Logger | logging.LoggerAdapter) -> CorpusInfo:
+    """:func:`fetch_corpus`'s download into ``dest``, under its lock."""
     if dest.exists() and not dest.is_dir():
         raise CorpusFetchError("checking the destination", "destination",
                                f"{dest} exists and is not a folder",

@@ -29,7 +29,7 @@ import numpy as np
 
 from trainforge.data.encode_worker import EncodedRange
 from trainforge.data.errors import DataPrepError
-from trainforge.data.manifest import sha256_file
+from trainforge.storage.files import sha256_file
 from trainforge.data.shards import ShardWriter
 from trainforge.data.spool import Range
 
@@ -146,7 +146,8 @@ class _SplitSink:
         """Finish the shards and the index; returns the split's manifest entry."""
         self.entry["shards"] = self.writer.close()
         self.index.close()
-        size, sha = sha256_file(self.folder / self.index_name)
+        index = self.folder / self.index_name
+        size, sha = index.stat().st_size, sha256_file(index)
         self.entry["index"] = {"file": self.index_name, "bytes": size, "sha256": sha}
         if self.entry["documents"] <= INLINE_NAMES_MAX:
             self.entry["document_names"] = self.names

@@ -122,15 +122,19 @@ class SourceAccessError(DataPrepError):
 
 
 class TokenizerSourceError(DataPrepError):
-    """A tokenizer to reuse cannot serve this dataset."""
+    """A tokenizer to reuse cannot serve this dataset (``uri``: the file at fault, e.g. a model
+    folder's ``generation_config.json``; ``remedy`` replaces the data.tokenizer.source advice)."""
 
-    def __init__(self, uri: str, problem: str) -> None:
+    def __init__(self, uri: str, problem: str, remedy: str | None = None) -> None:
         self.uri = uri
         self.problem = problem
-        super().__init__(
-            f"tokenizer {uri!r} cannot be reused: {problem}; point data.tokenizer.source at a "
-            "tokenizer.json with the EOS token, or remove it to train a new tokenizer"
-        )
+        if remedy is None:
+            super().__init__(
+                f"tokenizer {uri!r} cannot be reused: {problem}; point data.tokenizer.source at "
+                "a tokenizer.json with the EOS token, or remove it to train a new tokenizer"
+            )
+        else:
+            super().__init__(f"{uri!r}: {problem}; {remedy}")
 
 
 class DatasetInvalidError(DataPrepError):

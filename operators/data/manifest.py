@@ -1,27 +1,28 @@
-"""Dataset manifest: digest, atomic write, load, verify (docs/contracts.md, "Dataset").
+"""Dataset manifest: digest, load, verify (docs/contracts.md, "Dataset").
 
 A dataset folder without a ``manifest.json`` that verifies does not exist: :func:`verify_dataset`
 checks the format, every file's size and SHA-256, that shard sizes match their token counts and
-dtype, that the split totals add up, that every id is below ``vocab_size`` and that each split
-ends with the EOS id.
+dtype, that the split totals add up, that every id is below ``vocab_size``, that each split
+ends with the EOS id and that ``eos_ids`` (optional: manifests before it lack it) holds it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from trainforge.contract import DATASET_FORMAT as FORMAT
+from trainforge.contract import DATASET_MANIFEST as MANIFEST_NAME
+from trainforge.contract import DATASET_SPLITS as SPLITS
+from trainforge.contract import dataset_files  # noqa: F401 - data preparation's name for it
 from trainforge.data.errors import DatasetInvalidError
+from trainforge.storage.files import sha256_file
 
-FORMAT = "trainforge.dataset/v1"
-MANIFEST_NAME = "manifest.json"
 TOKENIZER_NAME = "tokenizer.json"
-SPLITS = ("train", "validation")
 #: Bump when a code change alters the prepared output for the same sources and settings.
 #: 2: streamed multi-format sources, max length and malformed-record settings, document index
 #: files, tokenizer reuse.
@@ -54,39 +55,6 @@ def dataset_digest(*, sources: list[dict[str, Any]], settings: dict[str, Any],
                           key=lambda s: (s["name"], canonical_json(s))),
     }
     return hashlib.sha256(canonical_json(payload)).hexdigest()
-
-
-def sha256_file(path: Path) -> tuple[int, str]:
-    """(size in bytes, SHA-256 hex) of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_CHUNK_BYTES):
-            digest.update(chunk)
-            size += len(chunk)
-    return size, digest.hexdigest()
-
-
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Write pretty JSON to ``path`` via a temporary file, fsync and ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2, sort_keys=False, ensure_ascii=False, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def dataset_files(manifest: dict[str, Any]) -> list[str]:
-    """Every file a manifest lists (tokenizer, shards, document indexes), manifest excluded."""
-    files = [manifest["tokenizer"]["file"]]
-    for split in SPLITS:
-        entry = manifest["splits"][split]
-        files += [s["file"] for s in entry["shards"]]
-        if "index" in entry:
-            files.append(entry["index"]["file"])
-    return files
 
 
 def load_manifest(dataset_dir: Path | str) -> dict[str, Any]:
@@ -131,7 +99,14 @@ def _verify(folder: Path, manifest: dict[str, Any]) -> list[str]:
         return [f"dtype is {dtype_name!r}, expected 'uint16' or 'uint32'"]
     dtype = np.dtype(dtype_name).newbyteorder("<")
     vocab_size, eos_id = int(manifest["vocab_size"]), int(manifest["eos_id"])
+    eos_ids = manifest.get("eos_ids", [eos_id])
+    if (not isinstance(eos_ids, list) or eos_id not in eos_ids
+            or not all(type(i) is int and 0 <= i < vocab_size for i in eos_ids)):
+        problems.append(f"eos_ids is {eos_ids!r}, expected a list of ids < vocab_size "
+                        f"{vocab_size} holding eos_id {eos_id}")
     problems += _check_file(folder, manifest["tokenizer"])
+    if isinstance((manifest.get("examples") or {}).get("chat_template"), dict):
+        problems += _check_file(folder, manifest["examples"]["chat_template"])
     for split in SPLITS:
         entry = manifest["splits"][split]
         if "index" in entry:
@@ -143,7 +118,10 @@ def _verify(folder: Path, manifest: dict[str, Any]) -> list[str]:
         if sum(int(s["tokens"]) for s in shards) != int(entry["tokens"]):
             problems.append(f"split {split!r}: shard tokens do not add up to {entry['tokens']}")
         last_id = None
+        examples = "examples" in manifest  # conversations: no EOS between them; masks and offsets
         for shard in shards:
+            if examples:
+                problems += _check_examples(folder, shard, int(manifest["examples"]["sequence_length"]))
             if int(shard["bytes"]) != int(shard["tokens"]) * dtype.itemsize:
                 problems.append(f"{shard['file']}: {shard['bytes']} bytes for {shard['tokens']} "
                                 f"{dtype_name} tokens")
@@ -152,15 +130,34 @@ def _verify(folder: Path, manifest: dict[str, Any]) -> list[str]:
             if max_id is not None and max_id >= vocab_size:
                 problems.append(f"{shard['file']}: token id {max_id} >= vocab_size {vocab_size}")
             last_id = last
-        if last_id is not None and last_id != eos_id:
+        if last_id is not None and last_id != eos_id and not examples:
             problems.append(f"split {split!r} does not end with the EOS id {eos_id}")
+    return problems
+
+
+def _check_examples(folder: Path, shard: dict[str, Any], sequence_length: int) -> list[str]:
+    """An examples shard's loss mask (one 0/1 byte per token) and offsets (0 to its tokens,
+    rising, no example longer than ``sequence_length``)."""
+    problems = _check_file(folder, shard["loss_mask"]) + _check_file(folder, shard["examples"])
+    if problems:
+        return problems
+    tokens = int(shard["tokens"])
+    mask = np.fromfile(folder / shard["loss_mask"]["file"], dtype=np.uint8)
+    offsets = np.fromfile(folder / shard["examples"]["file"], dtype=np.dtype("<i8"))
+    if len(mask) != tokens or int(mask.max(initial=0)) > 1:
+        problems.append(f"{shard['loss_mask']['file']}: expected {tokens} bytes of 0 or 1")
+    lengths = np.diff(offsets)
+    if (len(offsets) != int(shard["examples"]["count"]) + 1 or not len(offsets) or offsets[0] != 0
+            or offsets[-1] != tokens or (lengths <= 0).any() or (lengths > sequence_length).any()):
+        problems.append(f"{shard['examples']['file']}: expected {shard['examples']['count']} + 1 rising offsets "
+                        f"from 0 to {tokens}, no example longer than {sequence_length} tokens")
     return problems
 
 
 def _check_file(folder: Path, entry: dict[str, Any]) -> list[str]:
     path = folder / entry["file"]
     try:
-        size, sha = sha256_file(path)
+        size, sha = path.stat().st_size, sha256_file(path)
     except OSError as err:
         return [f"{entry['file']}: cannot read ({err.strerror or err})"]
     problems = []

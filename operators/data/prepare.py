@@ -2,7 +2,8 @@
 docs/data.md for every option).
 
     sources ─► scan: read (streamed), clean, filter, dedup, split by content hash ─► spools
-            ─► tokenizer: train byte-level BPE on the train spool, or reuse one
+            ─► tokenizer: train byte-level BPE on the train spool, or reuse one (trainforge's
+               own, or a pretrained model's: ``settings.eos_ids``)
             ─► encode the spools in parallel workers ─► shards ─► manifest.json (last)
 
 Everything is written into ``output_root/.<digest>.tmp-<pid>/`` and renamed to
@@ -19,6 +20,7 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +28,22 @@ import tokenizers
 
 from trainforge.data import s3
 from trainforge.data.bpe import load_tokenizer, train_tokenizer
+from trainforge.data.chat_prepare import build_examples, tokenizer_files_digest
 from trainforge.data.encode import encode_splits
 from trainforge.data.errors import InvalidSettingsError, SourceAccessError, TokenizerSourceError
 from trainforge.data.manifest import (
     FORMAT, MANIFEST_NAME, RECIPE_VERSION, SPLITS, TOKENIZER_NAME, dataset_digest, load_manifest,
-    sha256_file, verify_dataset, write_json_atomic,
+    verify_dataset,
 )
 from trainforge.data.remote import prepare_remote
 from trainforge.data.result import PreparedDataset
 from trainforge.data.scan import ScanResult, scan_sources
-from trainforge.data.settings import PrepareSettings
+from trainforge.data.model_tokenizer import REMEDY
+from trainforge.data.settings import PrepareSettings, dtype_for
 from trainforge.data.sources import SourceFile, resolve_sources
 from trainforge.data.spool import read_range
 from trainforge.storage import storage_for
-from trainforge.storage.files import fsync_dir
+from trainforge.storage.files import atomic_write_json, fsync_dir, sha256_file
 from trainforge.storage.s3 import make_client
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,15 @@ MIN_CHUNK_BYTES = 64 << 10
 MAX_CHUNK_BYTES = 16 << 20
 #: Spool ranges per encoding worker that a corpus is cut into (when it is large enough).
 RANGES_PER_WORKER = 8
+
+
+@dataclass(frozen=True)
+class _Reused:
+    """A reused tokenizer.json: its bytes, the parsed tokenizer, the dataset's vocab_size."""
+
+    data: bytes
+    tokenizer: tokenizers.Tokenizer
+    vocab_size: int
 
 
 class _Client:
@@ -99,18 +112,19 @@ def prepare_dataset(settings: PrepareSettings, output_root: Path | str, *,
     started = time.monotonic()
     client = (lambda: s3_client) if s3_client is not None else _Client(settings.s3_endpoint_url)
     sources = resolve_sources(settings.sources, client)
-    tokenizer_text = _read_tokenizer(settings, client)
+    reused = _read_tokenizer(settings, client)
     digest_settings = settings.output_settings()
-    if tokenizer_text is not None:
-        digest_settings["tokenizer_sha256"] = _sha256_text(tokenizer_text)
+    if reused is not None:
+        digest_settings["tokenizer_sha256"] = hashlib.sha256(reused.data).hexdigest()
+    if settings.examples:  # the model's chat template and special tokens render the examples too
+        digest_settings["tokenizer_files_sha256"] = tokenizer_files_digest(settings, client)
     digest = dataset_digest(sources=[s.identity() for s in sources], settings=digest_settings,
                             tokenizers_version=tokenizers.__version__)
     log.info("dataset %s: %d source files, %d bytes", digest[:12], len(sources),
              sum(s.bytes for s in sources))
 
     def build(root: Path) -> PreparedDataset:
-        return _prepare_local(settings, sources, digest, root, client, tokenizer_text,
-                              started, log)
+        return _prepare_local(settings, sources, digest, root, client, reused, started, log)
 
     output = storage_for(output_root, client)
     local = output.local_path(output_root)
@@ -123,8 +137,9 @@ def prepare_dataset(settings: PrepareSettings, output_root: Path | str, *,
                           started, log)
 
 
-def _read_tokenizer(settings: PrepareSettings, client: Any) -> str | None:
-    """The content of the reused tokenizer.json, checked; None when one is trained."""
+def _read_tokenizer(settings: PrepareSettings, client: Any) -> _Reused | None:
+    """The reused tokenizer.json (bytes kept as they are: the trainer compares a pretrained
+    folder's file by SHA-256), checked; None when one is trained."""
     uri = settings.tokenizer_uri
     if uri is None:
         return None
@@ -132,23 +147,37 @@ def _read_tokenizer(settings: PrepareSettings, client: Any) -> str | None:
         raise TokenizerSourceError(uri, "a registered model is fetched by the prepare_data "
                                         "operator (through MLflow); pass its tokenizer.json here")
     if s3.is_s3(uri):
-        text = s3.read_bytes(client(), uri).decode("utf-8")
+        data = s3.read_bytes(client(), uri)
     else:
         try:
-            text = Path(uri).expanduser().read_text(encoding="utf-8")
+            data = Path(uri).expanduser().read_bytes()
         except OSError as err:
             raise SourceAccessError(uri, "read", str(err.strerror or err),
                                     "check the path of data.tokenizer.source") from err
-    load_tokenizer(text, uri=uri, vocab_size=settings.vocab_size, eos_token=settings.eos_token)
-    return text
-
-
-def _sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise TokenizerSourceError(uri, f"not UTF-8 ({err})") from err
+    if settings.eos_ids is None:
+        assert settings.vocab_size is not None  # PrepareSettings checks it
+        tokenizer = load_tokenizer(text, uri=uri, vocab_size=settings.vocab_size,
+                                   eos_token=settings.eos_token)
+        return _Reused(data, tokenizer, settings.vocab_size)
+    tokenizer = load_tokenizer(text, uri=uri, vocab_size=None, eos_token=settings.eos_token,
+                               remedy=REMEDY)
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    eos_id = vocab[settings.eos_token]
+    missing = [i for i in settings.eos_ids if tokenizer.id_to_token(i) is None]
+    if missing or eos_id not in settings.eos_ids:
+        problem = (f"eos_ids {list(settings.eos_ids)} hold ids it does not have: {missing}"
+                   if missing else f"eos_ids {list(settings.eos_ids)} do not hold the id "
+                   f"{eos_id} of the EOS token {settings.eos_token!r}")
+        raise TokenizerSourceError(uri, problem, remedy=REMEDY)
+    return _Reused(data, tokenizer, max(vocab.values()) + 1)
 
 
 def _prepare_local(settings: PrepareSettings, sources: list[SourceFile], digest: str,
-                   output_root: Path, client: Any, tokenizer_text: str | None, started: float,
+                   output_root: Path, client: Any, reused: _Reused | None, started: float,
                    log: Log) -> PreparedDataset:
     final = output_root / digest
     if (final / MANIFEST_NAME).exists():
@@ -165,7 +194,7 @@ def _prepare_local(settings: PrepareSettings, sources: list[SourceFile], digest:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     try:
-        manifest, timings = _build(settings, sources, digest, work, client, tokenizer_text, log)
+        manifest, timings = _build(settings, sources, digest, work, client, reused, log)
         prepared = _publish(work, final, digest, manifest, started, log)
         prepared.timings_s.update(timings)
         return prepared
@@ -174,8 +203,10 @@ def _prepare_local(settings: PrepareSettings, sources: list[SourceFile], digest:
 
 
 def _build(settings: PrepareSettings, sources: list[SourceFile], digest: str, work: Path,
-           client: Any, tokenizer_text: str | None, log: Log
+           client: Any, reused: _Reused | None, log: Log
            ) -> tuple[dict[str, Any], dict[str, float]]:
+    if settings.examples:  # conversations: an examples dataset (trainforge.data.chat_prepare)
+        return build_examples(settings, sources, digest, work, client, log)
     spool = work / "spool"
     scan = scan_sources(sources, settings, client, spool,
                         chunk_bytes(settings, sum(s.bytes for s in sources)), log)
@@ -184,13 +215,15 @@ def _build(settings: PrepareSettings, sources: list[SourceFile], digest: str, wo
 
     started = time.monotonic()
     tokenizer_path = work / TOKENIZER_NAME
-    if tokenizer_text is not None:
-        tokenizer_path.write_bytes(tokenizer_text.encode("utf-8"))
-        tokenizer = load_tokenizer(tokenizer_text, uri=str(settings.tokenizer_uri),
-                                   vocab_size=settings.vocab_size, eos_token=settings.eos_token)
-        log.info("reusing tokenizer %s (%d tokens)", settings.tokenizer_uri,
-                 tokenizer.get_vocab_size())
+    if reused is not None:
+        tokenizer_path.write_bytes(reused.data)
+        tokenizer, vocab_size = reused.tokenizer, reused.vocab_size
+        log.info("reusing %stokenizer %s (%d tokens, ids < %d)",
+                 "the pretrained model's " if settings.pretrained else "",
+                 settings.tokenizer_uri, tokenizer.get_vocab_size(), vocab_size)
     else:
+        assert settings.vocab_size is not None  # PrepareSettings checks it
+        vocab_size = settings.vocab_size
         texts = (r.text.decode("utf-8") for rng in scan.ranges["train"] for r in read_range(rng))
         tokenizer = train_tokenizer(texts, vocab_size=settings.vocab_size,
                                     special_tokens=settings.special_tokens,
@@ -199,11 +232,12 @@ def _build(settings: PrepareSettings, sources: list[SourceFile], digest: str, wo
         log.info("trained byte-level BPE on the train split: %d tokens (asked %d)",
                  tokenizer.get_vocab_size(), settings.vocab_size)
     tokenizer_seconds = time.monotonic() - started
-    tok_bytes, tok_sha = sha256_file(tokenizer_path)
+    tok_bytes, tok_sha = tokenizer_path.stat().st_size, sha256_file(tokenizer_path)
     eos_id = tokenizer.token_to_id(settings.eos_token)
+    dtype = dtype_for(vocab_size)
 
     splits, encode_seconds = encode_splits(
-        tokenizer_path, scan.ranges, folder=work, dtype=settings.dtype,
+        tokenizer_path, scan.ranges, folder=work, dtype=dtype,
         shard_tokens=settings.shard_tokens, eos_id=eos_id, workers=settings.workers)
     shutil.rmtree(spool)
     for split in SPLITS:
@@ -212,7 +246,10 @@ def _build(settings: PrepareSettings, sources: list[SourceFile], digest: str, wo
     tokens = sum(splits[s]["tokens"] for s in SPLITS)
     log.info("encoded %d tokens with %d worker(s) in %.1f s (%.0f tokens/s)", tokens,
              settings.workers, encode_seconds, tokens / max(encode_seconds, 1e-9))
-    manifest = _manifest(settings, sources, digest, scan, splits, eos_id,
+    manifest = _manifest(settings, sources, digest, scan, splits,
+                         {"dtype": dtype, "vocab_size": vocab_size,
+                          "eos_token": settings.eos_token, "eos_id": eos_id,
+                          "eos_ids": list(settings.eos_ids or [eos_id])},
                          {"file": TOKENIZER_NAME, "bytes": tok_bytes, "sha256": tok_sha,
                           "trained_vocab_size": tokenizer.get_vocab_size(),
                           "source": settings.tokenizer_uri})
@@ -221,8 +258,9 @@ def _build(settings: PrepareSettings, sources: list[SourceFile], digest: str, wo
 
 
 def _manifest(settings: PrepareSettings, sources: list[SourceFile], digest: str,
-              scan: ScanResult, splits: dict[str, Any], eos_id: int,
+              scan: ScanResult, splits: dict[str, Any], vocabulary: dict[str, Any],
               tokenizer: dict[str, Any]) -> dict[str, Any]:
+    """The manifest; ``vocabulary``: dtype, vocab_size, eos_token, eos_id, eos_ids."""
     entries = []
     for s in sources:
         entry: dict[str, Any] = {"uri": s.uri, "name": s.name, "bytes": s.bytes,
@@ -233,10 +271,7 @@ def _manifest(settings: PrepareSettings, sources: list[SourceFile], digest: str,
     return {
         "format": FORMAT,
         "digest": digest,
-        "dtype": settings.dtype,
-        "vocab_size": settings.vocab_size,
-        "eos_token": settings.eos_token,
-        "eos_id": eos_id,
+        **vocabulary,
         "tokenizer": tokenizer,
         "splits": splits,
         "sources": entries,
@@ -252,7 +287,7 @@ def _manifest(settings: PrepareSettings, sources: list[SourceFile], digest: str,
 def _publish(work: Path, final: Path, digest: str, manifest: dict[str, Any], started: float,
              log: Log) -> PreparedDataset:
     """Write the manifest last, then move the folder into place (see module doc)."""
-    write_json_atomic(work / MANIFEST_NAME, manifest)
+    atomic_write_json(work / MANIFEST_NAME, manifest, ensure_ascii=False, allow_nan=False)
     fsync_dir(work)
     if final.exists():  # a broken earlier attempt, or another process that just finished
         if not verify_dataset(final):

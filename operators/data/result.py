@@ -62,5 +62,7 @@ class PreparedDataset:
             "removed": stats["removed"],
             "malformed": stats.get("malformed", {}).get("count", 0),
             "cleaning": stats["cleaning"],
+            **({"loss_tokens": {s: splits[s]["loss_tokens"] for s in SPLITS},
+                "examples": self.manifest["examples"]} if "examples" in self.manifest else {}),
             "timings_s": {k: round(v, 3) for k, v in self.timings_s.items()},
         }

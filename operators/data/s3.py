@@ -254,3 +254,18 @@ def read_bytes(client: Any, uri: str) -> bytes:
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
     except Exception as err:
         raise SourceAccessError(uri, "read", _describe(err)) from err
+
+
+def read_optional(client: Any, uri: str) -> bytes | None:
+    """A whole small object, or None when it does not exist (a model folder's optional file).
+
+    Raises:
+        SourceAccessError: it exists but cannot be read.
+    """
+    bucket, key = split_uri(uri)
+    try:
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except Exception as err:
+        if _error_code(err) in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise SourceAccessError(uri, "read", _describe(err)) from err

@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 from trainforge.data import s3
 from trainforge.data.errors import SourceChangedError, SourceNotFoundError
-from trainforge.data.manifest import sha256_file
+from trainforge.storage.files import sha256_file
 
 #: Read buffer of the streamed readers (bytes).
 READ_BUFFER_BYTES = 1 << 20
@@ -133,7 +133,7 @@ def resolve_sources(patterns: tuple[str, ...], client_factory: Any = None) -> li
         base = os.path.commonpath(local_bases)
         for path, _ in local.values():
             stat = path.stat()
-            size, sha = sha256_file(path)
+            size, sha = path.stat().st_size, sha256_file(path)
             files.append(SourceFile(str(path.absolute()),
                                     Path(os.path.relpath(path, base)).as_posix(), size, sha,
                                     mtime_ns=stat.st_mtime_ns))

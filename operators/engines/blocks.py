@@ -22,7 +22,7 @@ ENGINE_ENV = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TRAINFORGE_RESUL
 
 
 # Names of variables that hold credentials. The spec is committed and rendered verbatim into
-# job requests, so credentials never come from it (README: "Credentials").
+# job requests, so credentials never come from it (docs/storage.md, "Credentials and endpoint").
 _CREDENTIAL_NAMES = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"})
 _CREDENTIAL_WORDS = frozenset({"PASSWORD", "PASSWD", "PASSPHRASE", "SECRET", "TOKEN",
                                "CREDENTIAL", "CREDENTIALS", "APIKEY"})

@@ -163,6 +163,19 @@ class MlflowHook(DagRuns, ModelVersions, ModelArtifacts, LoggedModels):
             with mlflow_errors("log_batch(tags)", f"run {run_id}"):
                 self.client.log_batch(run_id, tags=batch)
 
+    def delete_tags(self, run_id: str, keys: Sequence[str]) -> None:
+        """Remove run tags ``keys``; a key the run does not have is skipped.
+
+        Raises:
+            MlflowRequestError: the server failed a call.
+        """
+        with mlflow_errors("get_run", f"run {run_id}"):
+            present = self.client.get_run(run_id).data.tags
+        for key in keys:
+            if key in present:
+                with mlflow_errors("delete_tag", f"run {run_id} tag {key}"):
+                    self.client.delete_tag(run_id, key)
+
     def log_dict_artifact(
         self, run_id: str, obj: Mapping[str, Any] | Sequence[Any], path: str
     ) -> str:
@@ -176,6 +189,28 @@ class MlflowHook(DagRuns, ModelVersions, ModelArtifacts, LoggedModels):
         """
         with mlflow_errors("log_dict", f"run {run_id} artifact {path}"):
             self.client.log_dict(run_id, obj, path)  # type: ignore[arg-type]
+        return f"runs:/{run_id}/{path}"
+
+    def log_table(self, run_id: str, columns: Mapping[str, Sequence[Any]], path: str) -> str:
+        """Log ``{column: values}`` as a table artifact (MLflow's table JSON, listed among the
+        run's tables) at the run's ``path`` (ends in ``.json``), unless ``path`` exists already:
+        MLflow appends to an existing table, so a retry would double its rows. Name a table after
+        what determines its rows.
+
+        Returns:
+            ``runs:/<run_id>/<path>``.
+
+        Raises:
+            MlflowRequestError: the server failed a call.
+        """
+        folder = path.rpartition("/")[0] or None
+        with mlflow_errors("list_artifacts", f"run {run_id} folder {folder}"):
+            present = {f.path for f in self.client.list_artifacts(run_id, folder)}
+        if path in present:
+            log.info("run %s already holds table %s: not logging it again", run_id, path)
+            return f"runs:/{run_id}/{path}"
+        with mlflow_errors("log_table", f"run {run_id} artifact {path}"):
+            self.client.log_table(run_id, {k: list(v) for k, v in columns.items()}, path)
         return f"runs:/{run_id}/{path}"
 
     def log_dataset_input(

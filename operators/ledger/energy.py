@@ -1,14 +1,15 @@
 """A job's energy per device kind and per GPU device, from what the trainer could read, else the
 spec's estimate, else unknown: never a 0 that means "not read".
 
-**GPU**, when every attempt record read the job's GPUs (trainforge.trainer.gpus: the devices
-``CUDA_VISIBLE_DEVICES`` gives the job, never a neighbour's), per device (``gpu<NVML index>``,
-``gpu<index>-mig<k>``):
+**GPU**, when every attempt record read the job's GPUs (trainforge.trainer.gpus: each local
+rank's device found by UUID, never a neighbour's by index), per device (``gpu<NVML index>``,
+``gpu<index>-mig<k>``, ``cuda<r>`` for a rank's device NVML could not identify):
 
 * ``measured-nvml``: NVML's total-energy counter;
 * ``power_integration``: NVML's power readings, integrated;
-* ``unknown``: NVML read neither (a MIG instance, most vGPUs), with the reason. Such a device is
-  not estimated: the spec's per-GPU power is a whole board's, and it is a share of one.
+* ``unknown``: NVML read neither (a MIG instance, most vGPUs), or the device is not identified,
+  with the reason. Such a device is not estimated: the spec's per-GPU power is a whole board's,
+  and it is a share of one, or a board that cannot be told.
 
 Over several attempts a device keeps its weakest source; the ``gpu`` kind's is its devices'
 one source, or ``mixed`` (docs/contracts.md, "Run ledger").

@@ -13,10 +13,10 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from trainforge.contract import S3_URI
 from trainforge.sections import SpecModel, check_length, field_errors
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
-_S3 = re.compile(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$")
 _MODELS = re.compile(r"^models:/([^/@]+)(@[A-Za-z_][A-Za-z0-9_\-]*|/[0-9]+)$")
 _ENDPOINT = re.compile(r"^https?://[^/@\s]+(:[0-9]+)?/?$")
 #: Longest document the data step accepts (characters), as trainforge.data.settings.
@@ -29,7 +29,7 @@ def _check_location(value: str, what: str) -> str:
     if match and match.group(1) != "s3":
         raise ValueError(f"{what} must be a local path or an s3:// URI (got {value!r}; "
                          f"expected e.g. 'corpus/*.txt' or 's3://bucket/prefix/*.jsonl.gz')")
-    if match and not _S3.match(value):
+    if match and not S3_URI.match(value):
         raise ValueError(f"not an s3://bucket/key URI (got {value!r}; expected s3:// followed "
                          "by a bucket name of 3-63 lower-case letters, digits, '.' or '-')")
     return value
@@ -98,10 +98,42 @@ class DataSection(SpecModel):
         description="Glob patterns of input files: local paths (relative ones resolve against "
         "TRAINFORGE_HOME) or s3://bucket/prefix/... URIs; '**' matches any folders.",
     )
-    format: Literal["text", "jsonl", "parquet", "auto"] = Field(
+    format: Literal["text", "jsonl", "parquet", "auto", "chat", "prompt_completion"] = Field(
         "text", description="text: one document per file; jsonl: one JSON object per line, the "
         "document under text_field; parquet: the document in column text_field; auto: each "
-        "file by suffix (.jsonl/.ndjson, .parquet/.pq, else text; before .gz/.zst)."
+        "file by suffix (.jsonl/.ndjson, .parquet/.pq, else text; before .gz/.zst). For "
+        "fine-tuning (needs model.pretrained), JSONL or Parquet records by suffix: chat: a list "
+        "of {role, content} messages under messages_field; prompt_completion: the strings under "
+        "prompt_field and completion_field. Rendered with the chat template, the loss counts "
+        "only the assistant's tokens (docs/finetuning.md)."
+    )
+    messages_field: str = Field(
+        "messages", min_length=1, description="format chat: the field (JSONL key or Parquet column) "
+        "holding the list of messages; roles system, user, assistant and tool."
+    )
+    prompt_field: str = Field(
+        "prompt", min_length=1, description="format prompt_completion: the field of the prompt "
+        "(rendered as a user turn)."
+    )
+    completion_field: str = Field(
+        "completion", min_length=1, description="format prompt_completion: the field of the "
+        "completion (rendered as the assistant's answer, which the loss counts)."
+    )
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template file (local path) to render conversations with, "
+        "instead of the tokenizer's own (for a tokenizer without one). null: the model's."
+    )
+    over_length: Literal["drop", "truncate"] = Field(
+        "drop", description="A conversation longer than sequence_length tokens: drop it, or "
+        "truncate its last answer (one whose prompt alone is too long is dropped). Both counted "
+        "in the dataset manifest."
+    )
+    packing: bool = Field(
+        False, description="format chat or prompt_completion: pack several examples into each "
+        "training sequence of sequence_length tokens (no token attends to another example; "
+        "position ids restart per example) instead of padding one example per sequence; "
+        "training.optimization's batch sizes then count packed sequences. Validation stays "
+        "one example per sequence."
     )
     compression: Literal["auto", "none", "gzip", "zstd"] = Field(
         "auto", description="auto: by file suffix (.gz gzip, .zst/.zstd zstd, else none)."
@@ -152,6 +184,25 @@ class DataSection(SpecModel):
                 raise ValueError(f"a source pattern may not be empty (got {pattern!r})")
             _check_location(pattern, "each source")
         return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str | None) -> str | None:
+        if value is not None and _SCHEME.match(value):
+            raise ValueError(f"data.chat_template is a local Jinja file (got {value!r}; expected e.g. "
+                             "'templates/chat.jinja', relative to TRAINFORGE_HOME)")
+        return value
+
+    @model_validator(mode="after")
+    def _chat_fields(self) -> DataSection:
+        if self.format in ("chat", "prompt_completion"):
+            return self
+        given = [name for name in ("chat_template", "packing") if getattr(self, name) not in (None, False)]
+        if given:
+            raise field_errors(DataSection, ((given[0],), f"{given[0]} is only read with format chat or "
+                               f"prompt_completion (got format {self.format!r})", getattr(self, given[0]),
+                               ("format",)))
+        return self
 
     @field_validator("output_uri")
     @classmethod

@@ -21,8 +21,10 @@ from pydantic import (
     model_validator,
 )
 
-from trainforge.pipeline.architecture import ModelSection
-from trainforge.pipeline.data import _S3, _SCHEME, DataSection, StorageSection, same_endpoint
+from trainforge.contract import S3_URI
+from trainforge.pipeline.architecture import ModelSection, fine_tuning_errors, pretrained_errors
+from trainforge.pipeline.peft import PeftSection
+from trainforge.pipeline.data import _SCHEME, DataSection, StorageSection, same_endpoint
 from trainforge.pipeline.engines import (
     block_fields,
     connection_secret_errors,
@@ -156,7 +158,7 @@ class CheckpointSection(SpecModel):
     @field_validator("uri")
     @classmethod
     def _uri(cls, value: str) -> str:
-        if _SCHEME.match(value) and not _S3.match(value):
+        if _SCHEME.match(value) and not S3_URI.match(value):
             raise ValueError(f"checkpoint uri must be a local folder or an s3://bucket/prefix URI "
                              f"(got {value!r}; expected e.g. 'checkpoints' or "
                              f"'s3://my-bucket/checkpoints'; bucket: 3-63 lower-case letters, "
@@ -177,6 +179,10 @@ class TrainingSection(_EngineFields):  # type: ignore[valid-type, misc]
     framework: FrameworkSection = FrameworkSection()
     checkpoint: CheckpointSection
     fault: FaultSection = FaultSection()
+    peft: PeftSection | None = Field(
+        None, description="LoRA adapters on model.pretrained: only they train, checkpoints hold them "
+        "alone. null: every weight trains."
+    )
     log_every_steps: int = Field(10, ge=1, description="Metric and log-line interval in steps.")
 
     @property
@@ -316,6 +322,9 @@ class PipelineSpec(SpecModel):
         errors = [*storage_errors(self.training.engine, self.data.output_uri,
                                   self.training.checkpoint.uri),
                   *self._s3_access(), *self._init_keeps_tokenizer(),
+                  *pretrained_errors(self.model, self.data.tokenizer.source,
+                                     self.training.engine, len(self.stages or ())),
+                  *fine_tuning_errors(self.model, self.data.format, self.training.peft is not None),
                   *self._approval_needs_gate()]
         if errors:
             raise field_errors(PipelineSpec, *errors)
@@ -373,14 +382,13 @@ class PipelineSpec(SpecModel):
         return []
 
     def _approval_needs_gate(self) -> list[tuple]:
-        # A person approves what the gate passed; with the gate off nothing is ever passed.
-        if self.registry.approval is not None and not self.validation.gate.enabled:
-            return [(("registry", "approval"), "registry.approval asks a person to approve each "
-                     "eval-gate pass, but validation.gate.enabled is false, so champion never "
-                     "moves (got validation.gate.enabled false; expected true, or no "
-                     "registry.approval)", self.validation.gate.enabled,
-                     ("validation", "gate", "enabled"))]
-        return []
+        # A person approves what the gate passed, registry.eval scores for it: with the gate off neither is read.
+        what = {"approval": "asks a person to approve each eval-gate pass", "eval": "adds a task score to the eval gate"}
+        return [(("registry", key), f"registry.{key} {text}, but validation.gate.enabled is false, so champion "
+                 f"never moves (got validation.gate.enabled false; expected true, or no registry.{key})",
+                 False, ("validation", "gate", "enabled"))
+                for key, text in what.items()
+                if getattr(self.registry, key) is not None and not self.validation.gate.enabled]
 
     @property
     def dag_id(self) -> str:

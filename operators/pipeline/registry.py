@@ -14,6 +14,7 @@ from trainforge.sections import SpecModel, check_length
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,255}$")
 _ALIAS = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]{0,254}$")
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*)://")
 
 
 # The validation context key the loader sets when it validates what a person wrote in a file.
@@ -61,6 +62,52 @@ class ValidationSection(SpecModel):
     )
 
 
+class EvalSection(SpecModel):
+    """A task score in the eval gate: prompts answered by greedy generation (docs/registry.md)."""
+
+    prompts: str = Field(
+        description="JSONL file (local path, relative to TRAINFORGE_HOME) of "
+        '{"prompt": ..., "expected": ...} records; each prompt is one user turn, answered '
+        "greedily through the chat template."
+    )
+    scoring: Literal["exact_match", "contains"] = Field(
+        "exact_match",
+        description="exact_match: the answer equals expected (both stripped of surrounding "
+        "whitespace); contains: the answer contains expected (stripped). The task score is the "
+        "fraction correct.",
+    )
+    max_new_tokens: int = Field(
+        32, ge=1, le=4096, description="Tokens generated per prompt at most (generation also "
+        "stops at the model's end-of-turn or EOS ids)."
+    )
+    require_at_least_champion: bool = Field(
+        True, description="The candidate's task score must be at least the champion's (a tie "
+        "passes on to the validation loss rule)."
+    )
+    min_score: float | None = Field(
+        None, ge=0.0, le=1.0, description="The candidate's task score must be at least this "
+        "(the first version too). null: no threshold."
+    )
+    chat_template: str | None = Field(
+        None, description="A Jinja chat template file (local path) to render the prompts with, "
+        "for every model compared. null: data.chat_template when given, else each model's own."
+    )
+
+    @field_validator("prompts", "chat_template")
+    @classmethod
+    def _local_file(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return value
+        if not value.strip():
+            raise ValueError(f"registry.eval.{info.field_name} may not be empty (got {value!r}; "
+                             "expected a local file path)")
+        if _SCHEME.match(value):
+            example = "eval/prompts.jsonl" if info.field_name == "prompts" else "templates/chat.jinja"
+            raise ValueError(f"registry.eval.{info.field_name} is a local file (got {value!r}; expected "
+                             f"e.g. {example!r}, relative to TRAINFORGE_HOME)")
+        return value
+
+
 class RegistrySection(SpecModel):
     model_name: str = Field(description="MLflow registered model name.")
     aliases: list[str] = Field(
@@ -72,6 +119,11 @@ class RegistrySection(SpecModel):
         None, validate_default=False,
         description="A person approves each eval-gate pass before champion moves "
         "(docs/registry.md); unset: champion moves as soon as the gate passes.",
+    )
+    eval: EvalSection | None = Field(
+        None, validate_default=False, description="A task score the eval gate also requires (docs/registry.md): "
+        "prompts answered by greedy generation, candidate and champion scored alike. "
+        "null: the gate compares validation loss only."
     )
 
     @field_validator("approval", mode="before")
@@ -85,6 +137,17 @@ class RegistrySection(SpecModel):
                 "empty (got nothing after 'approval:'; expected its settings, such as "
                 "'approvers: [<user>, ...]', or '{}' for the defaults; remove the key to let "
                 "champion move as soon as the gate passes)"
+            )
+        return value
+
+    @field_validator("eval", mode="before")
+    @classmethod
+    def _eval_given(cls, value: object, info: ValidationInfo) -> object:
+        # As with approval: ``eval:`` with nothing after it would silently turn the task score off.
+        if value is None and (info.context or {}).get(SPEC_FILE):
+            raise ValueError(
+                "empty (got nothing after 'eval:'; expected its settings, at least "
+                "'prompts: <file.jsonl>'; remove the key to gate on validation loss only)"
             )
         return value
 

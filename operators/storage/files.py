@@ -83,6 +83,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """`atomic_write_bytes` of ``obj`` as indented UTF-8 JSON with a trailing newline."""
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode("utf-8"))
+def atomic_write_json(path: str | Path, obj: Any, **dumps: Any) -> None:
+    """`atomic_write_bytes` of ``obj`` as indented UTF-8 JSON with a trailing newline; ``dumps``:
+    more options of :func:`json.dumps` (``sort_keys``, ``ensure_ascii``, ``allow_nan``)."""
+    text = json.dumps(obj, indent=2, **dumps) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"))

@@ -3,26 +3,25 @@
 Present only with ``registry.approval`` (docs/registry.md, "Human approval"). It follows
 ``register_model``, whose gate then only records its decision:
 
-1. the gate did not pass, or the version already holds ``champion`` → the task is skipped:
-   nothing to approve;
-2. the version must still exist in the registry (else the task fails, saying so); it is tagged
-   ``trainforge.approval.status: pending`` and Airflow's human-in-the-loop request is written:
-   subject, the gate's report as Markdown (`trainforge.approval.request_body`), options
-   ``Approve`` / ``Reject``, a ``reason`` field, the spec's approvers as assigned users. The
-   task then waits in Airflow's ``awaiting_input`` state, holding no worker slot;
-3. the answer (UI or REST) resumes it: **Approve** moves ``champion`` (unless it moved since
-   the gate compared: then the task fails and nothing moves) and emits the asset event of
-   ``register_model``'s outlet; **Reject** tags the version rejected with the reason; champion
-   stays. No answer within ``registry.approval.timeout``: ``on_timeout: reject`` rejects
-   (Airflow applies the request's default, ``Reject``); ``on_timeout: fail`` fails the task.
-   A timeout never promotes; with ``on_timeout: fail`` the request is closed (answered
-   ``Reject`` by nobody), so a late answer gets Airflow's 409.
-4. ``registry.approval.notify`` sends the posted request through Airflow notifiers
-   (trainforge.approval_notify; docs/registry.md, "Telling the approvers").
+1. the gate did not pass, or the version holds ``champion`` in the registry (a cleared approval
+   after an Approve) → skipped: nothing to approve, the recorded decision stays;
+2. the version must still exist (else the task fails); it is tagged
+   ``trainforge.approval.status: pending`` and Airflow's human-in-the-loop request is written
+   (the gate's report, ``Approve`` / ``Reject``, a ``reason``, the spec's approvers); the task
+   waits in Airflow's ``awaiting_input`` state, holding no worker slot;
+3. the answer (UI or REST) resumes it: **Approve** moves ``champion`` and emits the asset event
+   of ``register_model``'s outlet, unless the alias moved since the gate compared, or (the
+   champion invariant, read right before the move) an upstream task of this DAG run such as
+   ``validate_checkpoint`` is not success or the version's tags are not pending for this DAG
+   run and try: then nothing moves and the task fails. **Reject** tags the version rejected;
+   champion stays. A timeout never promotes: ``on_timeout: reject`` rejects, ``on_timeout:
+   fail`` closes the request and fails the task;
+4. ``registry.approval.notify`` mails the posted request (trainforge.approval_notify).
 
-Ended without an answer (marked failed or success, the DAG run marked), the request is closed
-and the version tagged ``cancelled`` by the plugin's listener (trainforge.approval_close), which
-reads the version from the XCom ``trainforge_approval_request`` pushed when asking.
+Ended without an answer (the task, its DAG run or an upstream task marked), the request is
+closed and the version tagged ``cancelled`` by the plugin's listener (trainforge.approval_close),
+told by the XCom ``trainforge_approval_request``; a task resumed by such a closed request fails.
+Decisions are kept, oldest first, in the version's ``trainforge.approval.history`` tag.
 """
 
 from __future__ import annotations
@@ -39,18 +38,25 @@ from airflow.sdk.exceptions import AirflowSkipException
 
 from trainforge.approval import (
     APPROVE,
+    CANCELLED,
+    CLOSED_BY_ID,
     PENDING,
     REASON_PARAM,
     REJECT,
     TAG_AT,
     TAG_BY,
     TAG_DAG_RUN,
+    TAG_HISTORY,
     TAG_REASON,
     TAG_STATUS,
+    TAG_TRY,
     TIMED_OUT,
     ApprovalOutcome,
     outcome_of,
+    promotion_refusal,
     request_body,
+    upstream_states,
+    with_history,
 )
 from trainforge.approval_close import REQUEST_XCOM_KEY
 from trainforge.approval_notify import notifiers_for, remaining_timeout, request_html, run_notifiers
@@ -58,7 +64,8 @@ from trainforge.base import TrainforgeStageOperator, fail_permanently
 from trainforge.gate import PASS
 from trainforge.hooks.mlflow_registry import CHAMPION, ModelRegistry
 from trainforge.pipeline.durations import format_duration
-from trainforge.tasks.register_model import airflow_run_url, emit_champion_event
+from trainforge.model_card import airflow_run_url
+from trainforge.tasks.register_model import emit_champion_event
 
 
 def _now() -> str:
@@ -131,21 +138,26 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
         if gate.get("decision") != PASS:
             raise AirflowSkipException(f"eval gate {gate.get('decision')} for {name} "
                                        f"v{version}: nothing to approve")
-        if str(gate.get("champion_after")) == version:
-            raise AirflowSkipException(f"{name} v{version} already holds {CHAMPION}")
+        now = self._registry.version_with_alias(name, CHAMPION)
+        if str(gate.get("champion_after")) == version or (now and now["version"] == version):
+            status = ((now or {}).get("tags") or {}).get(TAG_STATUS, "none")
+            raise AirflowSkipException(f"{name} v{version} already holds {CHAMPION}: nothing to "
+                                       f"approve (its approval status stays {status})")
         found = self._require_version(name, version)
         ti = context["ti"]
-        # Asked (again): an earlier answer's or cancel's who and why no longer apply.
+        # Asked (again): an earlier answer's or cancel's who and why no longer apply; the
+        # decisions stay in the history tag.
         self._registry.set_version_tags(name, version, {
             TAG_STATUS: PENDING, TAG_BY: "none", TAG_REASON: "none", TAG_AT: _now(),
-            TAG_DAG_RUN: f"{ti.dag_id}/{ti.run_id}"})
+            TAG_DAG_RUN: f"{ti.dag_id}/{ti.run_id}", TAG_TRY: str(ti.try_number)})
         self.subject = f"Promote {name} v{version} to {CHAMPION}?"
         self.body = request_body(
             gate=gate, thresholds=_thresholds(spec), model_card=found.get("description") or "",
             links=self._links(name, version, found.get("run_id"), ti.dag_id, ti.run_id),
             timeout_s=self.timeout_s, on_timeout=self.on_timeout)
         ti.xcom_push(key=REQUEST_XCOM_KEY, value={
-            "name": name, "version": version, "tracking_uri": self.mlflow_hook.tracking_uri})
+            "name": name, "version": version, "tracking_uri": self.mlflow_hook.tracking_uri,
+            "upstream": sorted(self.get_flat_relative_ids(upstream=True))})
         self.log.info("Asking for approval of %s v%s (%s); waiting at most %ss", name, version,
                       gate.get("reason"), self.timeout_s)
         # HITLOperator.execute posts the request, calls its notifiers, then parks the task with
@@ -176,22 +188,31 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
             reason = (f"timed out: no answer within {format_duration(self.timeout_s)} "
                       "(registry.approval.on_timeout: fail)")
             self._close_request(context, reason)
-            self._registry.set_version_tags(name, version, {
+            self._record(name, version, {
                 TAG_STATUS: TIMED_OUT, TAG_BY: "none", TAG_REASON: reason, TAG_AT: _now()})
             self.log.error("No answer for %s v%s within %ss (registry.approval.on_timeout: "
                            "fail): champion unchanged", name, version, self.timeout_s)
         answer = super().execute_complete(context, event)  # raises on the timeout error
+        if (answer.get("responded_by_user") or {}).get("id") == CLOSED_BY_ID:
+            reason = (answer.get("params_input") or {}).get(REASON_PARAM) or "closed"
+            fail_permanently(f"the approval of {name} v{version} was closed without an answer "
+                             f"({reason}); {CHAMPION} unchanged")
         responded_at = answer.get("responded_at")
         outcome = outcome_of(
             list(answer["chosen_options"]), dict(answer.get("params_input") or {}),
             answer.get("responded_by_user"),
             responded_at.isoformat() if hasattr(responded_at, "isoformat") else _now(),
             bool(event.get("timedout")), self.timeout_s)
-        self._require_version(name, version)
+        found = self._require_version(name, version)
         if outcome.promote:
-            self._promote(context, name, version, gate, outcome)
+            self._promote(context, name, version, gate, outcome, found["tags"])
         else:
-            self._registry.set_version_tags(name, version, outcome.tags())
+            if CHAMPION in found["aliases"]:
+                fail_permanently(
+                    f"{name} v{version} became {CHAMPION} while this request waited: a Reject "
+                    f"cannot take it back, so its recorded decision stays "
+                    f"({found['tags'].get(TAG_STATUS)}); move the alias in MLflow if needed")
+            self._record(name, version, outcome.tags(), found["tags"])
             self.log.warning("%s v%s rejected by %s: %s. champion unchanged.", name, version,
                              outcome.by or "the timeout", outcome.reason or "no reason given")
         after = self._registry.version_with_alias(name, CHAMPION)
@@ -208,9 +229,34 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
         except Exception:  # noqa: BLE001 - answered meanwhile, or no API: the task fails anyway
             self.log.warning("Could not close the timed-out request", exc_info=True)
 
+    def _record(self, name: str, version: str, tags: dict[str, str],
+                before: dict[str, str] | None = None) -> None:
+        """Write a decision's tags on the version, the decision added to its history tag;
+        ``before``: the version's tags as read (None: read them now)."""
+        if before is None:
+            before = (self._registry.version(name, version) or {}).get("tags") or {}
+        asked = {key: before[key] for key in (TAG_DAG_RUN, TAG_TRY) if key in before}
+        self._registry.set_version_tags(
+            name, version, with_history({**asked, **tags}, before.get(TAG_HISTORY)))
+
+    def _upstream_states(self, context: Any) -> dict[str, str]:
+        return upstream_states(self, context)
+
     def _promote(self, context: Any, name: str, version: str, gate: dict[str, Any],
-                 outcome: ApprovalOutcome) -> None:
-        """Move ``champion`` to the approved version, unless it moved since the gate compared."""
+                 outcome: ApprovalOutcome, tags: dict[str, str]) -> None:
+        """Move ``champion`` to the approved version, unless it moved since the gate compared
+        or the champion invariant does not hold now (:func:`promotion_refusal`)."""
+        ti = context["ti"]
+        dag_run = f"{ti.dag_id}/{ti.run_id}"
+        states = self._upstream_states(context)
+        refusal = promotion_refusal(version=version, upstream_states=states, tags=tags,
+                                    dag_run=dag_run, try_number=ti.try_number)
+        if refusal is not None:
+            if any(state != "success" for state in states.values()):
+                self._record(name, version, {
+                    TAG_STATUS: CANCELLED, TAG_BY: "unknown", TAG_AT: _now(),
+                    TAG_REASON: f"cancelled: {refusal}; approved by {outcome.by}"}, tags)
+            fail_permanently(f"not moving {CHAMPION} of {name} to v{version}: {refusal}")
         compared = gate.get("champion_version")
         now = self._registry.version_with_alias(name, CHAMPION)
         current = now["version"] if now else None
@@ -221,7 +267,9 @@ class ApproveChampionOperator(TrainforgeStageOperator, HITLOperator):
                 f"{CHAMPION} of {name} moved from v{compared} to v{current} since the eval gate "
                 f"compared v{version} with it: not moving it (clear register_model to compare "
                 f"again)")
-        self._registry.promote(name, version, compared, outcome.tags())
+        self._registry.promote(name, version, compared, with_history(
+            {TAG_DAG_RUN: dag_run, TAG_TRY: str(ti.try_number), **outcome.tags()},
+            tags.get(TAG_HISTORY)))
         self.log.info("%s v%s approved by %s: %s is now v%s", name, version, outcome.by,
                       CHAMPION, version)
         emit_champion_event(self, context, name, version, compared)

@@ -6,7 +6,9 @@ never decides the DAG run's state. From the states of the DAG run's tasks it:
 
 1. **Jobs.** cancels every still pending or running job of every try of each training task that
    did not succeed (kept, and logged, with ``training.fault.cancel_on_kill: false``);
-2. **MLflow runs.** ends every run of the DAG run still ``RUNNING`` (and its stage runs),
+2. **MLflow runs.** removes the failure tags of tasks that have since succeeded (a run only
+   such a failure ended ``FAILED`` is ``RUNNING`` again), then ends every run of the DAG run
+   still ``RUNNING`` (and its stage runs),
    ``KILLED`` when the pipeline was stopped, else ``FAILED`` (``FINISHED`` when every task
    succeeded and registration finished), tagged ``trainforge.closed_by=close_run``.
 
@@ -23,6 +25,7 @@ from typing import Any
 from trainforge.engines.registry import backend_kwargs, get_backend
 from trainforge.engines.base import JobHandle, JobIdentity, JobState
 from trainforge.base import TrainforgeStageOperator
+from trainforge.callbacks import clear_failure, failure_tags
 from trainforge.errors import TrainforgeError
 from trainforge.graph import CLOSE_RUN_TASK_ID, REGISTER_MODEL_TASK_ID, task_graph
 from trainforge.hooks.mlflow import TAG_STAGE
@@ -231,6 +234,21 @@ class CloseRunOperator(TrainforgeStageOperator):
         except Exception:  # noqa: BLE001 - outside a DAG (tests): the pipeline default
             return int(self.retries or 0) + 1
 
+    def _clear_superseded_failures(self, spec: Any, parent: str, states: dict[str, str],
+                                   stage_tasks: dict[str | None, str]) -> None:
+        """A task whose failure is recorded on the run but that has since succeeded (a later
+        try, or marked success, which runs no callback): its failure tags go, and a run it
+        ended FAILED is RUNNING again, to be ended below (trainforge.callbacks)."""
+        tags = self.mlflow_hook.get_run(parent).data.tags
+        stages = {task_id: stage for stage, task_id in stage_tasks.items()}
+        for task_id, state in sorted(states.items()):
+            if state != "success":
+                continue
+            staged = bool(spec.stages)
+            if any(k in tags and (staged or tags[k] == task_id)
+                   for k in failure_tags(task_id, staged)):
+                clear_failure(self.mlflow_hook, parent, task_id, stages.get(task_id), staged)
+
     def _close_runs(self, spec: Any, dag_id: str, run_id: str, states: dict[str, str],
                     results: dict[str, Any], jobs: dict[str, TaskJobs],
                     report: CloseReport) -> None:
@@ -242,6 +260,7 @@ class CloseRunOperator(TrainforgeStageOperator):
                 self.log.info("DAG run %s has no MLflow run in experiment %s", run_id,
                               spec.experiment_name)
                 return
+            self._clear_superseded_failures(spec, parent, states, stage_tasks)
             runs = [hook.get_run(parent), *hook.child_runs(parent)]
         except Exception as err:  # noqa: BLE001 - reported
             self.log.error("Could not read the MLflow runs of DAG run %s: %s", run_id, err,

@@ -34,6 +34,9 @@ from urllib.parse import quote
 from airflow.sdk import Asset, AssetAlias
 
 from trainforge.base import TrainforgeStageOperator, fail_permanently
+from trainforge.contract import EXIT_CONFIG
+from trainforge.approval import upstream_refusal, upstream_states
+from trainforge.model_card import airflow_run_url, base_model_tags, model_card
 from trainforge.gate import PASS, GateDecision, decide, evaluator_argv
 from trainforge.hooks.mlflow import MAX_DATASET_DIGEST_CHARS
 from trainforge.hooks.mlflow_model_links import MetricLink
@@ -41,6 +44,7 @@ from trainforge.hooks.mlflow_registry import CHAMPION, ModelRegistry
 from trainforge.ledger.read import FIGURES as LEDGER_FIGURES
 from trainforge.paths import dataset_location
 from trainforge.pipeline.stages import stage_spec
+from trainforge.task_score import table, table_path, task_options, task_rules
 from trainforge.tasks.validate_checkpoint import s3_env, threshold_failures
 
 # Rounds of "evaluate against the champion, then check it did not move meanwhile" before giving up.
@@ -62,49 +66,6 @@ def champion_outlet(model_name: str):
     """The ``AssetAlias`` outlet of ``register_model``: it emits an event for `model_asset` only
     when ``champion`` moved (a plain ``Asset`` outlet emits on every success)."""
     return AssetAlias(name=f"{model_asset_name(model_name)}-champion")
-
-
-def model_card(spec, prepared: dict, validated: dict, context: Any, mlflow_run_url: str = "",
-               gate: GateDecision | None = None) -> str:
-    """The model version's description: data, config, metrics, gate decision, links (Markdown)."""
-    ti = context["ti"]
-    metrics = validated.get("metrics", {})
-    lines = [
-        f"# {spec.registry.model_name}",
-        "",
-        f"Trained by trainforge pipeline `{spec.dag_id}`, DAG run `{ti.run_id}`.",
-        "",
-        f"- dataset digest: `{prepared.get('digest')}`",
-        f"- sources: {', '.join(spec.data.sources)}",
-        f"- checkpoint: `{validated.get('checkpoint')}` (step {validated.get('step')}, "
-        f"digest `{validated.get('checkpoint_digest')}`, "
-        f"policy {validated.get('policy', 'newest')})",
-        f"- model: {spec.model.family}, d_model {spec.model.hidden_size}, "
-        f"{spec.model.num_layers} layers, {spec.model.num_heads} heads",
-        f"- optimisation: {spec.training.optimization.max_steps} steps, global batch "
-        f"{spec.training.optimization.global_batch_size} x {spec.data.sequence_length} tokens, "
-        f"lr {spec.training.optimization.learning_rate}",
-        "- validation: " + ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())),
-    ]
-    if gate is not None:
-        lines.append(f"- {gate.summary_line()}")
-    airflow_url = airflow_run_url(ti.dag_id, ti.run_id)
-    if airflow_url:
-        lines.append(f"- Airflow DAG run: {airflow_url}")
-    if mlflow_run_url:
-        lines.append(f"- MLflow run: {mlflow_run_url}")
-    return "\n".join(lines)
-
-
-def airflow_run_url(dag_id: str, run_id: str) -> str:
-    """The DAG run's page in the Airflow UI (``[api] base_url``), or "" when none is set."""
-    try:
-        from airflow.configuration import conf
-
-        base = (conf.get("api", "base_url", fallback="") or "").rstrip("/")
-    except Exception:  # noqa: BLE001 - a link is a convenience
-        base = ""
-    return f"{base}/dags/{quote(dag_id)}/runs/{quote(run_id, safe='')}" if base else ""
 
 
 def documented_metrics(spec, prepared: dict, validated: dict,
@@ -141,7 +102,8 @@ class RegisterModelOperator(TrainforgeStageOperator):
 
     XCom: ``{"name", "version", "aliases", "model_uri", "created", ..., "gate": {"decision",
     "reason", "metric", "method", "candidate_version", "candidate_value", "champion_version",
-    "champion_value", "improvement", "min_improvement", "champion_after", "promoted"}}``.
+    "champion_value", "improvement", "min_improvement", "champion_after", "task_score",
+    "champion_task_score", "promoted"}}`` (the task scores with ``registry.eval``, else None).
     """
 
     ui_color = "#ede2f6"
@@ -155,6 +117,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
         self.validate_task_id = validate_task_id
         self.timeout_s = timeout_s
         self.ready_timeout_s = ready_timeout_s
+        self.task_results: dict[str, Any] | None = None  # the candidate's task entry, by the gate
 
     def execute(self, context: Any) -> dict[str, Any]:
         spec = self.resolved_spec(context)
@@ -192,6 +155,7 @@ class RegisterModelOperator(TrainforgeStageOperator):
                 "trainforge.checkpoint_step": str(validated.get("step")),
                 "trainforge.dataset_digest": str(prepared.get("digest")),
                 **({"trainforge.stage": validated["stage"]} if validated.get("stage") else {}),
+                **base_model_tags(prepared, hf_dir),
             }
             registered = self.mlflow_hook.register_model_version(
                 run_id=run_id,
@@ -210,11 +174,13 @@ class RegisterModelOperator(TrainforgeStageOperator):
         self.log.info("Model version %s v%s (%s) aliases %s", registered["name"],
                       registered["version"], "created" if registered.get("created") else "reused",
                       ", ".join(registered.get("aliases", [])))
+        self._context = context  # the champion invariant reads this DAG run's task states at the move
         gate = self.run_gate(spec, prepared, validated, registered, run_id)
         self._log_decision(gate)
         registry = self._registry
         registry.set_description(registered["name"], registered["version"],
-                                 model_card(spec, prepared, validated, context, run_url, gate))
+                                 model_card(spec, prepared, validated, context, run_url, gate,
+                                            self.task_results))
         self.mlflow_hook.set_tags(run_id, {
             "trainforge.registered_model": registered["name"],
             "trainforge.model_version": str(registered["version"]),
@@ -251,13 +217,14 @@ class RegisterModelOperator(TrainforgeStageOperator):
                 decision = recorded  # a retry after the alias moved: keep the original comparison
                 break
             evaluation = None
-            if rules.enabled and not failures and champion_version not in (None, version):
+            if rules.enabled and not failures and champion_version != version and (
+                    champion_version is not None or spec.registry.eval is not None):
                 evaluation = self._evaluate(name, version, champion_version, prepared, spec, run_id)
             decision = decide(enabled=rules.enabled, metric=rules.metric,
                               min_improvement=rules.min_improvement, candidate_version=version,
                               candidate_metrics=validated.get("metrics") or {},
                               threshold_failures=failures, champion_version=champion_version,
-                              evaluation=evaluation)
+                              evaluation=evaluation, task=task_rules(spec))
             if decision.decision != PASS or champion_version == version:
                 registry.set_version_tags(name, version, decision.tags(with_champion_after=False))
                 break
@@ -268,9 +235,14 @@ class RegisterModelOperator(TrainforgeStageOperator):
                 continue
             if spec.registry.approval is not None:  # approve_champion moves it after approval
                 registry.set_version_tags(name, version, decision.tags(with_champion_after=False))
-            else:
-                registry.promote(name, version, champion_version,
-                                 decision.tags(with_champion_after=False))
+                break
+            refusal = self._refusal_now()  # the champion invariant, checked at the move
+            if refusal:
+                decision = dataclasses.replace(decision, decision="fail", reason=refusal)
+                registry.set_version_tags(name, version, decision.tags(with_champion_after=False))
+                fail_permanently(f"not moving champion to {name} v{version}: {refusal}")
+            registry.promote(name, version, champion_version,
+                             decision.tags(with_champion_after=False))
             break
         else:
             decision = dataclasses.replace(
@@ -281,21 +253,28 @@ class RegisterModelOperator(TrainforgeStageOperator):
         after = registry.version_with_alias(name, CHAMPION)
         return dataclasses.replace(decision, champion_after=after["version"] if after else None)
 
-    def _evaluate(self, name: str, version: str, champion_version: str, prepared: dict, spec,
+    def _evaluate(self, name: str, version: str, champion_version: str | None, prepared: dict, spec,
                   run_id: str) -> dict[str, Any]:
-        """Run trainforge.trainer.evaluate on both versions; fail the task when the candidate does not load
-        back or evaluate (a registered version must be usable)."""
+        """Run trainforge.trainer.evaluate on both versions (the candidate alone when there is no
+        champion: only its task score is needed); fail the task when the candidate does not load
+        back, evaluate or answer the task prompts (a registered version must be usable)."""
+        versions = {"candidate": version, **({"champion": champion_version} if champion_version else {})}
+        models = {model: f"models:/{name}/{v}" for model, v in versions.items()}
+        base = prepared.get("pretrained") or {}
+        if spec.registry.eval is not None and base.get("folder") and not str(base["folder"]).startswith("s3://"):
+            models["base"] = str(base["folder"])  # the task score before fine-tuning, for the record
         with tempfile.TemporaryDirectory(prefix="trainforge-gate-") as tmp:
             report_path = Path(tmp) / "evaluation.json"
             argv = evaluator_argv(
-                self.python(), dataset_location(prepared),
-                {"candidate": f"models:/{name}/{version}",
-                 "champion": f"models:/{name}/{champion_version}"},
-                str(report_path), spec.validation.eval_tokens,
+                self.python(), dataset_location(prepared), models,
+                str(report_path), spec.validation.eval_tokens, task_options(spec),
             )
             env = {**(s3_env(spec) or os.environ),
                    "MLFLOW_TRACKING_URI": self.mlflow_hook.tracking_uri}
             rc = self.run_streaming(argv, timeout_s=self.timeout_s, env=env)
+            if rc == EXIT_CONFIG:  # bad arguments: registry.eval's files, named in the log above
+                fail_permanently(f"trainforge.trainer.evaluate refused its arguments (exit {rc}; the "
+                                 "reason is in the log above): check registry.eval")
             if not report_path.exists():
                 raise RuntimeError(f"trainforge.trainer.evaluate wrote no report for {name} v{version} vs "
                                    f"v{champion_version} (exit code {rc}); retrying may help")
@@ -305,7 +284,36 @@ class RegisterModelOperator(TrainforgeStageOperator):
         if not candidate.get("ok"):
             fail_permanently(f"registered version {name} v{version} does not load back from the "
                              f"registry and evaluate: {candidate.get('error')}")
+        if spec.registry.eval is not None:
+            self._log_task(report, versions, run_id)
         return report
+
+    def _log_task(self, report: dict[str, Any], versions: dict[str, str], run_id: str) -> None:
+        """The per-prompt table and ``eval/task_score`` on the run; fail the task when the
+        candidate could not answer (a config problem, such as a missing chat template)."""
+        entry = report["models"]["candidate"].get("task") or {}
+        if not entry.get("ok"):
+            fail_permanently(f"registered version v{versions['candidate']} could not answer "
+                             f"registry.eval.prompts: {entry.get('error')}")
+        self.task_results = entry
+        self.mlflow_hook.log_table(run_id, table(report, versions),
+                                   table_path(versions["candidate"], versions.get("champion")))
+        scores = {"eval/task_score": entry["score"]}
+        base = ((report["models"].get("base") or {}).get("task") or {})
+        if base.get("ok"):  # the pretrained model the candidate was fine-tuned from
+            scores["eval/task_score_base"] = base["score"]
+            self.log.info("task score: %.3f after fine-tuning, %.3f for the base model", entry["score"],
+                          base["score"])
+        self.mlflow_hook.log_metrics(run_id, scores)
+
+    def _refusal_now(self) -> str | None:
+        """Why champion must not move now: a task upstream of this one in this DAG run, such as
+        validate_checkpoint, is not in state success (marked failed while the gate ran)."""
+        context = getattr(self, "_context", None)
+        if context is None:
+            return None
+        ti = context["ti"]
+        return upstream_refusal(upstream_states(self, context), f"{ti.dag_id}/{ti.run_id}")
 
     def _log_decision(self, gate: GateDecision) -> None:
         if gate.decision == PASS and gate.champion_after != gate.candidate_version:

@@ -6,8 +6,9 @@ worker slot, cancel on kill: docs/faults.md, "The launch, inside"). This task ad
 
 * the job: the spec's (or the stage's) training section rendered into a job config, with the
   dataset of ``prepare_data``, the DAG run's checkpoint folder, the MLflow run to log into, the
-  ranks' S3 access, and the ``init`` block of ``init_from`` (a stage's upstream checkpoint, or
-  a registered model version through trainforge.tasks.model_init);
+  ranks' S3 access, the ``init`` block of ``init_from`` (a stage's upstream checkpoint, or
+  a registered model version through trainforge.tasks.model_init), and the ``pretrained``
+  block of ``model.pretrained`` (prepare_data's resolution, trainforge.model_source);
 * the MLflow run: reopened when an earlier try ended it, tagged with the job, ended ``KILLED``
   when the task is killed; a stage keeps to its own child run of the DAG run's run
   (docs/faults.md, "Side-by-side stages keep to their own runs");
@@ -36,9 +37,11 @@ from trainforge.hooks.mlflow import TAG_FAILED_TRY
 from trainforge.jobconfig import build_training_job, init_block
 from trainforge.ledger.build import Ledger
 from trainforge.ledger.catalog import CatalogError, Price, choose_price
+from trainforge.model_source import PretrainedSourceError, pretrained_section
 from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
 from trainforge.pipeline.model import PipelineSpec
 from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec, stage_task_id
+from trainforge.storage.s3 import make_client
 from trainforge.tasks.model_init import InitSourceError, registered_init
 from trainforge.tasks.prepare_data import connection_s3_client
 from trainforge.tasks.train_ledger import (ledger_dir, ledger_env, record_ledger,
@@ -88,7 +91,8 @@ class TrainOperator(ClusterJobOperator):
     """Launch distributed training for the spec and wait for it (deferrable).
 
     XCom (return value): ``{"job": key, "engine", "checkpoint_dir", "last_checkpoint",
-    "final_step", "tokens_seen", "final_train_loss", "mlflow_run_id", "stage", "init"}``.
+    "final_step", "tokens_seen", "final_train_loss", "mlflow_run_id", "stage", "init",
+    "pretrained"}``.
 
     Args:
         stage: the spec stage this task trains (``stages[].name``; docs/stages.md), or None for
@@ -139,6 +143,24 @@ class TrainOperator(ClusterJobOperator):
         self.log.info("Training starts from the weights of %s (%s)", init["source"],
                       init["checkpoint"])
         return init
+
+    def _pretrained(self, spec: Any, prepared: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The job config's ``pretrained`` block: prepare_data's (XCom ``pretrained``), else
+        resolved here; a source that cannot be used fails the task without retries."""
+        uri = spec.model.pretrained
+        if uri is None:
+            return None
+        s3 = ((connection_s3_client(spec) or make_client(spec.s3_endpoint_url))
+              if uri.startswith("s3://") else None)  # the spec's endpoint, as the data step's
+        try:
+            section = pretrained_section(uri, prepared, engine=spec.training.engine,
+                                         home=trainforge_home(), mlflow_hook=self.mlflow_hook,
+                                         s3_client=s3)
+        except PretrainedSourceError as err:
+            fail_permanently(str(err))
+        self.log.info("Training starts from the pretrained model %s (%s, revision %s)", uri,
+                      section["folder"], section["revision"])
+        return section
 
     def _init_after_wait(self, spec: Any, ti: Any, init: dict[str, str] | None):
         """The ``init`` block the job was launched with, once the wait is over.
@@ -195,6 +217,7 @@ class TrainOperator(ClusterJobOperator):
         init = self._stage_init(spec, ti)
         if init is None and spec.model.init_from:
             init = self._registered_init(spec, prepared)
+        pretrained = self._pretrained(spec, prepared)
         env = {"MLFLOW_RUN_ID": self._mlflow_run_id,
                **ledger_env(self._checkpoint_dir(spec, ti))}  # every try's attempt records
         tracking_uri = self.mlflow_hook.tracking_uri
@@ -207,8 +230,9 @@ class TrainOperator(ClusterJobOperator):
         env.update(s3_env)
         job = build_training_job(spec, dataset_location(prepared), self._checkpoint_dir(spec, ti),
                                  identity, env, init=init, secret_env=secret_env,
-                                 secret_env_source=f"Airflow connection {spec.storage.aws_conn_id}")
-        return job, {"init": init}
+                                 secret_env_source=f"Airflow connection {spec.storage.aws_conn_id}",
+                                 pretrained=pretrained)
+        return job, {"init": init, "pretrained": pretrained}
 
     def job_attached(self, context: Any, spec: PipelineSpec, handle: JobHandle) -> None:
         self.log.info("Job %s writes its checkpoints to %s", handle["key"],
@@ -279,7 +303,8 @@ class TrainOperator(ClusterJobOperator):
         self._record_ledger(context, spec, event, parent)
 
     def job_succeeded(self, context: Any, spec: PipelineSpec, event: dict[str, Any],
-                      init: dict[str, str] | None = None) -> dict[str, Any]:
+                      init: dict[str, str] | None = None,
+                      pretrained: dict[str, Any] | None = None) -> dict[str, Any]:
         """Log the final step, tokens, loss and accounting; the task's XCom."""
         result = event.get("result") or {}
         ti = context["ti"]
@@ -305,10 +330,13 @@ class TrainOperator(ClusterJobOperator):
         self.mlflow_hook.log_metrics(  # at the try's number: one value per step, like the ledger
             mlflow_run_id, {k: float(v) for k, v in final.items() if v is not None},
             step=ti.try_number)
+        if pretrained is None and spec.model.pretrained:  # resumed without the deferral's kwargs
+            pretrained = self._pretrained(spec, ti.xcom_pull(task_ids=self.prepare_task_id))
         return {
             "stage": self.stage,
-            # The job config's init block: validation expects the same.
+            # The job config's init and pretrained blocks: validation expects the same.
             "init": self._init_after_wait(spec, ti, init),
+            "pretrained": pretrained,
             "job": event["handle"]["key"],
             "engine": spec.training.engine,
             "checkpoint_dir": self._checkpoint_dir(spec, ti),

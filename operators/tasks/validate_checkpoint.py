@@ -57,11 +57,12 @@ def threshold_failures(spec: PipelineSpec, metrics: dict[str, float]) -> list[st
 
 def expected_job_config(spec: PipelineSpec, dataset_dir: str, checkpoint_dir: str,
                         dag_id: str, run_id: str, train_task_id: str,
-                        init: dict[str, str] | None = None) -> dict[str, Any]:
+                        init: dict[str, str] | None = None,
+                        pretrained: dict[str, Any] | None = None) -> dict[str, Any]:
     """The job config the ``train`` task handed the trainer (its digest ignores ``identity``;
-    ``init``: the ``init`` block it was given, if any)."""
+    ``init`` and ``pretrained``: the blocks it was given, if any)."""
     identity = JobIdentity(dag_id, run_id, train_task_id, 1)
-    return render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init)
+    return render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init, pretrained=pretrained)
 
 
 def s3_env(spec: PipelineSpec) -> dict[str, str] | None:
@@ -193,7 +194,7 @@ class ValidateCheckpointOperator(TrainforgeStageOperator):
             expect_path = Path(tmp) / "expected_job.json"
             expect_path.write_text(json.dumps(expected_job_config(
                 spec, dataset, trained["checkpoint_dir"], ti.dag_id, ti.run_id,
-                train_task_id, init=trained.get("init"),
+                train_task_id, init=trained.get("init"), pretrained=trained.get("pretrained"),
             )), encoding="utf-8")
             argv = validator_argv(
                 self.python(), spec, trained["checkpoint_dir"], dataset,

@@ -6,7 +6,8 @@ Pages (HTML shells filled by ``static/ui.js``) and their JSON:
   then ``GET /api/training/totals``: each pipeline's last 30 days, fetched by the page after;
 * ``GET /run?dag_id=&run_id=`` and ``GET /api/runs/{dag_id}/{run_id}``: one DAG run
   (trainforge.plugins.ui.runview; 404 for an unknown run);
-* ``GET /cluster`` and ``GET /api/cluster``: the live training jobs (trainforge.plugins.ui.cluster).
+* ``GET /cluster`` and ``GET /api/cluster``: the live training jobs (trainforge.plugins.ui.cluster);
+* ``GET /api/health``: that the plugin loaded and its pages were built, with the versions.
 
 Every route needs Airflow's signed-in user (401) and reads only DAGs the auth manager lets
 that user read (403 for one DAG's data; lists leave the others out); a page refused answers a
@@ -19,6 +20,7 @@ or connection from elsewhere.
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version as distribution_version
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Request, status
@@ -109,6 +111,20 @@ def run_api(dag_id: str, run_id: str, user: SignedInUser, session: SessionDep
         return run_view(session, dag_id, run_id, _reader())
     except RunNotFound as err:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(err)) from err
+
+
+@app.get("/api/health")
+def health_api(user: SignedInUser) -> dict[str, str]:
+    """``{"status": "ok", "trainforge": <version>, "airflow": <version>}``: the plugin loaded and
+    its pages were built (pages that could not be built answer 503, trainforge.plugins.ui.errors;
+    without the plugin Airflow answers its own HTML page here, never this JSON)."""
+    from airflow import __version__ as airflow_version
+
+    try:
+        version = distribution_version("trainforge")
+    except PackageNotFoundError:
+        version = "unknown (not installed as a distribution)"
+    return {"status": "ok", "trainforge": version, "airflow": airflow_version}
 
 
 @app.get("/api/cluster")

@@ -4,7 +4,8 @@ Against a real Airflow metadata database in a temporary AIRFLOW_HOME: the DAG fo
 main DAG file and two specs with their generated per-spec DAG files, one spec broken.
 ``airflow dags reserialize`` parses the folder the way the DAG processor does, then
 ``airflow dags list-import-errors`` must list the broken spec's file with the spec's own
-``file:line:col: field: message`` text, and ``airflow dags list`` the good pipeline.
+``file:line:col: field: message`` text, and ``airflow dags list`` the good pipeline. When
+Airflow refuses the trainforge plugin, every trainforge DAG file lists the plugin's reason.
 """
 
 from __future__ import annotations
@@ -63,8 +64,50 @@ def test_the_generated_file_raises_the_specs_own_errors(tmp_path, monkeypatch):
     assert companion_dags(str(good.with_suffix(".py"))) == {}
 
 
+class AirflowCli:
+    """The ``airflow`` command on a temporary AIRFLOW_HOME serving ``dags``; its metadata DB is a
+    copy of the module's migrated one (``airflow db migrate`` runs once)."""
+
+    def __init__(self, tmp_path: Path, dags: Path, migrated: Path, pythonpath: str = "") -> None:
+        home = tmp_path / "airflow"
+        home.mkdir()
+        shutil.copy(migrated, home / "airflow.db")
+        self.env = _airflow_env(home, dags, tmp_path / "tf", pythonpath)
+        self.exe = str(Path(sys.executable).with_name("airflow"))
+
+    def run(self, *args: str, ok: tuple[int, ...] = (0,)) -> str:
+        proc = subprocess.run([self.exe, *args], env=self.env, text=True, capture_output=True,
+                              timeout=300)
+        assert proc.returncode in ok, (proc.stdout + proc.stderr)[-4000:]
+        return proc.stdout
+
+    def table(self, *args: str, ok: tuple[int, ...] = (0,)) -> list[dict]:
+        """The JSON table a CLI command prints (log lines may come before it)."""
+        out = self.run(*args, "--output", "json", ok=ok)
+        return json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("[")))
+
+
+def _airflow_env(home: Path, dags: Path, trainforge_home: Path, pythonpath: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "TRAINFORGE"))}
+    env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "TRAINFORGE_HOME": str(trainforge_home),
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+                "PYTHONPATH": pythonpath})
+    return env
+
+
+@pytest.fixture(scope="module")
+def migrated_db(tmp_path_factory) -> Path:
+    """An Airflow metadata DB after ``airflow db migrate``, for the tests to copy."""
+    home = tmp_path_factory.mktemp("airflow-migrated")
+    env = _airflow_env(home, home / "dags", home / "tf", "")
+    subprocess.run([str(Path(sys.executable).with_name("airflow")), "db", "migrate"], env=env,
+                   check=True, capture_output=True, timeout=300)
+    return home / "airflow.db"
+
+
 @pytest.mark.airflow
-def test_a_broken_spec_is_that_files_import_error_in_airflow(tmp_path):
+def test_a_broken_spec_is_that_files_import_error_in_airflow(tmp_path, migrated_db):
     dags = tmp_path / "dags"
     good, bad = _specs(dags / "pipelines")
     (dags / "pipelines" / "unlisted.yaml").write_text(
@@ -72,38 +115,57 @@ def test_a_broken_spec_is_that_files_import_error_in_airflow(tmp_path):
     shutil.copy(ROOT / "dags" / "trainforge_pipelines.py", dags)
     write_companions(dags / "pipelines")
     (dags / "pipelines" / "unlisted.py").unlink()  # compiled by the main DAG file instead
-    home = tmp_path / "airflow"
-    home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "TRAINFORGE"))}
-    env.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-                "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "TRAINFORGE_HOME": str(tmp_path / "tf"),
-                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-                "PYTHONPATH": str(ROOT)})
-    airflow = str(Path(sys.executable).with_name("airflow"))
-
-    def run(*args: str, ok: tuple[int, ...] = (0,)) -> str:
-        proc = subprocess.run([airflow, *args], env=env, text=True, capture_output=True,
-                              timeout=300)
-        assert proc.returncode in ok, (proc.stdout + proc.stderr)[-4000:]
-        return proc.stdout
-
-    def table(*args: str, ok: tuple[int, ...] = (0,)) -> list[dict]:
-        """The JSON table a CLI command prints (log lines may come before it)."""
-        out = run(*args, "--output", "json", ok=ok)
-        return json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("[")))
-
-    run("db", "migrate")
-    run("dags", "reserialize")
+    airflow = AirflowCli(tmp_path, dags, migrated_db, pythonpath=str(ROOT))
+    airflow.run("dags", "reserialize")
     # exit status 1: there are import errors
-    errors = table("dags", "list-import-errors", ok=(1,))
+    errors = airflow.table("dags", "list-import-errors", ok=(1,))
     assert [Path(e["filepath"]).name for e in errors] == ["bad.py"], errors
     with pytest.raises(SpecError) as info:
         load_spec(bad)
     for line in str(info.value).splitlines():  # every problem, as `trainforge validate` says it
         assert line in errors[0]["error"], (line, errors[0]["error"])
-    listed = {d["dag_id"] for d in table("dags", "list")}
+    listed = {d["dag_id"] for d in airflow.table("dags", "list")}
     assert listed == {"good_pipeline", "main_file_pipeline"}
     assert MARKER in (dags / "pipelines" / "good.py").read_text()
+
+
+@pytest.mark.airflow
+def test_a_plugin_that_did_not_load_is_the_import_error_of_every_dag_file(tmp_path, migrated_db):
+    """An Airflow outside the wheel's range, as its installed metadata says: Airflow's plugins
+    manager refuses the trainforge plugin, and each trainforge DAG file lists the reason Airflow
+    recorded for the plugin as its own import error, so the UI shows it beside the DAGs."""
+    from trainforge.plugins.compat import declared_ranges
+
+    dags = tmp_path / "dags"
+    good, _ = _specs(dags / "pipelines")
+    (dags / "pipelines" / "bad.yaml").unlink()
+    shutil.copy(ROOT / "dags" / "trainforge_pipelines.py", dags)
+    write_companions(dags / "pipelines")
+    (dags / "pipelines" / "unlisted.yaml").write_text(
+        DEMO.read_text().replace("name: shakespeare_llm", "name: main_file_pipeline"))
+    old = "3.0.0"
+    assert old not in declared_ranges()["apache-airflow"]
+    site = tmp_path / "site" / f"apache_airflow-{old}.dist-info"  # found before the real one
+    site.mkdir(parents=True)
+    (site / "METADATA").write_text(f"Metadata-Version: 2.1\nName: apache-airflow\nVersion: {old}\n")
+    airflow = AirflowCli(tmp_path, dags, migrated_db, pythonpath=str(site.parent))
+    # What Airflow's plugins manager recorded for the plugin, in the same environment
+    recorded = json.loads(subprocess.run(
+        [str(Path(sys.executable)), "-c", "import json; from airflow import plugins_manager; "
+         "print(json.dumps(plugins_manager.get_import_errors()))"],
+        env=airflow.env, cwd=tmp_path, check=True, capture_output=True, text=True,
+        timeout=120).stdout.splitlines()[-1])
+    [reason] = [m for source, m in recorded.items() if "trainforge" in source]
+    assert f"apache-airflow {old} is installed" in reason
+
+    airflow.run("dags", "reserialize")
+    errors = airflow.table("dags", "list-import-errors", ok=(1,))
+    assert sorted(Path(e["filepath"]).name for e in errors) == ["good.py",
+                                                               "trainforge_pipelines.py"]
+    for error in errors:
+        assert "PluginNotLoaded: the trainforge plugin did not load" in error["error"], error
+        assert reason in error["error"], error
+    assert airflow.table("dags", "list", ok=(0, 1)) == []
 
 
 def test_a_specs_setting_that_names_nothing_is_a_warning_naming_it(tmp_path, monkeypatch, caplog):

@@ -15,7 +15,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+from tests.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker" / "compose.yaml"
 VERSION = re.search(r'^version\s*=\s*"([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(what: str, check, timeout_s: float, interval_s: float = 2.0, detail=lambda: ""):
@@ -174,9 +168,9 @@ class Stack:
         self.checkout = checkout
         self.project = f"tfstack{secrets.token_hex(3)}"
         self.compose = compose_command()
-        self.ports = {name: free_port() for name in
-                      ("AIRFLOW_PORT", "MLFLOW_PORT", "POSTGRES_PORT", "REDIS_PORT", "S3_PORT",
-                       "AIRFLOW_SCHEDULER_HEALTH_PORT")}
+        names = ("AIRFLOW_PORT", "MLFLOW_PORT", "POSTGRES_PORT", "REDIS_PORT", "S3_PORT",
+                 "AIRFLOW_SCHEDULER_HEALTH_PORT")
+        self.ports = dict(zip(names, free_ports(len(names)), strict=True))
         self.password = secrets.token_urlsafe(16)
         self.aws = {"AWS_ACCESS_KEY_ID": "trainforge", "AWS_SECRET_ACCESS_KEY": secrets.token_urlsafe(16)}
         self.bucket = "trainforge"

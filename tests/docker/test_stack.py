@@ -247,10 +247,13 @@ def _in_container(proc: psutil.Process, container: str) -> bool:
 
 
 def _training_processes(dag_id: str) -> list[psutil.Process]:
+    """The trainer and job supervisor processes of DAG ``dag_id``'s jobs (their job folders are
+    named after it), in the stack's containers or anywhere: never another DAG's or test's."""
+    folder = f"/{dag_id.replace('_', '-')}-"
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if "trainforge.trainer.train" in cmd or ("trainforge.engines.local.supervisor" in cmd and dag_id in cmd):
+        if ("trainforge.trainer.train" in cmd or "trainforge.engines.local.supervisor" in cmd) and folder in cmd:
             found.append(proc)
     return found
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 import pytest
+from tests.ports import free_port, free_ports  # noqa: F401 - free_port: the fault tests' name for it
 
 
 def make_home(root: Path, corpus: Path) -> Path:
@@ -31,12 +32,6 @@ def make_home(root: Path, corpus: Path) -> Path:
     if not link.exists():
         link.symlink_to(corpus, target_is_directory=True)
     return root
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(what: str, check, timeout_s: float, interval_s: float = 0.5):
@@ -174,7 +169,9 @@ class AirflowStandalone:
         from trainforge.cli.runner import airflow_env
 
         self.home = home
-        self.port = free_port()
+        # the API server's port and the scheduler's and triggerer's log servers' (8793 and 8794
+        # by default, which another Airflow on this machine, the other test worker's, may hold)
+        self.port, worker_logs, trigger_logs = free_ports(3)
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = airflow_env(home, pipelines)
         airflow_home = Path(self.env["AIRFLOW_HOME"])
@@ -186,6 +183,8 @@ class AirflowStandalone:
             "AIRFLOW__API__HOST": "127.0.0.1",
             "AIRFLOW__API__PORT": str(self.port),
             "AIRFLOW__API__BASE_URL": self.url,
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_logs),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_logs),
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(passwords),
             "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
@@ -302,12 +301,17 @@ class AirflowStandalone:
         return self.api("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/"
                                f"{task_id}")
 
-    def set_state(self, dag_id: str, run_id: str, task_id: str, new_state: str) -> None:
-        """What the UI's "mark failed" / "mark success" does."""
+    def set_state(self, dag_id: str, run_id: str, task_id: str, new_state: str,
+                  downstream: bool = False) -> None:
+        """What the UI's "mark failed" / "mark success" does (``downstream``: "with
+        downstream")."""
         from urllib.parse import quote
 
+        body: dict[str, Any] = {"new_state": new_state}
+        if downstream:
+            body["include_downstream"] = True
         self.api("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id)}/taskInstances/"
-                          f"{task_id}", {"new_state": new_state})
+                          f"{task_id}", body)
 
     def clear(self, dag_id: str, run_id: str, task_id: str) -> None:
         """What the UI's "clear" does for one task (downstream not included)."""

@@ -138,6 +138,21 @@ def test_reject_then_approve_through_the_rest_api(airflow_standalone, mlflow_ser
     assert mail["To"] == "ml-platform@example.org"
     assert "is still running 20s after it was queued" in mail.get_body(("html",)).get_content()
 
+    # Cleared after the Approve: the version holds champion, so nothing is asked and the
+    # recorded decisions stay (#41: it used to ask again and tag the champion pending).
+    server.clear(DAG, run_id, TASK)
+    wait_for(f"{TASK} skipped", lambda: server.ti(DAG, run_id, TASK)["state"] == "skipped",
+             300, 2)
+    assert wait_run_end(server, DAG, run_id, 300) == "success", server.tail()
+    tags = client.get_model_version(MODEL, version).tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"]) == (
+        "approved", "admin")
+    history = tags["trainforge.approval.history"].splitlines()
+    assert [line.split(" ")[1:4] for line in history] == [
+        ["rejected", "by", "admin"], ["approved", "by", "admin"]], history
+    assert f"in {DAG}/{run_id} try 1: samples read worse" in history[0]
+    assert client.get_registered_model(MODEL).aliases["champion"] == version
+
 
 def test_marked_failed_while_waiting_closes_the_request(airflow_standalone, mlflow_server,
                                                          smtp_sink):
@@ -181,5 +196,84 @@ def test_marked_failed_while_waiting_closes_the_request(airflow_standalone, mlfl
         "pending", "none")
     _answer(server, run_id, "Reject", "asked again, rejected", CANCEL_DAG)
     assert wait_run_end(server, CANCEL_DAG, run_id, 300) == "success", server.tail()
-    assert client.get_model_version(CANCEL_MODEL, version).tags["trainforge.approval.status"] == (
-        "rejected")
+    tags = client.get_model_version(CANCEL_MODEL, version).tags
+    assert tags["trainforge.approval.status"] == "rejected"
+    assert [line.split(" ")[1:4] for line in tags["trainforge.approval.history"].splitlines()] == [
+        ["cancelled", "by", "admin"], ["rejected", "by", "admin"]]
+    assert "champion" not in client.get_registered_model(CANCEL_MODEL).aliases
+
+
+def _tries_path(run_id: str, try_number: int) -> str:
+    return _hitl_path(run_id, CANCEL_DAG) + f"/tries/{try_number}"
+
+
+def test_validation_marked_failed_while_waiting_cancels_the_approval(airflow_standalone,
+                                                                     mlflow_server):
+    """#41: validate_checkpoint marked failed (plain "mark failed") while the approval waits
+    closes the request, tags the version cancelled and fails the run; asked again, an Approve
+    still moves nothing, read from the run's task states at the move."""
+    from mlflow import MlflowClient
+
+    server, client = airflow_standalone, MlflowClient(mlflow_server)
+    wait_for(f"the {CANCEL_DAG} DAG", lambda: has_dag(server, CANCEL_DAG), 120, 2)
+    run_id = server.trigger(CANCEL_DAG)
+    version = _ask(server, run_id, 1, CANCEL_DAG)["subject"].split(" v")[1].split(" ")[0]
+
+    server.set_state(CANCEL_DAG, run_id, "validate_checkpoint", "failed")
+    closed = server.api("GET", _hitl_path(run_id, CANCEL_DAG))
+    assert closed["response_received"] is True, closed
+    assert closed["responded_by_user"]["id"] == "trainforge"
+    reason = "cancelled: validate_checkpoint was marked failed by admin before anyone answered"
+    assert closed["params_input"]["reason"] == reason
+    tags = client.get_model_version(CANCEL_MODEL, version).tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"],
+            tags["trainforge.approval.reason"]) == ("cancelled", "admin", reason)
+    with pytest.raises(urllib.error.HTTPError) as late:
+        _answer(server, run_id, "Approve", "too late", CANCEL_DAG)
+    assert late.value.code == 409
+    assert wait_run_end(server, CANCEL_DAG, run_id, 300) == "failed", server.tail()
+    assert server.ti(CANCEL_DAG, run_id, TASK)["state"] == "failed"
+    assert "champion" not in client.get_registered_model(CANCEL_MODEL).aliases
+
+    # Cleared, the approval asks again (the version is not champion); an Approve is refused at
+    # the move because validate_checkpoint of this run is failed.
+    server.clear(CANCEL_DAG, run_id, TASK)
+    _ask(server, run_id, 2, CANCEL_DAG)
+    _answer(server, run_id, "Approve", "approved anyway", CANCEL_DAG)
+    assert wait_run_end(server, CANCEL_DAG, run_id, 300) == "failed", server.tail()
+    assert "champion" not in client.get_registered_model(CANCEL_MODEL).aliases
+    tags = client.get_model_version(CANCEL_MODEL, version).tags
+    assert tags["trainforge.approval.status"] == "cancelled"
+    assert "validate_checkpoint is failed in this DAG run" in tags["trainforge.approval.reason"]
+    assert "approved by admin" in tags["trainforge.approval.reason"]
+
+
+def test_validation_marked_failed_with_downstream_cancels_the_approval(airflow_standalone,
+                                                                       mlflow_server):
+    """#41: marked failed with its downstream tasks, the approval is cleared by Airflow in the
+    same mark: its request, now in the try history, is closed and the version tagged
+    cancelled (it used to stay pending for ever)."""
+    from mlflow import MlflowClient
+
+    server, client = airflow_standalone, MlflowClient(mlflow_server)
+    wait_for(f"the {CANCEL_DAG} DAG", lambda: has_dag(server, CANCEL_DAG), 120, 2)
+    run_id = server.trigger(CANCEL_DAG)
+    version = _ask(server, run_id, 1, CANCEL_DAG)["subject"].split(" v")[1].split(" ")[0]
+
+    server.set_state(CANCEL_DAG, run_id, "validate_checkpoint", "failed", downstream=True)
+    closed = server.api("GET", _tries_path(run_id, 1))
+    assert closed["response_received"] is True, closed
+    assert closed["responded_by_user"]["id"] == "trainforge"
+    reason = ("cancelled: validate_checkpoint was marked failed with its downstream tasks by "
+              "admin before anyone answered")
+    assert closed["params_input"]["reason"] == reason
+    tags = client.get_model_version(CANCEL_MODEL, version).tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"],
+            tags["trainforge.approval.reason"]) == ("cancelled", "admin", reason)
+    with pytest.raises(urllib.error.HTTPError) as late:
+        _answer(server, run_id, "Approve", "too late", CANCEL_DAG)
+    assert late.value.code in (404, 409)
+    assert wait_run_end(server, CANCEL_DAG, run_id, 300) == "failed", server.tail()
+    assert "champion" not in client.get_registered_model(CANCEL_MODEL).aliases
+    assert client.get_model_version(CANCEL_MODEL, version).tags[
+        "trainforge.approval.status"] == "cancelled"

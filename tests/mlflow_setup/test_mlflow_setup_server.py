@@ -172,3 +172,39 @@ def test_start_is_idempotent_and_stop_leaves_no_process(tmp_path: Path) -> None:
     assert _group_alive(handle.pid) == []
     assert not (tmp_path / PID_FILE_NAME).exists()
     assert _cli("stop", "--home", str(tmp_path)).returncode == 0  # nothing to stop: still fine
+
+
+@pytest.mark.integration
+def test_a_port_taken_by_another_server_during_the_start_is_not_taken_for_this_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs starting together on one port: the one whose server lost the port must not take
+    the other's health answer for its own (its runs would go to the other's store)."""
+    import trainforge.mlflow_setup.server as server_mod
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    port = other.server_address[1]
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    # the other server binds between this start's port check and its own bind
+    monkeypatch.setattr(server_mod, "port_in_use", lambda host, p: False)
+    try:
+        handle = start_server(tmp_path, port=port, timeout_s=60)
+    except ServerStartError as err:
+        error = err
+    else:  # taken for started: stop what it started before failing
+        handle.stop()
+        pytest.fail(f"the other server's health answer was taken for this one's: {handle}")
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert (f"port {port} on 127.0.0.1 was taken by another server" in str(error)
+            or "exited with code" in str(error)), error
+    assert not (tmp_path / PID_FILE_NAME).exists()

@@ -10,11 +10,17 @@ from trainforge.approval import (
     APPROVED,
     REJECT,
     REJECTED,
+    TAG_AT,
     TAG_BY,
+    TAG_DAG_RUN,
+    TAG_HISTORY,
     TAG_REASON,
     TAG_STATUS,
+    TAG_TRY,
     outcome_of,
+    promotion_refusal,
     request_body,
+    with_history,
 )
 
 AT = "2026-12-01T10:00:00+00:00"
@@ -78,3 +84,53 @@ def test_the_first_model_has_no_champion_to_show():
                         on_timeout="fail")
     assert "reject to keep no champion" in body and "| champion | — | — |" in body
     assert "fails the task; champion stays" in body
+
+
+def _decision(status: str, by: str = "alice", reason: str = "ok") -> dict[str, str]:
+    return {TAG_STATUS: status, TAG_BY: by, TAG_REASON: reason, TAG_AT: AT,
+            TAG_DAG_RUN: "p/manual__1", TAG_TRY: "1"}
+
+
+def test_a_decision_is_added_to_the_history_and_pending_leaves_it_alone():
+    first = with_history(_decision("approved"), None)
+    line = f"{AT} approved by alice in p/manual__1 try 1: ok"
+    assert first[TAG_HISTORY] == line
+    again = with_history(_decision("rejected", reason="worse\non dialogue"), first[TAG_HISTORY])
+    assert again[TAG_HISTORY].splitlines() == [
+        line, f"{AT} rejected by alice in p/manual__1 try 1: worse on dialogue"]
+    pending = with_history(_decision("pending"), again[TAG_HISTORY])
+    assert TAG_HISTORY not in pending  # the recorded decisions are not overwritten
+
+
+def test_the_history_drops_its_oldest_lines_past_mlflows_tag_limit():
+    history = None
+    for n in range(100):
+        history = with_history(_decision("rejected", reason=f"take {n} " + "x" * 80),
+                               history)[TAG_HISTORY]
+    assert len(history) <= 5000
+    assert "take 99 " in history.splitlines()[-1] and "take 0 " not in history
+
+
+PENDING_HERE = {TAG_STATUS: "pending", TAG_DAG_RUN: "p/manual__1", TAG_TRY: "2"}
+
+
+@pytest.mark.parametrize(("states", "tags", "fragment"), [
+    ({"validate_checkpoint": "success", "register_model": "success"}, PENDING_HERE, None),
+    ({"validate_checkpoint": "failed", "register_model": "success"}, PENDING_HERE,
+     "validate_checkpoint is failed in this DAG run (p/manual__1)"),
+    ({"validate_checkpoint": "none", "register_model": "upstream_failed"}, PENDING_HERE,
+     "register_model is upstream_failed, validate_checkpoint is none"),
+    ({"validate_checkpoint": "success"}, {**PENDING_HERE, TAG_TRY: "1"},
+     "not pending for p/manual__1 try 2"),  # an answer to an older try's request
+    ({"validate_checkpoint": "success"}, {**PENDING_HERE, TAG_STATUS: "cancelled"},
+     "status cancelled"),
+    ({"validate_checkpoint": "success"}, {**PENDING_HERE, TAG_DAG_RUN: "p/manual__0"},
+     "asked by p/manual__0 try 2"),
+])
+def test_champion_moves_only_with_upstream_success_and_this_trys_request(states, tags, fragment):
+    refusal = promotion_refusal(version="3", upstream_states=states, tags=tags,
+                                dag_run="p/manual__1", try_number=2)
+    if fragment is None:
+        assert refusal is None
+    else:
+        assert fragment in refusal

@@ -94,3 +94,92 @@ def test_only_approve_champion_rows_are_closed():
     worker_ti = FakeTI()  # a worker's Task SDK task instance: no database row to close
     worker_ti.operator = approval_close.OPERATOR
     assert not approval_close._is_ours(worker_ti)
+
+
+def _mark(session, task_id: str, extra: str = "{}") -> None:
+    session.add(Log(event="patch_task_instance", owner="admin", dag_id="p", run_id="r1",
+                    task_id=task_id, extra=extra))
+    session.flush()
+
+
+@pytest.mark.parametrize(("extra", "what"), [
+    ('{"new_state": "failed"}', "validate_checkpoint was marked failed by admin"),
+    ('{"new_state": "failed", "include_downstream": true}',
+     "validate_checkpoint was marked failed with its downstream tasks by admin"),
+])
+def test_an_upstream_mark_names_the_task_who_marked_it_and_how(session, extra, what):
+    ti = FakeTI()
+    _request(session, ti)
+    _mark(session, "validate_checkpoint", extra)
+    tags = approval_close.close_request(session, ti, "failed", "validate_checkpoint")
+    assert tags["trainforge.approval.reason"] == f"cancelled: {what} before anyone answered"
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"]) == (
+        "cancelled", "admin")
+
+
+def test_an_upstream_mark_without_an_audit_entry_names_the_task_and_its_state(session):
+    ti = FakeTI()
+    _request(session, ti)
+    tags = approval_close.close_request(session, ti, "failed", "validate_checkpoint")
+    assert tags["trainforge.approval.reason"] == (
+        "cancelled: validate_checkpoint ended failed before anyone answered")
+
+
+def test_a_request_the_mark_moved_to_the_try_history_is_closed(session):
+    """A mark with downstream tasks clears the approval in the same transaction: a new try id,
+    the request copied to Airflow's request history."""
+    from airflow.models.hitl_history import HITLDetailHistory
+    from airflow.models.taskinstancehistory import TaskInstanceHistory
+
+    old, ti = uuid.uuid4(), FakeTI()
+    session.execute(TaskInstanceHistory.__table__.insert().values(
+        task_instance_id=old, dag_id="p", run_id="r1", task_id="approve_champion", map_index=-1,
+        try_number=1, pool="default_pool"))
+    moved = HITLDetail(ti_id=old, options=["Approve", "Reject"], subject="Promote m v2?",
+                       params={})
+    session.add(HITLDetailHistory(moved))
+    session.flush()
+    _mark(session, "validate_checkpoint", '{"include_downstream": true}')
+    tags = approval_close.close_request(session, ti, "failed")
+    assert tags["trainforge.approval.status"] == "cancelled"
+    [row] = session.query(HITLDetailHistory).all()
+    assert row.responded_by["id"] == "trainforge" and row.chosen_options == ["Reject"]
+    assert approval_close.close_request(session, ti, "failed") is None  # closed once
+
+
+def test_a_failed_mark_upstream_closes_the_waiting_approval_and_nothing_else(session):
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.models.xcom import XComModel
+
+    from airflow.models.dagrun import DagRun
+
+    approval = uuid.uuid4()
+    session.execute(DagRun.__table__.insert().values(
+        id=1, dag_id="p", run_id="r1", run_type="manual", logical_date=None,
+        data_interval_start=None, data_interval_end=None))
+    session.execute(TaskInstance.__table__.insert().values(
+        id=approval, dag_id="p", run_id="r1", task_id="approve_champion", map_index=-1,
+        try_number=1, pool="default_pool", operator=approval_close.OPERATOR,
+        state="awaiting_input", next_method="execute_complete"))
+    session.add(XComModel(dag_run_id=1, dag_id="p", run_id="r1", task_id="approve_champion",
+                          map_index=-1, key=approval_close.REQUEST_XCOM_KEY,
+                          value=XComModel.serialize_value(
+                              {"name": "m", "version": "2", "tracking_uri": "http://x",
+                               "upstream": ["register_model", "validate_checkpoint"]})))
+    ours = FakeTI()
+    ours.id = approval
+    detail = _request(session, ours)
+    marked = FakeTI()
+    for task_id, state in [("close_run", "failed"), ("validate_checkpoint", "success")]:
+        marked.task_id = task_id  # not upstream / not failed: the approval keeps waiting
+        assert approval_close._close_for(session, marked, state) == []
+    assert detail.responded_at is None
+    marked.task_id = "validate_checkpoint"
+    [(request, tags, ti)] = approval_close._close_for(session, marked, "failed")
+    assert (request["name"], request["version"], ti.id) == ("m", "2", approval)
+    assert tags["trainforge.approval.reason"] == (
+        "cancelled: validate_checkpoint ended failed before anyone answered")
+    assert detail.response_received and detail.responded_by["id"] == "trainforge"
+    # resumed as an answer resumes it, so the task runs and fails on the closed request
+    assert ti.state == "scheduled" and ti.next_kwargs["event"]["responded_by_user"]["id"] == (
+        "trainforge")

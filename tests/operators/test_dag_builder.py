@@ -149,7 +149,7 @@ def _edges(dag) -> set[tuple[str, str]]:
 def test_every_task_feeds_the_close_run_teardown_which_never_decides_the_run(kind):
     from airflow.task.trigger_rule import TriggerRule
 
-    from trainforge.callbacks import close_mlflow_run_on_failure
+    from trainforge.callbacks import clear_failure_on_success, close_mlflow_run_on_failure
     from trainforge.tasks.close_run import CloseRunOperator
 
     spec = load_spec(DEMO) if kind == "single" else _staged(kind)
@@ -165,6 +165,7 @@ def test_every_task_feeds_the_close_run_teardown_which_never_decides_the_run(kin
     # A failed teardown must not end a finished MLflow run FAILED.
     assert close_mlflow_run_on_failure not in (close.on_failure_callback or [])
     assert close_mlflow_run_on_failure in dag.get_task("register_model").on_failure_callback
+    assert clear_failure_on_success in dag.get_task("register_model").on_success_callback
 
 
 def test_a_two_stage_chain_trains_one_task_per_stage_in_order():

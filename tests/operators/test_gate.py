@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainforge.gate import FAIL, PASS, SKIPPED, GateDecision, compare, decide, evaluator_argv
+from trainforge.gate import FAIL, PASS, SKIPPED, GateDecision, TaskRules, compare, decide, evaluator_argv
 
 
 def _evaluation(method: str, candidate: dict, champion: dict, champion_ok: bool = True) -> dict:
@@ -92,3 +92,86 @@ def test_evaluator_argv():
     assert argv == ["/py", "-m", "trainforge.trainer.evaluate", "--dataset", "/data", "--report", "/r.json",
                     "--max-eval-tokens", "512", "--model", "candidate=models:/m/2", "--model",
                     "champion=models:/m/1"]
+
+
+# -- registry.eval: the task score ------------------------------------------------------------
+
+def _task(correct: int, total: int = 5) -> dict:
+    return {"ok": True, "score": correct / total, "correct": correct, "total": total, "results": [],
+            "error": None}
+
+
+def _scored(candidate_loss: float, champion_loss: float, candidate: dict, champion: dict | None) -> dict:
+    evaluation = _evaluation("tokens", {"val_loss": candidate_loss}, {"val_loss": champion_loss})
+    evaluation["models"]["candidate"]["task"] = candidate
+    if champion is None:
+        del evaluation["models"]["champion"]
+    else:
+        evaluation["models"]["champion"]["task"] = champion
+    return evaluation
+
+
+NOT_SCORED = {"ok": False, "score": None, "correct": None, "total": 5, "results": [],
+              "error": "task scoring failed at prompt 1: ConfigError: the tokenizer has no chat template"}
+RULES = TaskRules()
+
+
+@pytest.mark.parametrize(("evaluation", "overrides", "decision", "fragment"), [
+    # equal loss, lower task score: refused for the task score, before the loss is compared
+    (_scored(3.0, 3.0, _task(2), _task(3)), {}, FAIL,
+     "task score 0.40 (2/5) is below the champion's 0.60 (3/5) (registry.eval.require_at_least_champion)"),
+    # a lower loss does not buy back a lower task score
+    (_scored(2.0, 3.0, _task(2), _task(3)), {}, FAIL, "is below the champion's 0.60"),
+    # a tie on the task: the validation loss decides, and the reason says so
+    (_scored(2.9, 3.0, _task(3), _task(3)), {}, PASS,
+     "task score 0.60 (3/5) equals the champion's 0.60 (3/5); the validation loss decided: val_loss 2.9000"),
+    (_scored(3.0, 3.0, _task(3), _task(3)), {}, FAIL,
+     "the validation loss decided: val_loss 3.0000 vs champion 3.0000 (+0.00% relative improvement"),
+    (_scored(2.9, 3.0, _task(4), _task(3)), {}, PASS, "task score 0.80 (4/5) vs the champion's 0.60 (3/5); val_loss"),
+    (_scored(3.1, 3.0, _task(4), _task(3)), {}, FAIL, "vs the champion's 0.60 (3/5); val_loss 3.1000"),
+    # below the threshold, whatever the champion scores
+    (_scored(2.0, 3.0, _task(2), _task(1)), {"task": TaskRules(min_score=0.5)}, FAIL,
+     "task score 0.40 (2/5) is below registry.eval.min_score 0.50"),
+    # without require_at_least_champion a lower score is only reported
+    (_scored(2.9, 3.0, _task(2), _task(3)), {"task": TaskRules(require_at_least_champion=False)}, PASS,
+     "task score 0.40 (2/5) vs the champion's 0.60 (3/5); val_loss 2.9000"),
+    (_scored(2.9, 3.0, _task(2), NOT_SCORED), {"task": TaskRules(require_at_least_champion=False)}, PASS,
+     "task score 0.40 (2/5) vs the champion's not measured; val_loss 2.9000"),
+    (_scored(2.9, 3.0, _task(4), NOT_SCORED), {}, FAIL,
+     "champion v1's task score could not be measured: task scoring failed at prompt 1: ConfigError: the "
+     "tokenizer has no chat template; fix or move the champion alias by hand"),
+    (_scored(2.9, 3.0, NOT_SCORED, _task(3)), {}, FAIL,
+     "the candidate's task score could not be measured: task scoring failed at prompt 1"),
+    # the first version: scored alone, against the threshold only
+    (_scored(3.0, 3.0, _task(3), None), {"champion_version": None}, PASS,
+     "first version of this model and it meets every absolute threshold; task score 0.60 (3/5)"),
+    (_scored(3.0, 3.0, _task(1), None), {"champion_version": None, "task": TaskRules(min_score=0.5)}, FAIL,
+     "task score 0.20 (1/5) is below registry.eval.min_score 0.50"),
+])
+def test_task_score_decisions(evaluation, overrides, decision, fragment):
+    gate = _decide(**{"evaluation": evaluation, "task": RULES, **overrides})
+    assert gate.decision == decision, gate
+    assert fragment in gate.reason, gate.reason
+
+
+def test_task_scores_are_recorded_and_round_trip_through_tags():
+    gate = _decide(evaluation=_scored(2.9, 3.0, _task(3), _task(3)), task=RULES)
+    assert (gate.task_score, gate.champion_task_score) == (pytest.approx(0.6), pytest.approx(0.6))
+    back = GateDecision.from_tags(gate.tags())
+    assert (back.task_score, back.champion_task_score) == (pytest.approx(0.6), pytest.approx(0.6))
+    assert _decide(evaluation=TOKENS_BETTER).tags()["trainforge.gate.task_score"] == "none"
+
+
+def test_task_rules_without_an_evaluation_are_a_programming_error():
+    with pytest.raises(ValueError, match="evaluation report is required"):
+        _decide(champion_version=None, task=RULES)
+
+
+def test_evaluator_argv_with_task_prompts():
+    argv = evaluator_argv("/py", "/data", {"candidate": "models:/m/2"}, "/r.json", 512,
+                          {"prompts": "/p.jsonl", "scoring": "contains", "max_new_tokens": 16,
+                           "chat_template": "/t.jinja"})
+    assert argv[-9:] == ["candidate=models:/m/2", "--prompts", "/p.jsonl", "--scoring", "contains",
+                         "--max-new-tokens", "16", "--chat-template", "/t.jinja"]
+    assert "--chat-template" not in evaluator_argv("/py", "/d", {}, "/r", 1, {
+        "prompts": "/p", "scoring": "exact_match", "max_new_tokens": 1, "chat_template": None})

@@ -65,3 +65,83 @@ def test_a_stage_overrides_framework_compile_and_the_others_inherit_it():
     compiled = {name: render_job_config(stage_spec(spec, name), "/d", "/c", IDENTITY)["framework"]["compile"]
                 for name in ("a", "b")}
     assert compiled == {"a": True, "b": False}
+
+
+PRETRAINED = {"folder": "/models/qwen3", "source": "hf://Qwen/Qwen3-0.6B",
+              "revision": "0123456789abcdef0123456789abcdef01234567"}
+
+
+def _pretrained_spec(model: str):
+    return parse_spec_text(MINIMAL + "model:\n  pretrained: hf://Qwen/Qwen3-0.6B\n" + model,
+                           "ok.yaml")
+
+
+def test_a_pretrained_spec_renders_the_reduced_model_section_and_the_source():
+    config = render_job_config(_pretrained_spec(""), "/data/ds", "/ckpt", IDENTITY,
+                               pretrained=PRETRAINED)
+    assert config["model"] == {"family": "pretrained", "dropout": None}
+    assert config["pretrained"] == PRETRAINED
+    parsed = parse_job_config(config)
+    assert (parsed.pretrained.source, parsed.pretrained.revision) == (
+        PRETRAINED["source"], PRETRAINED["revision"])
+
+
+def test_a_pretrained_spec_passes_its_dropouts_on():
+    spec = _pretrained_spec("  dropout: 0.1\n  config_overrides: {hidden_dropout: 0.05}\n")
+    config = render_job_config(spec, "/data/ds", "/ckpt", IDENTITY, pretrained=PRETRAINED)
+    assert config["model"] == {"family": "pretrained", "dropout": 0.1,
+                               "config_overrides": {"hidden_dropout": 0.05}}
+    assert parse_job_config(config).model.dropout == 0.1
+
+
+def test_the_pretrained_section_and_the_spec_must_agree():
+    with pytest.raises(ValueError, match="pass its job_section"):
+        render_job_config(_pretrained_spec(""), "/data/ds", "/ckpt", IDENTITY)
+    with pytest.raises(ValueError, match="model.pretrained is None"):
+        render_job_config(parse_spec_text(MINIMAL, "ok.yaml"), "/data/ds", "/ckpt", IDENTITY,
+                          pretrained=PRETRAINED)
+
+
+def test_training_peft_reaches_the_trainer_as_lora_settings():
+    from trainforge.trainer.config import LoraSettings
+
+    text = MINIMAL.replace("training:\n", "training:\n  peft: {r: 8, alpha: 16, target_modules: [q_proj, v_proj]}\n",
+                           1)
+    spec = parse_spec_text(text + "model:\n  pretrained: hf://Qwen/Qwen3-0.6B\n", "ok.yaml")
+    config = render_job_config(spec, "/data/ds", "/ckpt", IDENTITY, pretrained=PRETRAINED)
+    assert parse_job_config(config).peft == LoraSettings(r=8, alpha=16.0, dropout=0.05,
+                                                         target_modules=("q_proj", "v_proj"), merge=True)
+    auto = parse_spec_text(MINIMAL.replace("training:\n", "training:\n  peft: {}\n", 1)
+                           + "model:\n  pretrained: hf://Qwen/Qwen3-0.6B\n", "ok.yaml")
+    rendered = render_job_config(auto, "/data/ds", "/ckpt", IDENTITY, pretrained=PRETRAINED)
+    assert parse_job_config(rendered).peft.target_modules is None  # auto: the family's projections
+    assert "peft" not in render_job_config(_pretrained_spec(""), "/data/ds", "/ckpt", IDENTITY,
+                                           pretrained=PRETRAINED)
+
+
+def test_data_packing_reaches_the_trainer_and_is_absent_when_false():
+    chat = MINIMAL.replace("  sources: [corpus/*.txt]\n", "  sources: [corpus/*.txt]\n  format: chat\n")
+    packed = parse_spec_text(chat.replace("  format: chat\n", "  format: chat\n  packing: true\n")
+                             + "model:\n  pretrained: hf://Qwen/Qwen3-0.6B\n", "ok.yaml")
+    config = render_job_config(packed, "/data/ds", "/ckpt", IDENTITY, pretrained=PRETRAINED)
+    assert config["data"]["packing"] is True and parse_job_config(config).data.packing is True
+    padded = parse_spec_text(chat + "model:\n  pretrained: hf://Qwen/Qwen3-0.6B\n", "ok.yaml")
+    config = render_job_config(padded, "/data/ds", "/ckpt", IDENTITY, pretrained=PRETRAINED)
+    assert "packing" not in config["data"] and parse_job_config(config).data.packing is False
+
+
+@pytest.mark.parametrize("peft,fragment", [
+    ({"method": "lora", "r": 0, "alpha": 1, "dropout": 0, "merge": True}, "peft.r=0"),
+    ({"method": "dora", "r": 4, "alpha": 1, "dropout": 0, "merge": True}, "peft.method='dora'"),
+    ({"method": "lora", "r": 4, "alpha": 1, "dropout": 0, "merge": True, "target_modules": []},
+     "peft.target_modules=[]"),
+])
+def test_a_bad_peft_section_is_refused_naming_the_field(peft, fragment):
+    from trainforge.trainer.errors import ConfigError
+
+    config = render_job_config(_pretrained_spec(""), "/data/ds", "/ckpt", IDENTITY, pretrained=PRETRAINED)
+    with pytest.raises(ConfigError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        parse_job_config({**config, "peft": peft})
+    plain = render_job_config(parse_spec_text(MINIMAL, "ok.yaml"), "/data/ds", "/ckpt", IDENTITY)
+    with pytest.raises(ConfigError, match="peft section without a pretrained one"):
+        parse_job_config({**plain, "peft": {"method": "lora", "r": 4, "alpha": 1, "dropout": 0, "merge": True}})

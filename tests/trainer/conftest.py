@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,22 +57,32 @@ def build_dataset(
     n_val: int = 4,
     seed: int = 0,
     train_shards: int = 2,
+    tokenizer_file: Path | None = None,
+    eos_token: str = EOS,
 ) -> Path:
-    """Write a trainforge.dataset/v1 folder under ``root`` and return it."""
+    """Write a trainforge.dataset/v1 folder under ``root`` and return it.
+
+    ``tokenizer_file``: encode with this tokenizer.json (a pretrained model's, copied byte for
+    byte; its post-processor's special tokens left out) and ``eos_token`` instead of training one.
+    """
     root.mkdir(parents=True, exist_ok=True)
     docs = make_documents(n_train + n_val, seed)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(docs, trainer=trainer)
-    tokenizer.save(str(root / "tokenizer.json"))
-    eos_id = tokenizer.token_to_id(EOS)
+    if tokenizer_file is not None:
+        shutil.copyfile(tokenizer_file, root / "tokenizer.json")
+        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+    else:
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOS],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tokenizer.train_from_iterator(docs, trainer=trainer)
+        tokenizer.save(str(root / "tokenizer.json"))
+    eos_id = tokenizer.token_to_id(eos_token)
 
     splits = {}
     for name, split_docs, n_shards in (
@@ -80,7 +91,7 @@ def build_dataset(
     ):
         ids = []
         for doc in split_docs:
-            ids.extend(tokenizer.encode(doc).ids + [eos_id])
+            ids.extend(tokenizer.encode(doc, add_special_tokens=False).ids + [eos_id])
         tokens = np.asarray(ids, dtype=np.uint16)
         shards = []
         for i, part in enumerate(np.array_split(tokens, n_shards)):
@@ -118,7 +129,7 @@ def build_dataset(
         "digest": digest,
         "dtype": "uint16",
         "vocab_size": tokenizer.get_vocab_size(),
-        "eos_token": EOS,
+        "eos_token": eos_token,
         "eos_id": eos_id,
         "tokenizer": {
             "file": "tokenizer.json",

@@ -137,6 +137,29 @@ def test_an_abandoned_write_never_publishes_its_manifest(tmp_path, held):
     assert ended == [result]
 
 
+def test_a_manifest_being_published_is_reported_before_abandon_returns(tmp_path):
+    """What the trainer's result names on SIGTERM: abandon waits for a manifest being written
+    and for its report, so a checkpoint on disk is never missing from the result."""
+    writer, reported, in_report, release = CheckpointWriter(), [], threading.Event(), threading.Event()
+
+    def on_written(folder):
+        in_report.set()
+        assert release.wait(30)
+        reported.append(folder)
+
+    folder = _submit(writer, tmp_path, 5, on_written=on_written)
+    assert in_report.wait(30) and (folder / ckpt.MANIFEST).exists()  # published, not reported yet
+    abandoning = threading.Thread(target=writer.abandon)
+    abandoning.start()
+    abandoning.join(0.5)
+    assert abandoning.is_alive() and reported == []  # abandon waits for the report
+    release.set()
+    abandoning.join(30)
+    assert not abandoning.is_alive() and reported[0] == folder
+    result = writer.wait()
+    assert result.error is None and result.path == folder and not ckpt.verify(folder)
+
+
 @pytest.fixture
 def run_main(tmp_path, job_file, monkeypatch):
     """``run_main(**sections) -> (exit code, result, job dir)``: the trainer's ``main()`` in this

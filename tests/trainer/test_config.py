@@ -54,8 +54,8 @@ ERROR_ROWS = [
     ),
     ("model.dropout", 1.0, "model.dropout=1.0: expected a value in [0.0, 1.0)"),
     ("model.family", "gpt2", "model.family='gpt2': expected one of ['llama']"),
-    ("model.hidden_size", 30, "model.hidden_size=30 must be divisible by model.num_heads=4"),
-    ("model.num_kv_heads", 3, "model.num_heads=4 must be a multiple of model.num_kv_heads=3"),
+    ("model.hidden_size", 30, "model.hidden_size=30 must be divisible by num_heads=4"),
+    ("model.num_kv_heads", 3, "model.num_heads=4 must be a multiple of num_kv_heads=3"),
     ("model.tie_word_embeddings", 1, "model.tie_word_embeddings=1 (int): expected true or false"),
     ("precision", "fp8", "precision='fp8': expected one of ['fp32', 'bf16', 'fp16']"),
     (
@@ -98,7 +98,7 @@ ERROR_ROWS = [
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "fragment"), ERROR_ROWS, ids=[f"{r[0]}={r[1]!r}" for r in ERROR_ROWS]
+    ("field", "value", "fragment"), ERROR_ROWS, ids=[f"{r[0]}=<deleted>" if r[1] is _DELETE else f"{r[0]}={r[1]!r}" for r in ERROR_ROWS]
 )
 def test_config_errors(valid_job, field, value, fragment):
     job = _set(valid_job, field, value)

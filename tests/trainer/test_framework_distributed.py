@@ -28,7 +28,7 @@ from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.config import load_job_config
 from trainforge.trainer.model import build_model, llama_config, load_weights, weights_state_dict
 from trainforge.trainer.schedule import lr_at
-from trainforge.trainer.train import make_optimizer
+from trainforge.trainer.optim import make_optimizer
 
 pytestmark = pytest.mark.distributed
 

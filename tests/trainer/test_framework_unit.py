@@ -21,7 +21,7 @@ from trainforge.trainer.errors import ConfigError, DivergedError
 from trainforge.trainer.model import build_model, enable_activation_checkpointing, llama_config, lm_loss
 from trainforge.trainer.parallel import Parallel, optimizer_state_by_index, optimizer_state_by_name
 from trainforge.trainer.schedule import lr_at
-from trainforge.trainer.train import make_optimizer, should_step
+from trainforge.trainer.optim import make_optimizer, should_step
 
 # W = 10 warm-up steps, S = 110: decay over 100 steps from 1e-3 to 1e-4.
 OPTIM = OptimConfig(max_steps=110, global_batch_size=8, micro_batch_size=2, learning_rate=1e-3,

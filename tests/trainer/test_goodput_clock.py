@@ -12,7 +12,7 @@ from trainforge.contract import LEDGER_TAG_PREFIX
 from trainforge.ledger.attempts import job_dir_records
 from trainforge.trainer.energy import EnergyMeter, rapl_zones
 from trainforge.trainer.goodput import AttemptClock, flops_per_token
-from trainforge.trainer.gpus import JobGpus
+from trainforge.trainer.gpus import JobGpus, torch_cuda_uuids, uuid_hex
 
 
 def test_flops_per_token_is_torchtitans():
@@ -104,8 +104,9 @@ def test_nvml_counts_the_gpus_energy():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (install a CUDA build of torch and the NVIDIA driver)")
     pytest.importorskip("pynvml", reason="install nvidia-ml-py")
-    gpus = JobGpus.open()  # this process's first visible GPU (cuda:0)
-    assert len(gpus.devices) == 1, gpus.unread
+    gpus = JobGpus.open(cuda_uuids=torch_cuda_uuids())  # cuda:0, found in NVML by torch's UUID
+    assert len(gpus.devices) == 1 and gpus.devices[0].handle is not None, (gpus.unread, gpus.devices)
+    assert uuid_hex(gpus.devices[0].uuid) == uuid_hex(torch_cuda_uuids()[0])
     meter = EnergyMeter.open(gpus)
     assert meter.sources.get("gpu") in ("measured-nvml", "power_integration")
     x = torch.randn(4096, 4096, device="cuda")

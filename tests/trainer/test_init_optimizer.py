@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM
 from trainforge.trainer.compile import RecompileWatch
 from trainforge.trainer.config import ModelConfig, OptimConfig
 from trainforge.trainer.model import build_model, llama_config
-from trainforge.trainer.train import fused_adamw_supported, make_optimizer
+from trainforge.trainer.optim import fused_adamw_supported, make_optimizer
 
 MODEL = ModelConfig(family="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=64, rope_theta=10000.0, dropout=0.0, tie_word_embeddings=True)

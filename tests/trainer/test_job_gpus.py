@@ -36,7 +36,7 @@ def keys(devices) -> list[str]:
 def test_visible_1_3_meters_gpus_1_and_3_power_on_one_unknown_on_the_other(monkeypatch, tmp_path):
     nvml = fake_nvml(four_gpus_counter_unsupported())
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
-    env = {"CUDA_VISIBLE_DEVICES": "1,3", "LOCAL_WORLD_SIZE": "2"}
+    env = {"CUDA_VISIBLE_DEVICES": "1,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "LOCAL_WORLD_SIZE": "2"}
     gpus = JobGpus.open(env)
     assert keys(gpus.devices) == ["gpu1", "gpu3"] and gpus.unread is None
 
@@ -87,7 +87,8 @@ def test_system_metrics_are_logged_for_the_jobs_gpus_only(monkeypatch, tmp_path)
     monkeypatch.setattr(gpu_monitor, "pynvml", nvml, raising=False)  # MLflow's own monitor: every GPU
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = MlflowClient(uri).create_run(MlflowClient(uri).create_experiment("gpus")).info.run_id
-    gpus = JobGpus.open({"CUDA_VISIBLE_DEVICES": "1,3", "LOCAL_WORLD_SIZE": "2"})
+    gpus = JobGpus.open({"CUDA_VISIBLE_DEVICES": "1,3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                         "LOCAL_WORLD_SIZE": "2"})
     with MlflowTracker(uri, run_id).system_metrics(interval_s=60.0, gpus=gpus):
         time.sleep(0.2)
     metrics = MlflowClient(uri).get_run(run_id).data.metrics
@@ -114,12 +115,13 @@ def test_uuid_prefixes_and_mig_uuids_name_the_devices():
     legacy = f"MIG-{machine[3].uuid}/10/0"
     assert keys(job_gpus(nvml, {"CUDA_VISIBLE_DEVICES": legacy})) == ["gpu3-mig0"]
     # An index naming a GPU in MIG mode stands for its instances, never the whole board.
-    assert keys(job_gpus(nvml, {"CUDA_VISIBLE_DEVICES": "3", "LOCAL_WORLD_SIZE": "2"})) == \
+    pci = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert keys(job_gpus(nvml, pci | {"CUDA_VISIBLE_DEVICES": "3", "LOCAL_WORLD_SIZE": "2"})) == \
         ["gpu3-mig0", "gpu3-mig1"]
     # Unset: every device of the machine, the node's ranks using the first LOCAL_WORLD_SIZE.
-    assert keys(job_gpus(nvml, {"LOCAL_WORLD_SIZE": "5"})) == \
+    assert keys(job_gpus(nvml, pci | {"LOCAL_WORLD_SIZE": "5"})) == \
         ["gpu0", "gpu1", "gpu2", "gpu3-mig0", "gpu3-mig1"]
-    assert keys(job_gpus(nvml, {})) == ["gpu0"]
+    assert keys(job_gpus(nvml, pci)) == ["gpu0"]
 
 
 def test_a_mig_instance_is_metered_as_unknown_not_as_its_board(tmp_path):
@@ -145,7 +147,8 @@ def test_cuda_visible_devices_is_read_as_cuda_reads_it(value, entries):
     ({"CUDA_VISIBLE_DEVICES": "GPU-0000"}, "4 GPU(s) of this machine have a UUID starting so"),
     ({"CUDA_VISIBLE_DEVICES": "GPU-ffff"}, "no GPU(s) of this machine"),
     ({"CUDA_VISIBLE_DEVICES": "MIG-ffff"}, "no MIG instance(s)"),
-    ({"CUDA_VISIBLE_DEVICES": "1,GPU-00000001"}, "names device gpu1 (GPU-00000001"),
+    ({"CUDA_VISIBLE_DEVICES": "1,GPU-00000001", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"},
+     "names device gpu1 (GPU-00000001"),
     ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0': expected a positive number"),
     ({"LOCAL_WORLD_SIZE": "two"}, "LOCAL_WORLD_SIZE='two': expected a positive number"),
 ])
@@ -168,11 +171,11 @@ def test_what_cannot_be_opened_says_why(monkeypatch, tmp_path):
 def test_the_counter_is_used_where_supported_and_a_failing_reading_becomes_unknown(tmp_path):
     machine = [FakeGpu(energy_mj=5_000_000), FakeGpu(energy_mj=None, power_w=200.0)]
     nvml = fake_nvml(machine)
-    gpus = JobGpus(nvml, job_gpus(nvml, {"LOCAL_WORLD_SIZE": "2"}))
+    gpus = JobGpus(nvml, job_gpus(nvml, {"LOCAL_WORLD_SIZE": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}))
     meter = EnergyMeter.open(gpus, powercap_root=tmp_path, power_hz=100.0)
     machine[0].energy_mj += 42_000  # 42 J since open
     first = meter.record()["gpus"]
-    assert first["gpu0"] == {"uuid": machine[0].uuid, "pci_bus_id": "00000000:18:00.0",
+    assert first["gpu0"] == {"uuid": machine[0].uuid, "pci_bus_id": "00000000:18:00.0", "local_rank": 0,
                              "source": "measured-nvml", "energy_j": 42.0}
     assert first["gpu1"]["source"] == "power_integration"
     machine[1].power_w = None  # the power reading stops working mid-attempt

@@ -10,7 +10,8 @@ import torch
 
 from trainforge.trainer.config import ModelConfig, OptimConfig
 from trainforge.trainer.model import build_model, llama_config
-from trainforge.trainer.train import lr_at, make_optimizer
+from trainforge.trainer.optim import make_optimizer
+from trainforge.trainer.train import lr_at
 
 OPTIM = OptimConfig(
     max_steps=110,

@@ -29,7 +29,8 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
-from trainforge.engines.jobfiles import read_json, write_json_atomic
+from trainforge.engines.jobfiles import read_json
+from trainforge.storage.files import atomic_write_json
 from trainforge.engines.launch import python_torchrun, rank_env, torchrun_argv
 from trainforge.errors import BackendError, JobNotFoundError
 
@@ -100,10 +101,11 @@ class LocalBackend(Backend):
         request = self.render(job)
         job_dir = Path(request["job_dir"])
         job_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(job_dir / "job.json", job.config)
+        atomic_write_json(job_dir / "job.json", job.config, sort_keys=True)
         (job_dir / "job.log").touch()
         # request.json is written last: it is what makes the job exist for find().
-        write_json_atomic(job_dir / "request.json", {k: v for k, v in request.items() if k != "config"})
+        atomic_write_json(job_dir / "request.json",
+                          {k: v for k, v in request.items() if k != "config"}, sort_keys=True)
         try:
             proc = subprocess.Popen(
                 [self.python, "-m", "trainforge.engines.local.supervisor", str(job_dir)],
@@ -126,7 +128,8 @@ class LocalBackend(Backend):
             created = psutil.Process(proc.pid).create_time()
         except psutil.Error:
             created = None
-        write_json_atomic(job_dir / "supervisor.json", {"pid": proc.pid, "create_time": created})
+        atomic_write_json(job_dir / "supervisor.json", {"pid": proc.pid, "create_time": created},
+                          sort_keys=True)
         log.info("Submitted local job %s (supervisor pid %s) in %s", job.identity.key, proc.pid, job_dir)
         return self._handle(job.identity, job_dir)
 
@@ -206,11 +209,10 @@ class LocalBackend(Backend):
                         pass
                 psutil.wait_procs(alive, timeout=10)
         if not (job_dir / "exit.json").exists():
-            write_json_atomic(
+            atomic_write_json(
                 job_dir / "exit.json",
                 {"exit_code": -signal.SIGKILL, "cancelled": True, "signal": int(signal.SIGKILL),
-                 "ended_at": time.time()},
-            )
+                 "ended_at": time.time()}, sort_keys=True)
         return self.status(handle)
 
     # -- helpers ----------------------------------------------------------------------------

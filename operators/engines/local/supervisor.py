@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainforge.engines.jobfiles import write_json_atomic
+from trainforge.storage.files import atomic_write_json
 
 
 def main(job_dir: str) -> int:
@@ -53,7 +53,7 @@ def main(job_dir: str) -> int:
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
         rc = child.wait()
-    write_json_atomic(
+    atomic_write_json(
         root / "exit.json",
         {
             "exit_code": rc,
@@ -61,8 +61,7 @@ def main(job_dir: str) -> int:
             "signal": cancelled["signal"],
             "started_at": started,
             "ended_at": time.time(),
-        },
-    )
+        }, sort_keys=True)
     return 0
 
 

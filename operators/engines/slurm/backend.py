@@ -43,7 +43,8 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
-from trainforge.engines.jobfiles import read_json, write_json_atomic
+from trainforge.engines.jobfiles import read_json
+from trainforge.storage.files import atomic_write_json
 from trainforge.engines.slurm.client import (
     SACCT_WINDOW,
     SlurmCommands,
@@ -139,16 +140,16 @@ class SlurmBackend(Backend):
         (job_dir / "ranks").mkdir(parents=True, exist_ok=True)
         for name in _STALE:
             (job_dir / name).unlink(missing_ok=True)
-        write_json_atomic(job_dir / "job.json", job.config)
+        atomic_write_json(job_dir / "job.json", job.config, sort_keys=True)
         script = job_dir / SCRIPT_NAME
         tmp = job_dir / f".{SCRIPT_NAME}.tmp"
         tmp.write_text(request["script"], encoding="utf-8")
         os.replace(tmp, script)
         (job_dir / LOG_NAME).touch()
-        write_json_atomic(job_dir / "request.json", {
+        atomic_write_json(job_dir / "request.json", {
             "argv": request["argv"], "identity": request["identity"],
             "startup_timeout_s": job.startup_timeout_s, "min_nodes": job.min_nodes,
-            "excluded": list(exclude)})
+            "excluded": list(exclude)}, sort_keys=True)
         submitted_at = time.time()
         try:
             out = self._slurm.run("sbatch", "--parsable", str(script))
@@ -285,7 +286,7 @@ class SlurmBackend(Backend):
         if current.state.terminal:
             return current
         if job_dir.is_dir():
-            write_json_atomic(job_dir / "cancel.json", {"requested_at": time.time()})
+            atomic_write_json(job_dir / "cancel.json", {"requested_at": time.time()}, sort_keys=True)
         if current.state is JobState.PENDING:
             log.info("Cancelling pending Slurm job %s (%s)", job_id, handle.get("key"))
             self._slurm.scancel(job_id)
@@ -332,8 +333,8 @@ class SlurmBackend(Backend):
         scancel it."""
         job_dir = Path(handle["job_dir"])
         if job_dir.is_dir():
-            write_json_atomic(job_dir / START_FAILURE, {"message": message,
-                                                        "failure": kind.value})
+            atomic_write_json(job_dir / START_FAILURE, {"message": message,
+                                                        "failure": kind.value}, sort_keys=True)
         self._slurm.scancel_quietly(str(handle["job_id"]))
         return JobStatus(JobState.FAILED, message, None, kind)
 
@@ -370,7 +371,7 @@ class SlurmBackend(Backend):
                 startup_timeout_s: float | None) -> JobHandle:
         record = {"job_id": job_id, "submitted_at_epoch_s": submitted_at,
                   "startup_timeout_s": startup_timeout_s}
-        write_json_atomic(job_dir / "slurm_job.json", record)
+        atomic_write_json(job_dir / "slurm_job.json", record, sort_keys=True)
         return self._handle(identity, job_dir, record)
 
     def _handle(self, identity: JobIdentity, job_dir: Path, record: dict[str, Any]) -> JobHandle:

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.engines.base import JobIdentity, TrainingJob
-from trainforge.engines.jobfiles import read_json, write_json_atomic
+from trainforge.engines.jobfiles import read_json
+from trainforge.storage.files import atomic_write_json
 from trainforge.engines.slurm.script import LOG_NAME
 from trainforge.errors import BackendError
 
@@ -153,7 +154,7 @@ def job_node_loss(job_dir: Path, ended: float | None, exit_record: dict[str, Any
               "survivors": [n for n in nodes if n != node], "lost_at": round(lost_at, 3),
               "detected_at": round(detected, 3), "detection_s": round(detected - lost_at, 3),
               **({"elastic": True} if elastic else {})}
-    write_json_atomic(job_dir / RECORD_NAME, record)
+    atomic_write_json(job_dir / RECORD_NAME, record, sort_keys=True)
     return record
 
 

@@ -26,8 +26,9 @@ def test_validate_exit_codes(tmp_path):
     ok = runner.invoke(app, ["validate", str(ROOT / "dags" / "pipelines")])
     assert ok.exit_code == 0, ok.output
     bad = tmp_path / "bad.yaml"
-    bad.write_text(PIPELINES[0].read_text().replace("max_steps: 300", "max_steps: many"))
-    result = runner.invoke(app, ["validate", str(bad), str(PIPELINES[0])])
+    demo = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
+    bad.write_text(demo.read_text().replace("max_steps: 300", "max_steps: many"))
+    result = runner.invoke(app, ["validate", str(bad), str(demo)])
     assert result.exit_code == 1
     assert f"{bad}:" in result.output and "training.optimization.max_steps" in result.output
     assert "ok (dag_id" in result.output

@@ -1,13 +1,16 @@
-"""One console line per wait of `trainforge run`: a retry delay says when the next try starts.
+"""One console line per wait of `trainforge run`: a retry delay says when the next try starts;
+and a failed run ends with the failed task's traceback.
 
 `airflow dags test` logs a "No tasks to run" warning, listing every unfinished task instance,
 once a second while no task can start. The first test runs Airflow itself on a DAG whose task
-fails its first try, and feeds the real output through the console filter.
+fails its first try, and feeds the real output through the console filter. The second runs
+`trainforge run` on a pipeline whose data preparation fails (its corpus is missing).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import inspect
 import os
 import re
 import subprocess
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from trainforge.cli.runner_console import ConsoleFilter, retry_delays
+from trainforge.cli.runner_console import ConsoleFilter, retry_delays, task_tracebacks
 from trainforge.pipeline.loader import load_spec
 from trainforge.pipeline.model import PipelineSpec
 
@@ -86,6 +89,42 @@ def test_a_retry_delay_is_one_line_saying_when_the_next_try_starts(tmp_path):
     assert said[1] == f"{expected:%H:%M:%S}"
     restarted = [_time(line) for line in lines if "starting task_id=flaky" in line][1]
     assert expected - dt.timedelta(seconds=1) <= restarted <= expected + dt.timedelta(seconds=3)
+    # The failed try's traceback, as Python printed it into Airflow's output, is flaky's.
+    tracebacks = task_tracebacks(lines)
+    assert list(tracebacks) == ["flaky"], tracebacks
+    assert tracebacks["flaky"][0] == "Traceback (most recent call last):"
+    assert tracebacks["flaky"][-1] == "RuntimeError: the first try fails"
+    line = DAG_FILE.splitlines().index('        raise RuntimeError("the first try fails")') + 1
+    assert f'  File "{dags / "retry_once.py"}", line {line}, in flaky' in tracebacks["flaky"]
+
+
+@pytest.mark.airflow
+@pytest.mark.integration
+def test_a_failed_run_prints_the_failed_tasks_traceback(tmp_path, mlflow_server):
+    """The traceback lines of the task that failed, after the summary: the frame that raised
+    is the one Python's source says, not only the exception's one line."""
+    from trainforge.data import sources
+
+    spec = tmp_path / "no_corpus.yaml"
+    spec.write_text((REPO / "tests" / "e2e" / "tiny_shakespeare.yaml").read_text()
+                    .replace("name: tiny_shakespeare", "name: no_corpus"))
+    env = {**os.environ, "TRAINFORGE_HOME": str(tmp_path / "home"),
+           "MLFLOW_TRACKING_URI": mlflow_server}  # the home has no corpus: prepare_data fails
+    proc = subprocess.run([str(Path(sys.executable).with_name("trainforge")), "run", str(spec)],
+                          env=env, text=True, capture_output=True, timeout=600)
+    out = proc.stdout.splitlines()
+    assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]
+    source, first = inspect.getsourcelines(sources.resolve_sources)
+    raised = first + next(i for i, text in enumerate(source)
+                          if "raise SourceNotFoundError(pattern, absolute)" in text)
+    header = next(i for i, line in enumerate(out) if line.startswith("Task prepare_data failed"))
+    shown = out[header + 1:next(i for i, line in enumerate(out) if "Pipeline failed" in line)]
+    assert header > next(i for i, line in enumerate(out) if "trainforge run: no_corpus" in line)
+    assert 0 < len(shown) <= 20, shown
+    assert f'    File "{sources.__file__}", line {raised}, in resolve_sources' in shown, out
+    assert "      raise SourceNotFoundError(pattern, absolute)" in shown, shown
+    assert any(line.startswith("  trainforge.data.errors.SourceNotFoundError: no files match")
+               for line in shown), shown
 
 
 _POLL = ("2026-12-05T02:48:0{s}.866037Z [warning  ] No tasks to run. unrunnable tasks: "

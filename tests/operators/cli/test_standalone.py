@@ -19,16 +19,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.ports import free_ports
+
 pytestmark = pytest.mark.airflow
 
 START_LIMIT_S = 240.0  # MLflow healthy and airflow standalone running its parts
 STOP_LIMIT_S = 60.0  # the stop's own grace periods: 30 s for Airflow, 10 s for MLflow
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _answers(port: int) -> bool:
@@ -76,8 +72,11 @@ def test_a_termination_signal_stops_airflow_and_mlflow(tmp_path, signum):
     home = tmp_path / "home"
     dags = tmp_path / "dags"
     dags.mkdir()
-    airflow_port, mlflow_port = _free_port(), _free_port()
-    env = {**os.environ, "TRAINFORGE_HOME": str(home)}
+    airflow_port, mlflow_port, worker_logs, trigger_logs = free_ports(4)  # four distinct ports
+    env = {**os.environ, "TRAINFORGE_HOME": str(home),
+           # its log servers off Airflow's default ports, which another Airflow may hold
+           "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(worker_logs),
+           "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(trigger_logs)}
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("AIRFLOW_HOME", None)
     proc = subprocess.Popen(

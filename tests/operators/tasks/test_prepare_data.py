@@ -84,7 +84,7 @@ def test_defaults_keep_the_demo_as_it_was():
         ({"tokenizer": {"source": "models:/name"}}, "'models:/<name>@<alias>'"),
         ({"cleaning": {"min_document_chars": 10, "max_document_chars": 5}},
          "max_document_chars must be >= min_document_chars (got 5 < 10)"),
-        ({"format": "csv"}, "Input should be 'text', 'jsonl', 'parquet' or 'auto'"),
+        ({"format": "csv"}, "Input should be 'text', 'jsonl', 'parquet', 'auto', 'chat' or 'prompt_completion'"),
         ({"encode_workers": -1}, "greater than or equal to 0"),
         ({"on_malformed": "ignore"}, "'fail' or 'skip'"),
         ({"text_fild": "body"}, "Extra inputs are not permitted"),

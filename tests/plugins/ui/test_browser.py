@@ -6,14 +6,19 @@ One test walks what a user does: sign in on Airflow's login page, open Training 
 navigation, trigger a run and see it appear, watch its loss curve gain points while it
 trains, look at the Cluster page, and after the run ends find the checkpoints, the gate's
 decision and the goodput chart in the run view. Screenshots of each page are saved under the
-test's ``artifacts`` folder (its path is printed).
+test's ``artifacts`` folder (its path is printed). Another test asks the same API server for
+the plugin's health route, as a monitoring check would.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import urllib.error
+import urllib.request
+from importlib import metadata
 from pathlib import Path
 from urllib.parse import quote
 
@@ -32,7 +37,7 @@ MAX_STEPS = 4000  # half a minute or more of training: time to watch the curve g
 DOCS_SCREENSHOTS = "TRAINFORGE_UI_DOCS"  # a folder: screenshots are copied there as ui-*.png
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def standalone(tmp_path_factory, shakespeare_corpus, mlflow_server):
     home = make_home(tmp_path_factory.mktemp("ui-home"), shakespeare_corpus)
     server = AirflowStandalone(home, mlflow_server, [SPEC])
@@ -59,6 +64,21 @@ def browser():
             yield browser
         finally:
             browser.close()
+
+
+def test_the_health_route_answers_through_the_api_server(standalone):
+    """``GET /trainforge/api/health`` through Airflow's own API server: the plugin's JSON with
+    the installed trainforge and the Airflow version Airflow's REST API reports, behind auth."""
+    url = f"{standalone.url}/trainforge/api/health"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=30)
+    assert refused.value.code == 401
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {standalone.token()}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.headers["content-type"] == "application/json"
+        health = json.loads(response.read())
+    assert health == {"status": "ok", "trainforge": metadata.version("trainforge"),
+                      "airflow": standalone.api("GET", "/api/v2/version")["version"]}
 
 
 def _shot(page, folder: Path, name: str) -> None:

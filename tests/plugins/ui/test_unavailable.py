@@ -44,7 +44,7 @@ def _assert_503(client: TestClient, cause: str) -> None:
         assert page.status_code == 503 and page.headers["content-type"].startswith("text/html")
         assert "<h1>Training pages unavailable</h1>" in page.text and cause in page.text
         assert "frame-ancestors 'self'" in page.headers["content-security-policy"]
-    for path in ("/api/training", "/api/runs/d/r", "/api/cluster", "/static/ui.js"):
+    for path in ("/api/training", "/api/runs/d/r", "/api/cluster", "/api/health", "/static/ui.js"):
         data = client.get(path)
         assert data.status_code == 503, (path, data.text)
         assert cause in data.json()["detail"] and list(data.json()) == ["detail"]

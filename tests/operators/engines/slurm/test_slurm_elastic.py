@@ -124,8 +124,14 @@ def test_losing_a_node_goes_on_with_the_survivor_to_max_steps(tmp_path, cluster,
     assert len(attempts) == 2, attempts
     metrics, tags = disruption_figures([record], records=attempts)
     assert metrics[f"disruptions/{NODE_LOSS}"] == 1.0, metrics
-    recomputed = attempts[1]["reached_step"] - attempts[1]["resumed_step"]
-    assert recomputed >= 1 and metrics[f"disruptions/{NODE_LOSS}/steps_recomputed"] == recomputed
+    # The survivor resumed at the newest complete checkpoint and trained again every step the
+    # lost attempt had reached past it: none only when the node went just as a checkpoint
+    # completed (the kill lands where the polling finds it, a step or several past step 12).
+    resumed_at, reached = attempts[1]["resumed_step"], attempts[1]["reached_step"]
+    assert resumed_at == int(resumed[-1]) and reached >= LOSE_AFTER_STEP, attempts
+    recomputed = reached - resumed_at
+    assert recomputed >= 1 or reached % 10 == 0, attempts
+    assert metrics[f"disruptions/{NODE_LOSS}/steps_recomputed"] == recomputed, (metrics, attempts)
     assert tags[f"ledger/disruptions/{NODE_LOSS}"].startswith(f"try 1: {hosts.name(1)}"), tags
     hosts.wait_nothing_left(JOB_WORDS)
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from trainforge.engines.base import JobIdentity, TrainingJob
-from trainforge.engines.jobfiles import write_json_atomic
+from trainforge.storage.files import atomic_write_json
 from trainforge.engines.slurm.backend import SlurmBackend
 from trainforge.engines.slurm.node_loss import (
     RECORD_NAME,
@@ -51,7 +51,7 @@ def test_a_retry_is_kept_off_the_node_the_last_try_lost(tmp_path):
     folder.mkdir(parents=True)
     assert lost_by_earlier_tries(replace(first, identity=replace(first.identity, try_number=2)),
                                  backend.job_dir) == ()  # the first try lost nothing
-    write_json_atomic(folder / RECORD_NAME, {"kind": "node_loss", "node": "h0"})
+    atomic_write_json(folder / RECORD_NAME, {"kind": "node_loss", "node": "h0"}, sort_keys=True)
     second = _job(2, try_number=2)
     assert lost_by_earlier_tries(second, backend.job_dir) == ("h0",)
     assert lost_by_earlier_tries(_job(None, try_number=2), backend.job_dir) == ()  # fixed size

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,12 +43,15 @@ def _newest_record(folder: Path) -> dict | None:
     return max(records, key=lambda r: r["recorded_at"]) if records else None
 
 
-def _rank_pids() -> list[int]:
-    """This machine's trainer ranks (children of torchrun, not torchrun itself)."""
+def _rank_pids(job_dir: Path) -> list[int]:
+    """The trainer ranks of the job in ``job_dir`` (children of torchrun, not torchrun itself):
+    selected by the job's own folder, so a trainer of anything else on the machine is left
+    alone."""
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
-        if "trainforge.trainer.train" in cmdline and "torch.distributed.run" not in cmdline:
+        if ("trainforge.trainer.train" in cmdline and "torch.distributed.run" not in cmdline
+                and str(job_dir) in cmdline):
             found.append(proc.info["pid"])
     return found
 
@@ -73,13 +77,28 @@ def test_the_retry_of_a_killed_slurm_try_bills_its_wasted_steps_without_mlflow(
             env=ledger_env(str(checkpoints)), engine_options={"python": sys.executable},
             max_runtime_s=600.0, startup_timeout_s=120.0)
 
+    # An unrelated trainer on the machine (its command line names the trainer's module too):
+    # the kill below selects try 1's ranks by their job folder and leaves this one alone.
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
+                                  "-m", "trainforge.trainer.train", "--config", "elsewhere.json"])
+    try:
+        _killed_try_then_retry(tmp_path, backend, job, folder, checkpoints)
+        assert bystander.poll() is None, "the kill took an unrelated trainer with it"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def _killed_try_then_retry(tmp_path, backend, job, folder, checkpoints) -> None:
     first = backend.submit(job(1))
     started_1 = time.time()
     killed = wait_for("try 1's record past its step-100 checkpoint", lambda: (
         (r := _newest_record(folder)) and r["step"] > CHECKPOINT_EVERY + 5 and r)
         or backend.status(first).state.terminal, 240, 0.05)
     assert killed is not True, backend.status(first)
-    for pid in _rank_pids():
+    ranks = _rank_pids(backend.job_dir(job(1).identity))
+    assert ranks, "no rank of try 1 found by its job folder"
+    for pid in ranks:
         os.kill(pid, signal.SIGKILL)
     status = wait_for("try 1 to fail", lambda: (s := backend.status(first)).state.terminal and s, 60, 0.25)
     assert status.state is JobState.FAILED, status
