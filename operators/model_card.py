@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from trainforge.gate import GateDecision
 from trainforge.task_score import card_lines
