@@ -116,8 +116,9 @@ class VersionModels:
         is replaced by the ``transformers`` flavour), else into a PENDING or FAILED one an
         earlier try left for the key, else into a new one, created in the run's experiment with
         the key. It is then READY; the checkpoint's model gets the key last, so a crash before
-        that uploads again. A model of the key whose upload fails is deleted (the checkpoint's
-        own model stays as it was): no LoggedModel is left PENDING or FAILED.
+        that uploads again. A model this call created whose upload fails is deleted; one it found
+        stays for the next try (a caller of the same key may be uploading into it at once, and
+        both then finish it READY).
         """
         from mlflow.entities import LoggedModelStatus
 
@@ -132,6 +133,7 @@ class VersionModels:
                 [experiment_id], filter_string=query, max_results=50),
                 key=lambda m: m.creation_timestamp)
         ready = [m for m in found if m.status == LoggedModelStatus.READY]
+        created = None
         if ready:
             log.info("reusing logged model %s of run %s for key %s", ready[0].model_id, run_id, key)
             return str(ready[0].model_id)
@@ -147,6 +149,7 @@ class VersionModels:
                 model = self.client.create_logged_model(
                     experiment_id=experiment_id, name="model", source_run_id=run_id,
                     tags={TAG_IDEMPOTENCY_KEY: key})
+            created = model.model_id
         for extra in found:
             if extra.model_id != model.model_id:
                 self._delete_logged_model(extra.model_id)
@@ -157,7 +160,7 @@ class VersionModels:
                 if model.status != LoggedModelStatus.READY:
                     self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         except BaseException:
-            if model.model_id != logged_model_id:
+            if model.model_id == created:  # one found may be a concurrent caller's upload
                 self._delete_logged_model(model.model_id)
             raise
         if logged_model_id is not None:  # the key last: a crash before it logs the files again
@@ -256,7 +259,26 @@ def upload_hf_model(client: Any, run_id: str, model: Any, model_path: Path, task
         client.log_model_artifacts(model.model_id, str(local))
     if (model.tags or {}).get(_EXTERNAL, "false").lower() == "true":
         client.delete_logged_model_tag(model.model_id, _EXTERNAL)
-    client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
+    _log_output_once(client, run_id, LoggedModelOutput(model.model_id, step))
+
+
+def _log_output_once(client: Any, run_id: str, output: Any) -> None:
+    """Record ``output`` on run ``run_id`` unless it is there already (an earlier try, or a
+    concurrent caller of the same key, recorded it; MLflow refuses a second record)."""
+    from mlflow.exceptions import MlflowException
+
+    def recorded() -> bool:
+        outputs = client.get_run(run_id).outputs
+        return any(o.model_id == output.model_id and o.step == output.step
+                   for o in (outputs.model_outputs if outputs else []) or [])
+
+    if recorded():
+        return
+    try:
+        client.log_outputs(run_id, [output])
+    except MlflowException:
+        if not recorded():
+            raise
 
 
 def _entity(client: Any, run_id: str, model_id: str, link: MetricLink) -> Any:

@@ -235,3 +235,23 @@ def _run_models(hook: MlflowHook, run_id: str) -> list[Any]:
     experiment_id = hook.client.get_run(run_id).info.experiment_id
     return list(hook.client.search_logged_models(
         [experiment_id], filter_string=f"source_run_id = '{run_id}'", max_results=100))
+
+
+def test_a_retry_finishes_the_upload_a_crashed_try_left_pending(
+        hook: MlflowHook, tiny_hf_model_dir: Path) -> None:
+    """A try that recorded the model as the run's output and died before finishing it: the
+    retry uploads into the same LoggedModel (recorded once) and finishes it READY."""
+    from trainforge.hooks.mlflow_model_links import TAG_IDEMPOTENCY_KEY, upload_hf_model
+
+    run_id = _busy_run(hook)
+    experiment_id = hook.client.get_run(run_id).info.experiment_id
+    left = hook.client.create_logged_model(experiment_id=experiment_id, name="model",
+                                           source_run_id=run_id, tags={TAG_IDEMPOTENCY_KEY: "k-9"})
+    upload_hf_model(hook.client, run_id, left, tiny_hf_model_dir, "text-generation", [])
+
+    result = hook.register_model_version(run_id, tiny_hf_model_dir, f"re-{run_id[:8]}", "k-9")
+    assert (result["status"], result["model_id"]) == ("READY", left.model_id)
+    assert [(m.model_id, str(m.status)) for m in _run_models(hook, run_id)] == [
+        (left.model_id, "READY")]
+    outputs = hook.client.get_run(run_id).outputs.model_outputs
+    assert [o.model_id for o in outputs].count(left.model_id) == 1
