@@ -248,6 +248,43 @@ def test_a_folder_on_s3_loads_as_the_same_model(family_data, tools, tmp_path, s3
             pass
 
 
+def test_an_hf_model_from_the_offline_cache_loads_as_the_same_model(family_data, tools, tmp_path,
+                                                                   monkeypatch):
+    """An ``hf://`` source, offline (``HF_HUB_OFFLINE=1``), from a Hugging Face cache this test
+    fills the way huggingface_hub does (blobs, a snapshot of links, a ref): the source resolves
+    to the snapshot at the ref's commit, and the trainer's loss there equals the local folder's."""
+    import hashlib
+
+    from trainforge.model_source import resolve_pretrained
+
+    folder, data = family_data("qwen3")
+    commit = "c0ffee" * 6 + "c0ff"
+    repo = tmp_path / "hf" / "hub" / "models--org--tiny-qwen3"
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in folder.iterdir():
+        blob = repo / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        (snapshot / path.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+
+    resolved = resolve_pretrained("hf://org/tiny-qwen3", engine="local", home=tmp_path)
+    assert (resolved.folder, resolved.revision) == (str(snapshot), commit)
+    job = pretrained_job(tools, folder, data, tmp_path / "ck")
+    job["pretrained"] = resolved.job_section()
+    ids = sample_ids(folder, batch=2, length=33)
+    with job_model(parse_job_config(job), open_dataset(data), weights=True) as model:
+        model.eval()
+        with torch.no_grad():
+            loss = lm_loss(model, ids[:, :-1], ids[:, 1:]).item()
+    assert loss == pytest.approx(reference_loss(folder, ids), rel=1e-5)
+
+
 def test_a_retry_resumes_its_own_checkpoint_exactly_without_reading_the_base_weights(family_data, tools, tmp_path):
     """A run interrupted after its step-5 checkpoint (its step-10 one removed) resumes from step 5
     and ends with the uninterrupted run's loss and weights; the base's shards are not read again
