@@ -10,8 +10,8 @@ run; unset URI = no MLflow), TRAINFORGE_RESULT_FILE (rank 0 writes result.json t
 every exit it survives to see), OMP_NUM_THREADS (torch threads per process; 1 when unset),
 TRAINFORGE_JOB_DIR (rank 0 writes its run-ledger records under ``ledger/``: trainer/goodput.py).
 
-Exit codes (docs/contracts.md): 0 finished at max_steps, 78 bad config, dataset or model (the check before
-step 1: trainer/model_check.py), 79 diverged (non-finite loss or gradient norm, or non-finite weights at a
+Exit codes (docs/contracts.md): 0 finished at max_steps, 78 bad config, dataset, environment (trainer/env_check.py)
+or model (the check before step 1: trainer/model_check.py), 79 diverged (non-finite loss or gradient norm, or non-finite weights at a
 checkpoint), anything else is a crash the orchestrator retries; every attempt first resumes from the
 newest valid checkpoint.
 
@@ -46,9 +46,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainforge.trainer.env_check import refuse_conflicts
 from trainforge.trainer.startup import import_llama, process_started_at
 
 if __name__ == "__main__":  # the program only, not its importers: trainer/startup.py
+    import_llama(module="transformers")  # its root first, with the unused packages hidden, for the check
+    refuse_conflicts(sys.argv[1:])  # transformers blind to torch, a torch feature the job needs: exit 78
     import_llama()
 
 from trainforge.contract import (EXIT_ERROR, EXIT_OK, JOB_DIR_ENV, RESULT_FILE_ENV, STATUS_ERROR,
