@@ -19,7 +19,8 @@ named by ``TRAINFORGE_PIPELINES`` (``os.pathsep``-separated), else those of the 
 ``[trainforge] pipelines`` (``AIRFLOW__TRAINFORGE__PIPELINES``), else the ``pipelines/`` folder
 beside that DAG file. With either setting the per-spec files define nothing, so no DAG is
 defined twice (``trainforge run`` uses the variable to load one spec of the user's own).
-Both kinds of file raise the plugin's load error when Airflow did not load the trainforge plugin.
+Both kinds of file raise the plugin's load error when Airflow did not load the trainforge plugin,
+and the installed packages' conflicts with what trainforge needs (trainforge.doctor, metadata only).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 from trainforge.broker import deployment_broker, visibility_warnings
 from trainforge.dag_builder import build_dag, build_dags, spec_files
+from trainforge.doctor import require_environment
 from trainforge.paths import trainforge_home
 from trainforge.pipeline.loader import (
     SpecError,
@@ -108,10 +110,12 @@ def companion_dags(companion: str) -> dict[str, Any]:
 
     Raises:
         PluginNotLoaded: Airflow did not load the trainforge plugin (trainforge.plugin_status).
+        EnvironmentConflict: an installed package is outside what trainforge needs (trainforge.doctor).
         SpecError: the spec is invalid (Airflow records it as this file's import error).
         OSError: the spec cannot be read.
     """
     require_plugin()
+    require_environment()
     if pipeline_sources(companion)[1]:
         return {}
     spec_path = spec_of(companion)
@@ -173,8 +177,10 @@ def folder_dags(dag_file: str | Path) -> dict[str, Any]:
 
     Raises:
         PluginNotLoaded: Airflow did not load the trainforge plugin (trainforge.plugin_status).
+        EnvironmentConflict: an installed package is outside what trainforge needs (trainforge.doctor).
     """
     require_plugin()
+    require_environment()
     log = logging.getLogger("trainforge.dags")
     enable_spec_cache()
     sources, named = pipeline_sources(dag_file)

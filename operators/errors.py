@@ -33,3 +33,8 @@ class StageError(TrainforgeError):
 class PluginNotLoaded(TrainforgeError):
     """Airflow did not load the trainforge plugin in this process (trainforge.plugin_status):
     raised while a DAG file is parsed, so the plugin's reason is that file's import error."""
+
+
+class EnvironmentConflict(TrainforgeError):
+    """An installed package is outside what trainforge needs (trainforge.doctor): raised while a
+    DAG file is parsed, so the conflict is that file's import error."""

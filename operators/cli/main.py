@@ -5,6 +5,7 @@
     trainforge schema               the JSON Schema of a pipeline spec
     trainforge run FILE             run one pipeline on this machine through `airflow dags test`
     trainforge report PIPELINE      every run of a pipeline in the MLflow store: goodput, cost, energy
+    trainforge doctor [SPEC]        the installed packages against what trainforge (and SPEC) needs
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from trainforge import doctor as checks
 from trainforge.broker import environment_broker, visibility_warnings
 from trainforge.cli.engine_switch import for_engine
 from trainforge.cli.report import (StoreError, UnknownPipelineError, collect_report,
@@ -291,6 +293,31 @@ def report(
     print_report(found, console)
     if plot is not None:
         console.print(f"plot: {found['plot']}")
+
+
+@app.command()
+def doctor(
+    spec: Path = typer.Argument(None, help="A pipeline spec: also check the torch features it "
+                                "asks for (FSDP2 and DCP for fsdp, torch.compile)."),
+    feature: list[str] = typer.Option(None, "--feature", help="Also check this torch feature: "
+                                      f"{', '.join(checks.FEATURES)} (repeatable)."),
+) -> None:
+    """Check the installed packages against what trainforge needs (docs/install.md): print one
+    line per problem and exit 1, else an ok line with the versions found."""
+    unknown = sorted(set(feature or ()) - set(checks.FEATURES))
+    if unknown:
+        typer.echo(f"unknown --feature {', '.join(unknown)} (expected one of: "
+                   f"{', '.join(checks.FEATURES)})", err=True)
+        raise typer.Exit(2)
+    asked = checks.spec_features(_load_or_exit(spec)) if spec is not None else {}
+    for name in feature or ():
+        asked.setdefault(name, f"--feature {name}")
+    found = checks.problems(asked)
+    for problem in found:
+        typer.echo(problem)
+    if found:
+        raise typer.Exit(1)
+    typer.echo(checks.summary(asked=asked))
 
 
 if __name__ == "__main__":
