@@ -174,7 +174,17 @@ def check_folder(resolved: ResolvedModel, engine: str, s3_client: Any = None) ->
         where = "" if resolved.source == folder else f" ({resolved.source} resolved to {folder})"
         raise PretrainedSourceError(resolved.source, f"{storage.absolute(config)} does not "
                                     f"exist{where}: expected a Hugging Face model folder "
-                                    f"(config.json, *.safetensors, tokenizer.json)")
+                                    f"(config.json, *.safetensors, tokenizer.json)"
+                                    f"{_hub_hint(resolved.source, folder)}")
+
+
+def _hub_hint(source: str, folder: str) -> str:
+    """For a missing relative ``org/name`` folder: how to name that model on the Hub."""
+    parts = source.split("/")
+    if (len(parts) == 2 and all(parts) and "://" not in source and not source.startswith(("~", "."))
+            and not Path(folder).parent.is_dir()):
+        return f"; for the Hugging Face Hub's {source}, write hf://{source}"
+    return ""
 
 
 def _check_engine(resolved: ResolvedModel, engine: str) -> None:

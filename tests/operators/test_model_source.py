@@ -51,6 +51,16 @@ def test_a_folder_without_config_json_is_refused_naming_the_file(tmp_path):
         info.value)
 
 
+def test_a_bare_hub_name_is_refused_with_the_hf_uri_to_write(tmp_path):
+    with pytest.raises(PretrainedSourceError, match=r"for the Hugging Face Hub's "
+                       r"HuggingFaceTB/SmolLM2-135M, write hf://HuggingFaceTB/SmolLM2-135M$"):
+        resolve_pretrained("HuggingFaceTB/SmolLM2-135M", engine="local", home=tmp_path)
+    (tmp_path / "models").mkdir()  # a folder of the user's: no Hub hint, only the missing file
+    with pytest.raises(PretrainedSourceError) as info:
+        resolve_pretrained("models/tiny", engine="local", home=tmp_path)
+    assert "hf://" not in str(info.value)
+
+
 def test_a_local_folder_is_refused_for_an_engine_without_this_disk(tmp_path):
     folder = _folder(tmp_path / "llama")
     with pytest.raises(PretrainedSourceError, match="the kubernetes engine's ranks cannot read"):
