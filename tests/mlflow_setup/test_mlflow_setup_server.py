@@ -208,3 +208,9 @@ def test_a_port_taken_by_another_server_during_the_start_is_not_taken_for_this_o
     assert (f"port {port} on 127.0.0.1 was taken by another server" in str(error)
             or "exited with code" in str(error)), error
     assert not (tmp_path / PID_FILE_NAME).exists()
+    # The server that lost the port finished migrating its store before it stopped: the next
+    # start of this home (on a free port, as `trainforge run` then does) finds the store whole.
+    monkeypatch.undo()
+    with start_server(tmp_path, port=0, timeout_s=120) as again:
+        assert again.url != f"http://127.0.0.1:{port}"
+
