@@ -62,6 +62,7 @@ def read_config(folder: Path, model: ModelConfig) -> Any:
         ConfigError: no or unreadable config.json, an architecture transformers does not know, or
             one that is not a decoder-only causal LM (an encoder, seq2seq or vision model).
     """
+    import transformers
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -77,13 +78,19 @@ def read_config(folder: Path, model: ModelConfig) -> Any:
         config = AutoConfig.from_pretrained(str(folder))
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise ConfigError(f"{path}: model_type {model_type!r} is not an architecture this transformers knows "
-                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from err
+                          f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
     architectures = [a for a in (raw.get("architectures") or []) if isinstance(a, str)]
     causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(config, "is_encoder_decoder", False)
     if not causal or (architectures and not any(a.endswith("ForCausalLM") for a in architectures)):
         found = ", ".join(architectures) or type(config).__name__
         raise ConfigError(f"{path}: {found} (model_type {model_type!r}) is not a decoder-only causal LM; "
                           f"expected a model AutoModelForCausalLM builds (a *ForCausalLM architecture)")
+    unknown = [a for a in architectures if not hasattr(transformers, a)]
+    if unknown:  # the model is built from model_type: a class named here but not built is a wrong folder
+        built = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+        raise ConfigError(f"{path}: architectures names {', '.join(unknown)}, a class this transformers "
+                          f"{transformers.__version__} does not have; expected {built} for model_type "
+                          f"{model_type!r}")
     if model.dropout is not None:
         _override(config, path, "attention_dropout", model.dropout, "model.dropout")
     for key, value in model.config_overrides.items():

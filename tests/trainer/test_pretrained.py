@@ -189,6 +189,12 @@ def test_bad_folders_are_refused_naming_file_and_tensor(family_data, tools, tmp_
     with pytest.raises(ConfigError, match=r"config\.json: model_type 'nosuchmodel' is not an architecture"):
         _load(broken, tools, data, tmp_path)
 
+    broken = _copy(folder, tmp_path / "unknown-class")
+    _edit_json(broken / "config.json", architectures=["FooForCausalLM"])
+    with pytest.raises(ConfigError, match=r"config\.json: architectures names FooForCausalLM, a class this "
+                       r"transformers [\d.]+ does not have; expected LlamaForCausalLM for model_type 'llama'"):
+        _load(broken, tools, data, tmp_path)
+
     broken = _copy(folder, tmp_path / "encoder")
     (broken / "config.json").write_text(json.dumps({
         "model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": 640, "hidden_size": 64,
