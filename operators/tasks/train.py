@@ -144,7 +144,8 @@ class TrainOperator(ClusterJobOperator):
                       init["checkpoint"])
         return init
 
-    def _pretrained(self, spec: Any, prepared: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _pretrained(self, spec: Any, prepared: dict[str, Any] | None,
+                    announce: bool = True) -> dict[str, Any] | None:
         """The job config's ``pretrained`` block: prepare_data's (XCom ``pretrained``), else
         resolved here; a source that cannot be used fails the task without retries."""
         uri = spec.model.pretrained
@@ -158,8 +159,9 @@ class TrainOperator(ClusterJobOperator):
                                          s3_client=s3)
         except PretrainedSourceError as err:
             fail_permanently(str(err))
-        self.log.info("Training starts from the pretrained model %s (%s, revision %s)", uri,
-                      section["folder"], section["revision"])
+        if announce:
+            self.log.info("Training starts from the pretrained model %s (%s, revision %s)", uri,
+                          section["folder"], section["revision"])
         return section
 
     def _init_after_wait(self, spec: Any, ti: Any, init: dict[str, str] | None):
@@ -331,7 +333,8 @@ class TrainOperator(ClusterJobOperator):
             mlflow_run_id, {k: float(v) for k, v in final.items() if v is not None},
             step=ti.try_number)
         if pretrained is None and spec.model.pretrained:  # resumed without the deferral's kwargs
-            pretrained = self._pretrained(spec, ti.xcom_pull(task_ids=self.prepare_task_id))
+            pretrained = self._pretrained(spec, ti.xcom_pull(task_ids=self.prepare_task_id),
+                                          announce=False)  # said when the job was launched
         return {
             "stage": self.stage,
             # The job config's init and pretrained blocks: validation expects the same.
