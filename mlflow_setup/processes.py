@@ -61,6 +61,19 @@ def group_listens_on(pgid: int, port: int) -> bool:
     return False
 
 
+def binds_later(process: subprocess.Popen[bytes], port: int, timeout_s: float) -> bool:
+    """Another server answered on ``port``: wait until ``process``'s group listens there (True)
+    or it exits (False). An MLflow server migrates its store before it binds, so it is left to
+    fail its bind on its own, not killed mid-migration (a SQLite store would stay half-migrated
+    for the next start)."""
+    deadline = time.monotonic() + max(timeout_s, 60.0)
+    while process.poll() is None and time.monotonic() < deadline:
+        if group_listens_on(process.pid, port):
+            return True
+        time.sleep(0.25)
+    return False
+
+
 def terminate_group(pgid: int, grace_s: float, process: subprocess.Popen[bytes] | None) -> None:
     def wait_gone(budget_s: float) -> bool:
         deadline = time.monotonic() + budget_s

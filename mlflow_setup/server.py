@@ -40,6 +40,7 @@ from trainforge.mlflow_setup.home import (
     write_pid_file,
 )
 from trainforge.mlflow_setup.processes import (
+    binds_later,
     free_port,
     group_listens_on,
     port_in_use,
@@ -339,18 +340,6 @@ def _reuse(
     return ServerHandle(url=url, pid=int(record["pid"]), home=config.home, reused=True)
 
 
-def _ours_binds(process: subprocess.Popen[bytes], port: int, timeout_s: float) -> bool:
-    """Another server answered on ``port``: wait until this one listens there (True) or exits
-    (False). It migrates its store before it binds, so it is left to fail its bind on its own,
-    not killed mid-migration (which leaves a SQLite store half-migrated for the next start)."""
-    deadline = time.monotonic() + max(timeout_s, 60.0)
-    while process.poll() is None and time.monotonic() < deadline:
-        if group_listens_on(process.pid, port):
-            return True
-        time.sleep(0.25)
-    return False
-
-
 def _launch(config: ServerConfig, timeout_s: float, interval_s: float) -> ServerHandle:
     check_stores(config.store_uri, config.artifacts_uri)  # a wrong database fails here, fast
     port = config.port or free_port(config.host)
@@ -389,7 +378,7 @@ def _launch(config: ServerConfig, timeout_s: float, interval_s: float) -> Server
     log.info("started MLflow server pid %d at %s (log %s)", process.pid, url, log_path)
     try:
         wait_healthy(url, timeout_s, interval_s, log_file=log_path, process=process)
-        if not group_listens_on(process.pid, port) and not _ours_binds(process, port, timeout_s):
+        if not group_listens_on(process.pid, port) and not binds_later(process, port, timeout_s):
             # Another server bound the port between the check above and this one's start
             # (two runs starting together): what answered is not this home's server.
             raise ServerStartError(
