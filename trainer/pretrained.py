@@ -173,7 +173,15 @@ def check_shards(folder: Path, config: Any) -> None:
     for name, (shape, file) in sorted(shapes.items()):
         if shape != expected[name]:
             raise ConfigError(f"{folder / file}: tensor {name} has shape {list(shape)}, but config.json gives "
-                              f"{list(expected[name])}")
+                              f"{list(expected[name])}{_sizing_fields(config, shape, expected[name])}")
+
+
+def _sizing_fields(config: Any, found: tuple, expected: tuple) -> str:
+    """The config.json fields whose value is a size the weights disagree with, for the message."""
+    sizes = {b for a, b in zip(found, expected) if a != b}
+    fields = sorted(key for key, value in config.to_dict().items()
+                    if type(value) is int and value in sizes and not key.endswith("_id"))
+    return f" (config.json's {', '.join(f'{k}: {getattr(config, k)}' for k in fields)})" if fields else ""
 
 
 def _tied_names(model: torch.nn.Module) -> set[str]:

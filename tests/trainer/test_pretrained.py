@@ -181,7 +181,7 @@ def test_bad_folders_are_refused_naming_file_and_tensor(family_data, tools, tmp_
     broken = _copy(folder, tmp_path / "wrong-shape")
     _edit_json(broken / "config.json", intermediate_size=96)
     with pytest.raises(ConfigError, match=r"tensor model\.layers\.\d+\.mlp\.\w+_proj\.weight has shape .* "
-                                          r"but config\.json gives"):
+                                          r"but config\.json gives .*\(config\.json's intermediate_size: 96\)$"):
         _load(broken, tools, data, tmp_path)
 
     broken = _copy(folder, tmp_path / "unknown-arch")
