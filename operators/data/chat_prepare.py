@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,11 +28,11 @@ import numpy as np
 from trainforge.data.chat import ChatRecordError, ChatRenderer, ChatTemplateError, messages_of
 from trainforge.data.errors import InvalidSettingsError, MalformedRecordError, TokenizerSourceError
 from trainforge.data.examples import write_split
-from trainforge.data.formats import MalformedLog, _decompress_errors, line_limit
+from trainforge.data.formats import MalformedLog, _decompress_errors, line_limit, parquet_file
 from trainforge.data.manifest import FORMAT, RECIPE_VERSION, canonical_json
 from trainforge.data.model_tokenizer import TOKENIZER_CONFIG, TOKENIZER_FILE, TOKENIZER_FILES, read_model_files
 from trainforge.data.settings import PrepareSettings
-from trainforge.data.sources import SourceFile, check_unchanged, decompressed, open_random_access, open_raw
+from trainforge.data.sources import SourceFile, check_unchanged, decompressed, open_raw
 from trainforge.data.split import hash_fraction
 from trainforge.storage.files import sha256_file
 
@@ -147,26 +146,10 @@ def read_records(source: SourceFile, settings: PrepareSettings, client_factory: 
 def _parquet_records(source: SourceFile, settings: PrepareSettings, client: Any, malformed: MalformedLog,
                      tmp_dir: Path) -> Iterator[tuple[str, Any]]:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    compression = source.compression(settings.compression)
-    raw = None
-    if compression != "none":
-        raw = open_raw(source, client)
-        handle: Any = tempfile.TemporaryFile(dir=tmp_dir)
-        try:
-            shutil.copyfileobj(decompressed(raw, compression), handle, 1 << 20)
-            raw.drain()
-        finally:
-            raw.release()
-        handle.seek(0)
-    else:
-        handle = open_random_access(source, client)
-    try:
-        try:
-            parquet = pq.ParquetFile(handle)
-        except (pa.ArrowException, OSError) as err:
-            malformed.report(MalformedRecordError(source.uri, "file", f"not Parquet ({err})"))
+    with parquet_file(source, source.compression(settings.compression), client, malformed,
+                      tmp_dir) as (parquet, raw):
+        if parquet is None:
             return
         for group in range(parquet.num_row_groups):
             row = 0
@@ -179,8 +162,6 @@ def _parquet_records(source: SourceFile, settings: PrepareSettings, client: Any,
             except (pa.ArrowException, OSError) as err:
                 malformed.report(MalformedRecordError(source.uri, f"row group {group}, row {row}",
                                                       f"unreadable ({err})"))
-    finally:
-        handle.close()
     check_unchanged(source, raw)
 
 

@@ -27,6 +27,7 @@ import shutil
 import tempfile
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,24 +179,26 @@ def _read_jsonl(source: SourceFile, stream: Any, settings: PrepareSettings,
         yield Cleaned(f"{source.name}:{number}", cleaner.finish(), cleaner.counts)
 
 
-def _read_parquet(source: SourceFile, settings: PrepareSettings, client: Any,
-                  malformed: MalformedLog, tmp_dir: Path, info: dict[str, str]
-                  ) -> Iterator[Cleaned]:
+@contextmanager
+def parquet_file(source: SourceFile, compression: str, client: Any, malformed: MalformedLog,
+                 tmp_dir: Path) -> Iterator[tuple[Any, Any]]:
+    """``(pyarrow ParquetFile or None, raw reader or None)`` of ``source``: a compressed file is
+    decompressed into a temporary file under ``tmp_dir`` first (Parquet needs random access).
+    None once a file that cannot be decompressed or is not Parquet is reported to ``malformed``;
+    the handle is closed on exit. After a whole read, the caller checks the source unchanged
+    with the raw reader (``check_unchanged``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    compression = source.compression(settings.compression)
-    raw = None
-    if compression != "none":  # Parquet needs random access: decompress to a temporary file
+    raw, handle, failed = None, None, None
+    if compression != "none":
         raw = open_raw(source, client)
-        handle: Any = tempfile.TemporaryFile(dir=tmp_dir)
+        handle = tempfile.TemporaryFile(dir=tmp_dir)
         try:
             shutil.copyfileobj(decompressed(raw, compression), handle, 1 << 20)
             raw.drain()
         except _decompress_errors() as err:
-            handle.close()
-            malformed.report(MalformedRecordError(source.uri, "file", f"cannot decompress ({err})"))
-            return
+            failed = f"cannot decompress ({err})"
         except BaseException:
             handle.close()
             raise
@@ -204,12 +207,29 @@ def _read_parquet(source: SourceFile, settings: PrepareSettings, client: Any,
         handle.seek(0)
     else:
         handle = open_random_access(source, client)
-    field = settings.text_field
     try:
-        try:
-            parquet = pq.ParquetFile(handle)
-        except (pa.ArrowException, OSError) as err:
-            malformed.report(MalformedRecordError(source.uri, "file", f"not Parquet ({err})"))
+        parquet = None
+        if failed is None:
+            try:
+                parquet = pq.ParquetFile(handle)
+            except (pa.ArrowException, OSError) as err:
+                failed = f"not Parquet ({err})"
+        if failed is not None:
+            malformed.report(MalformedRecordError(source.uri, "file", failed))
+        yield parquet, raw
+    finally:
+        handle.close()
+
+
+def _read_parquet(source: SourceFile, settings: PrepareSettings, client: Any,
+                  malformed: MalformedLog, tmp_dir: Path, info: dict[str, str]
+                  ) -> Iterator[Cleaned]:
+    import pyarrow as pa
+
+    field = settings.text_field
+    with parquet_file(source, source.compression(settings.compression), client, malformed,
+                      tmp_dir) as (parquet, raw):
+        if parquet is None:
             return
         schema = parquet.schema_arrow
         if field not in schema.names:
@@ -227,8 +247,6 @@ def _read_parquet(source: SourceFile, settings: PrepareSettings, client: Any,
             return
         for group in range(parquet.num_row_groups):
             yield from _row_group(source, parquet, group, settings, malformed, pa)
-    finally:
-        handle.close()
     info["sha256"] = check_unchanged(source, raw)
 
 

@@ -111,6 +111,35 @@ def test_prompt_completion_parquet_with_named_fields(tmp_path, folders):
     assert answers == sorted(f"Answer {i}.<end_of_turn>" for i in range(10))
 
 
+def test_a_compressed_parquet_reads_like_the_plain_one_and_a_broken_one_is_named(tmp_path, folders):
+    """Chat Parquet goes through the data step's Parquet reader: a gzip file is decompressed to a
+    temporary file first; a truncated one is a malformed file, named, and nothing is written."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"question": QUESTIONS[:10], "answer": [f"Answer {i}." for i in range(10)]})
+    pq.write_table(table, tmp_path / "plain.parquet", row_group_size=4)
+    data = (tmp_path / "plain.parquet").read_bytes()
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "gz" / "pairs.parquet.gz").write_bytes(gzip.compress(data))
+    settings = dict(format="prompt_completion", prompt_field="question", completion_field="answer")
+    folder = folders["gemma2"]
+    packed = prepare_dataset(_settings(tmp_path / "gz" / "*.parquet.gz", folder, **settings), tmp_path / "o1")
+    (tmp_path / "pl").mkdir()
+    (tmp_path / "pl" / "pairs.parquet").write_bytes(data)
+    plain = prepare_dataset(_settings(tmp_path / "pl" / "*.parquet", folder, **settings), tmp_path / "o2")
+    assert [ids.tolist() for ids, _ in _examples(packed.path, packed.manifest, "train")] == [
+        ids.tolist() for ids, _ in _examples(plain.path, plain.manifest, "train")]
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "pairs.parquet.gz").write_bytes(gzip.compress(data)[:-40])
+    with pytest.raises(MalformedRecordError, match=r"pairs\.parquet\.gz' at file: cannot decompress"):
+        prepare_dataset(_settings(tmp_path / "bad" / "*.parquet.gz", folder, **settings), tmp_path / "o3")
+    assert not (tmp_path / "o3").exists() or not any((tmp_path / "o3").iterdir())
+
+
 @pytest.mark.parametrize(("policy", "kept"), [("drop", 0), ("truncate", 1)])
 def test_over_length_examples_are_dropped_or_truncated_and_counted(tmp_path, folders, policy, kept):
     long = {"messages": [{"role": "user", "content": "Tell me."},
