@@ -17,7 +17,7 @@ says where time went.
 from __future__ import annotations
 
 from trainforge.ledger.catalog import Price
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 
 def account(spec: PipelineSpec, wall_s: float, price: Price | str | None = None) -> dict[str, float]:

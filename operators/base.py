@@ -19,7 +19,7 @@ from airflow.sdk.exceptions import AirflowFailException
 from trainforge.callbacks import try_started_tag
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.pipeline.loader import SpecError, validate_overrides
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.plugins.links import XCOM_MLFLOW_RUN_URL, MlflowRunLink
 
 # DAG param name -> dotted spec path. These are the fields a researcher may override in the

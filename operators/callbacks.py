@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from trainforge.hooks.mlflow import TAG_STAGE, MlflowHook
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from trainforge.cluster_wait import TaskProcessTerminated, validate_event, wait_
 from trainforge.errors import JobRefusedError
 from trainforge.hooks.s3 import S3ConnectionError, S3Hook
 from trainforge.paths import trainforge_home
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.triggers import TrainingJobTrigger
 
 class ClusterJobOperator(TrainforgeStageOperator):

@@ -38,7 +38,7 @@ from trainforge.callbacks import clear_failure_on_success, close_mlflow_run_on_f
 from trainforge.deadline import deadline_alert
 from trainforge.graph import TaskGraph, TaskKind, TaskNode, task_graph, task_timeouts
 from trainforge.pipeline.loader import SpecError, SpecIssue, load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.pipeline import AssetSchedule
 from trainforge.tasks.approve_champion import ApproveChampionOperator
 from trainforge.tasks.close_run import CloseRunOperator

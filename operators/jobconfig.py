@@ -10,7 +10,7 @@ from typing import Any
 
 from trainforge.contract import JOB_FORMAT
 from trainforge.engines.base import JobIdentity, TrainingJob
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 
 def init_block(checkpoint: str, source: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from trainforge.engines.registry import engine_names, get_engine
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 # What `render --engine E` fills in when the spec was written for another engine and E needs
 # it: a container image for an engine that runs one, S3 locations for an engine without a

@@ -44,7 +44,7 @@ from trainforge.errors import BackendError
 from trainforge.mlflow_setup import start_server
 from trainforge.mlflow_setup.errors import ServerStartError
 from trainforge.paths import trainforge_home
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 log = logging.getLogger(__name__)
 

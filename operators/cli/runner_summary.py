@@ -15,7 +15,7 @@ from rich.text import Text
 from trainforge.graph import REGISTER_MODEL_TASK_ID, TaskGraph, task_graph
 from trainforge.hooks.mlflow import TAG_FAILED_TRY, MlflowHook
 from trainforge.ledger.read import ledger_figures, ledger_line, stage_names
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 
 def _count(value: float | None) -> int | None:

@@ -30,7 +30,7 @@ from trainforge.ledger.catalog import Price
 from trainforge.ledger.devices import mfu_pct
 from trainforge.ledger.disruptions import disruption_figures, event_disruption
 from trainforge.ledger.energy import job_energy
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 
 @dataclass

@@ -22,7 +22,7 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 CATALOG = Path(__file__).with_name("prices.csv")
 CATALOG_VERSION = "v1"

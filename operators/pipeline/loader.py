@@ -1,4 +1,4 @@
-"""Read a pipeline YAML file into a :class:`~trainforge.pipeline.model.PipelineSpec`.
+"""Read a pipeline YAML file into a :class:`~trainforge.pipeline.spec.PipelineSpec`.
 
 Every problem is reported at once, one line each, in the form
 ``file:line:col: field.path: what is wrong (got X; expected Y)``. A valid file takes a fast path
@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from trainforge.pipeline.errors import SpecError, SpecIssue, dotted
 from trainforge.pipeline.messages import _describe
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.registry import SPEC_FILE
 from trainforge.pipeline.yaml_positions import SpecLoader, parse_with_positions
 from trainforge.pipeline.yaml_syntax import path_at

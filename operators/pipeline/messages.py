@@ -10,7 +10,7 @@ from typing import Any
 
 from trainforge.sections import BOOL_FOR_NUMBER, CROSS_FIELD, WrongScalar
 from trainforge.pipeline.misplaced import MISPLACED
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 #: Prefix of the positions of keys in the loader's marks (``marks[KEY_MARK + path]``); a NUL
 #: never appears in a YAML key, so no data path can collide with it.

@@ -5,7 +5,7 @@ on up to ``max`` machines and goes on with at least ``min`` after losing one. Co
 bills the job reads :attr:`ResourcesSection.max_nodes`, never ``nodes`` itself.
 
 The rules here read other sections (the fault policy, the batch sizes) and are called from
-:meth:`trainforge.pipeline.model.TrainingSection._rules`; each returns
+:meth:`trainforge.pipeline.spec.TrainingSection._rules`; each returns
 :func:`~trainforge.sections.field_errors` entries ``(loc, message, value, related)``.
 """
 

@@ -1,6 +1,6 @@
 """The pipeline spec's published forms: JSON Schema for editors, a Markdown reference for people.
 
-Both are generated from :class:`~trainforge.pipeline.model.PipelineSpec` and committed:
+Both are generated from :class:`~trainforge.pipeline.spec.PipelineSpec` and committed:
 
 * ``operators/pipeline/pipeline.schema.json`` — point ``yaml-language-server`` at it;
 * ``docs/spec-reference.md`` — one table row per field.
@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "pipeline.schema.json"
 """The schema shipped inside the package (``trainforge schema`` prints it)."""

@@ -14,7 +14,7 @@ with ``stages`` has one training task per stage, ``train_<name>``, wired by ``de
 Each stage's ``training`` block holds overrides only: it is deep-merged over the top-level
 ``training`` (mappings merge key by key; a scalar or a list replaces the inherited value; an
 unset or ``null`` key inherits) and the merged result is validated by the same
-:class:`~trainforge.pipeline.model.TrainingSection` as a single-stage spec, errors pointing at the
+:class:`~trainforge.pipeline.spec.TrainingSection` as a single-stage spec, errors pointing at the
 stage. The leaves (stages no other stage depends on) are the candidates of
 ``validate_checkpoint``, which registers the best valid one by validation loss (docs/stages.md).
 

@@ -36,7 +36,7 @@ from trainforge.pipeline.messages import (
 )
 from trainforge.pipeline.misplaced import explain as explain_misplaced
 from trainforge.pipeline.yaml_syntax import syntax_issue, unreadable_character
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.registry import SPEC_FILE
 
 _FLOAT = re.compile(

@@ -30,7 +30,7 @@ from trainforge.errors import TrainforgeError
 from trainforge.graph import CLOSE_RUN_TASK_ID, REGISTER_MODEL_TASK_ID, task_graph
 from trainforge.hooks.mlflow import TAG_STAGE
 from trainforge.paths import trainforge_home
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.stages import stage_spec
 
 TAG_CLOSED_BY = "trainforge.closed_by"

@@ -43,7 +43,7 @@ from trainforge.data.settings import EXAMPLE_FORMATS, PrepareSettings
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.hooks.s3 import S3ConnectionError, S3Hook
 from trainforge.paths import resolve, safe_segment, trainforge_home
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 #: Folders searched below a model version's artifact root for ``tokenizer.json``.
 _TOKENIZER_SEARCH_DEPTH = 4
 #: MLflow input-tag values are at most 500 characters.

@@ -39,7 +39,7 @@ from trainforge.ledger.build import Ledger
 from trainforge.ledger.catalog import CatalogError, Price, choose_price
 from trainforge.model_source import PretrainedSourceError, pretrained_section
 from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec, stage_task_id
 from trainforge.storage.s3 import make_client
 from trainforge.tasks.model_init import InitSourceError, registered_init

@@ -30,7 +30,7 @@ from trainforge.ledger.attempts import folder_records, merge_records
 from trainforge.ledger.build import Ledger, build_ledger
 from trainforge.ledger.catalog import Price
 from trainforge.ledger.tries import earlier_tries, encode, try_ended, try_records, try_started, try_tag
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.storage import StorageError, storage_for
 
 log = logging.getLogger(__name__)

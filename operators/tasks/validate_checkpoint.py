@@ -28,7 +28,7 @@ from trainforge.hooks.mlflow_logged_models import TAG_CHOSEN
 from trainforge.hooks.s3 import S3ConnectionError, spec_child_env
 from trainforge.jobconfig import render_job_config
 from trainforge.paths import dataset_location
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.stages import stage_spec, stage_task_id
 
 REPORT_ARTIFACT = "validation/report.json"

@@ -29,7 +29,7 @@ from trainforge.hooks.mlflow import MlflowHook
 from trainforge.ledger import names as n
 from trainforge.ledger.attempts import attempt_records
 from trainforge.pipeline import load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.tasks.train import TrainOperator
 from trainforge.trainer.goodput import FLUSH_EVERY_S
 

@@ -14,7 +14,7 @@ import pytest
 from trainforge.callbacks import clear_failure_on_success, close_mlflow_run_on_failure
 from trainforge.hooks.mlflow import TAG_STAGE, MlflowHook
 from trainforge.pipeline import load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.tasks.close_run import CloseRunOperator
 from trainforge.tasks.train import TrainOperator
 from trainforge.tasks.validate_checkpoint import ValidateCheckpointOperator

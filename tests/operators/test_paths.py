@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from trainforge.paths import checkpoint_root, dataset_location, resolve
-from trainforge.pipeline.model import CheckpointSection
+from trainforge.pipeline.spec import CheckpointSection
 
 
 def test_checkpoint_root_keeps_s3_uris_intact(monkeypatch, tmp_path):

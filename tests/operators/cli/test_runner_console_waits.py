@@ -21,7 +21,7 @@ import pytest
 
 from trainforge.cli.runner_console import ConsoleFilter, retry_delays, task_tracebacks
 from trainforge.pipeline.loader import load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 REPO = Path(__file__).resolve().parents[3]
 

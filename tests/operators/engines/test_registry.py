@@ -46,7 +46,7 @@ def test_unknown_engine():
 
 
 def test_backend_kwargs_come_from_the_engines_block(tmp_path):
-    from trainforge.pipeline.model import TrainingSection
+    from trainforge.pipeline.spec import TrainingSection
 
     base = {"optimization": {"max_steps": 2, "global_batch_size": 2, "micro_batch_size": 1,
                              "learning_rate": 1e-3},

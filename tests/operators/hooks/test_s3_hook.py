@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from trainforge.engines.base import JobIdentity, JobState
 from trainforge.hooks.s3 import S3ConnectionError, S3Hook, read_connection, spec_child_env
 from trainforge.pipeline.loader import load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 REPO = Path(__file__).resolve().parents[3]
 KEY_ID = "AKIATRAINFORGETEST01"

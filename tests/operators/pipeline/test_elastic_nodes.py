@@ -11,7 +11,7 @@ from trainforge.engines.registry import engines
 from trainforge.jobconfig import build_training_job
 from trainforge.pipeline import SpecError, parse_spec_text
 from trainforge.pipeline import schema as published
-from trainforge.pipeline.model import ResourcesSection as ReExported
+from trainforge.pipeline.spec import ResourcesSection as ReExported
 from trainforge.pipeline.resources import NodeRange, ResourcesSection
 from tests.operators.pipeline.test_loader import MINIMAL
 

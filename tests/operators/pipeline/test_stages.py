@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainforge.pipeline import SpecError, parse_spec_text, validate_overrides
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.stages import leaf_stages, resolve_stages, stage_folder, stage_spec
 
 BASE = """\

@@ -76,7 +76,7 @@ def _operator(raw, server, retries=0) -> CloseRunOperator:
 
 
 def _spec(raw):
-    from trainforge.pipeline.model import PipelineSpec
+    from trainforge.pipeline.spec import PipelineSpec
 
     return PipelineSpec.model_validate(raw)
 

@@ -21,7 +21,7 @@ from trainforge.tasks.prepare_data import (
 )
 from trainforge.pipeline.data import DataSection
 from trainforge.pipeline.loader import load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 REPO = Path(__file__).resolve().parents[3]
 

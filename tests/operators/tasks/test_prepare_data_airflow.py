@@ -24,7 +24,7 @@ from airflow.sdk import DAG
 
 from trainforge.tasks.prepare_data import PrepareDataOperator
 from trainforge.pipeline.loader import load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 raw = load_spec({spec!r}).model_dump(mode="json")
 raw["data"].update(sources=["corpus/*.txt"], tokenizer={{"vocab_size": 320}}, encode_workers=2)

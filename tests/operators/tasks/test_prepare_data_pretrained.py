@@ -20,7 +20,7 @@ from tests.operators.data.conftest import write_corpus
 from trainforge.storage.files import sha256_file
 from trainforge.pipeline.loader import load_spec
 from trainforge.paths import resolve
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.tasks.prepare_data import PrepareDataOperator, prepare_settings
 
 REPO = Path(__file__).resolve().parents[3]

@@ -24,7 +24,7 @@ import torch
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.tasks.register_model import RegisterModelOperator, champion_outlet, model_asset_name
 from trainforge.pipeline.loader import load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from trainforge.callbacks import close_mlflow_run_on_failure
 from trainforge.cli.runner_summary import collect_summary
 from trainforge.hooks.mlflow import TAG_STAGE, MlflowHook
 from trainforge.pipeline import load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.tasks.train import TrainOperator, post_training_reason
 
 pytestmark = [pytest.mark.integration]

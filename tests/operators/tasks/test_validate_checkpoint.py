@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from trainforge.pipeline.loader import load_spec
-from trainforge.pipeline.model import PipelineSpec
+from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.registry import RegistrySection, ValidationSection
 from trainforge.tasks.validate_checkpoint import expected_job_config, validator_argv
 

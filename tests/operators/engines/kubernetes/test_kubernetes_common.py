@@ -37,7 +37,7 @@ def spec_for(api: str, block: dict[str, Any] | None = None, resources: dict[str,
              fault: dict[str, Any] | None = None, optimization: dict[str, Any] | None = None):
     """The demo spec on the kubernetes engine with ``api`` and the extra settings given."""
     from trainforge.pipeline import load_spec
-    from trainforge.pipeline.model import PipelineSpec
+    from trainforge.pipeline.spec import PipelineSpec
 
     raw = load_spec(DEMO).model_dump(mode="json")
     training = raw["training"]

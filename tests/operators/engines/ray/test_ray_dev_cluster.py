@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from trainforge.engines.registry import get_engine
-from trainforge.pipeline.model import TrainingSection
+from trainforge.pipeline.spec import TrainingSection
 
 BASE = {"optimization": {"max_steps": 2, "global_batch_size": 2, "micro_batch_size": 1,
                          "learning_rate": 1e-3},

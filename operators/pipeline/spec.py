@@ -1,8 +1,8 @@
-"""The pipeline spec: the typed model of one ``dags/pipelines/<name>.yaml`` file.
-
-This module is the single source of truth for every field, its type, unit and default.
-Nothing else parses pipeline YAML or re-declares a default: the DAG builder, the job-config
-renderer, the CLI and the JSON Schema all read these classes.
+"""The pipeline spec, PipelineSpec: the typed model of one ``dags/pipelines/<name>.yaml`` file,
+with its ``framework``, ``optimization``, ``checkpoint`` and ``training`` sections; each other
+section has its own module (``pipeline.py`` the ``pipeline:`` section, ``architecture.py`` the
+``model:`` section, ...). Nothing else parses pipeline YAML or re-declares a default: the DAG
+builder, the job-config renderer, the CLI and the JSON Schema all read these classes.
 
 Units are in field names or descriptions: ``*_s`` seconds (written as durations, see
 :mod:`trainforge.pipeline.durations`), batch sizes in sequences of ``data.sequence_length`` tokens.
