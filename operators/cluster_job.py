@@ -30,7 +30,7 @@ from typing import Any
 
 from airflow.sdk.exceptions import AirflowTaskTimeout, TaskDeferralError, TaskDeferralTimeout
 
-from trainforge.engines.registry import backend_kwargs, get_backend, get_engine
+from trainforge.engines.descriptors import backend_kwargs, get_backend, get_engine
 from trainforge.engines.base import JobHandle, JobIdentity, JobState, TrainingJob
 from trainforge.base import TrainforgeStageOperator, fail_permanently
 from trainforge.cluster_wait import TaskProcessTerminated, validate_event, wait_deadline

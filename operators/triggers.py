@@ -24,7 +24,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from trainforge.engines.registry import get_backend
+from trainforge.engines.descriptors import get_backend
 from trainforge.engines.base import JobState
 from trainforge.errors import TriggerEventError
 from trainforge.trigger_logs import JobLogFollower

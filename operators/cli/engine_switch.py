@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from trainforge.engines.registry import engine_names, get_engine
+from trainforge.engines.descriptors import engine_names, get_engine
 from trainforge.pipeline.spec import PipelineSpec
 
 # What `render --engine E` fills in when the spec was written for another engine and E needs

@@ -26,7 +26,7 @@ from trainforge.cli.report import (StoreError, UnknownPipelineError, collect_rep
                                    default_tracking_uri, print_report)
 from trainforge.cli.runner import run_pipeline
 from trainforge.engines.base import JobIdentity
-from trainforge.engines.registry import backend_kwargs, engine_names, get_backend
+from trainforge.engines.descriptors import backend_kwargs, engine_names, get_backend
 from trainforge.graph import task_graph
 from trainforge.jobconfig import build_training_job, init_block
 from trainforge.ledger.catalog import CatalogError, choose_price

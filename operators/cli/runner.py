@@ -39,7 +39,7 @@ from trainforge.cli.runner_console import ConsoleFilter, failed_task_tracebacks,
 from trainforge.cli.runner_summary import collect_summary, print_summary
 from trainforge.engines.base import JobState
 from trainforge.engines.local.backend import LocalBackend
-from trainforge.engines.registry import get_engine
+from trainforge.engines.descriptors import get_engine
 from trainforge.errors import BackendError
 from trainforge.mlflow_setup import start_server
 from trainforge.mlflow_setup.errors import ServerStartError

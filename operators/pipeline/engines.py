@@ -1,7 +1,7 @@
 """The spec's engine fields and engine rules, from the registered engines.
 
 ``training.engine`` accepts the name of every installed engine and ``training.<name>`` is that
-engine's own block (:attr:`trainforge.engines.registry.Engine.block`), so an engine installed by
+engine's own block (:attr:`trainforge.engines.descriptors.Engine.block`), so an engine installed by
 entry point is configured in the spec with no change here. Rules that depend on what an engine can
 do are written once, against its declared capabilities: one machine or several, a fixed or an
 elastic number of them, storage the job can reach, a container image, secrets that may not be
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from trainforge.engines.registry import DEFAULT_ENGINE, engine_names, engines, get_engine
+from trainforge.engines.descriptors import DEFAULT_ENGINE, engine_names, engines, get_engine
 
 
 def engine_field() -> tuple[Any, Any]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainforge.engines.registry import backend_kwargs, get_backend
+from trainforge.engines.descriptors import backend_kwargs, get_backend
 from trainforge.engines.base import JobHandle, JobIdentity, JobState
 from trainforge.base import TrainforgeStageOperator
 from trainforge.callbacks import clear_failure, failure_tags

@@ -21,7 +21,7 @@ STATUS_TIMEOUT_S = 5.0
 def job_status(engine: str, backend_kwargs: dict[str, Any], handle: dict[str, Any]
                ) -> dict[str, Any]:
     """One ``Backend.status`` call, as plain data."""
-    from trainforge.engines.registry import get_backend
+    from trainforge.engines.descriptors import get_backend
 
     status = get_backend(engine, **backend_kwargs).status(handle)
     return {"state": status.state.value, "message": status.message,

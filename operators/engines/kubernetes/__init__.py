@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainforge.engines.kubernetes.spec import KubernetesEngine
-from trainforge.engines.registry import Engine
+from trainforge.engines.descriptors import Engine
 
 
 def _connection(block: KubernetesEngine, runs_root: str) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainforge.engines.local.spec import LocalEngine
-from trainforge.engines.registry import Engine
+from trainforge.engines.descriptors import Engine
 
 
 def _connection(block: LocalEngine, runs_root: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainforge.engines.ray.spec import RayEngine
-from trainforge.engines.registry import Engine
+from trainforge.engines.descriptors import Engine
 
 
 def _connection(block: RayEngine, runs_root: str) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainforge.engines.registry import Engine
+from trainforge.engines.descriptors import Engine
 from trainforge.engines.slurm.spec import SlurmEngine
 from trainforge.paths import resolve
 

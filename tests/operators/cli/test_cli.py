@@ -15,7 +15,7 @@ from trainforge.cli.main import app
 ROOT = Path(__file__).resolve().parents[3]
 PIPELINES = sorted((ROOT / "dags" / "pipelines").glob("*.yaml"))
 GOLDEN = Path(__file__).resolve().parent / "golden"
-from trainforge.engines.registry import engine_names  # noqa: E402
+from trainforge.engines.descriptors import engine_names  # noqa: E402
 
 ENGINES = engine_names()  # every engine that exists
 

@@ -1,5 +1,5 @@
 """An engine trainforge has never heard of, added the way a third party adds one: a distribution
-whose ``trainforge.engines`` entry point names its :class:`~trainforge.engines.registry.Engine`.
+whose ``trainforge.engines`` entry point names its :class:`~trainforge.engines.descriptors.Engine`.
 
 The engine (``entry_point/toy_engine``) is mentioned by no trainforge source file; the
 distribution's metadata is written here into a temporary folder. Each check runs in a fresh
@@ -94,7 +94,7 @@ DRIVE = textwrap.dedent("""
     from pathlib import Path
     from trainforge.contract import FailureKind
     from trainforge.engines.base import JobIdentity, JobState, TrainingJob
-    from trainforge.engines.registry import backend_kwargs, engine_names, get_backend, get_engine
+    from trainforge.engines.descriptors import backend_kwargs, engine_names, get_backend, get_engine
     from trainforge.pipeline import load_spec
 
     spec = load_spec(Path(sys.argv[1]))

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from trainforge.engines.base import JobIdentity
-from trainforge.engines.registry import engines
+from trainforge.engines.descriptors import engines
 from trainforge.jobconfig import build_training_job
 from trainforge.pipeline import SpecError, parse_spec_text
 from trainforge.pipeline import schema as published

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from trainforge.engines.registry import get_engine
+from trainforge.engines.descriptors import get_engine
 from trainforge.pipeline.spec import TrainingSection
 
 BASE = {"optimization": {"max_steps": 2, "global_batch_size": 2, "micro_batch_size": 1,

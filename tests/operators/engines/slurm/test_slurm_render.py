@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from trainforge.engines.registry import backend_kwargs, get_backend
+from trainforge.engines.descriptors import backend_kwargs, get_backend
 from trainforge.engines.base import JobIdentity, TrainingJob
 from trainforge.engines.slurm.backend import SlurmBackend
 from trainforge.engines.slurm.script import time_limit

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import Field
 
-from trainforge.engines.registry import Engine
+from trainforge.engines.descriptors import Engine
 from trainforge.sections import SpecModel
 
 

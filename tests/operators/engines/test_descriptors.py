@@ -1,5 +1,5 @@
-"""The engine registry: the built-in engines through their entry points, their declared
-capabilities, lazy backends, and the errors of a broken or unknown engine."""
+"""The engine descriptors: the built-in engines through their entry points, their declared
+capabilities, lazy backends, the errors of a broken or unknown engine, and the old module name."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from trainforge.engines import registry
-from trainforge.engines.registry import (
+from trainforge.engines import descriptors
+from trainforge.engines.descriptors import (
     Engine,
     EngineRegistryError,
     backend_kwargs,
@@ -61,7 +61,7 @@ def test_backend_kwargs_come_from_the_engines_block(tmp_path):
 
 
 def test_descriptors_import_no_engine_client():
-    code = ("import sys; from trainforge.engines.registry import engines; engines(); "
+    code = ("import sys; from trainforge.engines.descriptors import engines; engines(); "
             "import trainforge.pipeline; "
             "print(sorted(m for m in ('kubernetes', 'ray', 'urllib3') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -72,25 +72,37 @@ def test_descriptors_import_no_engine_client():
 
 
 @pytest.mark.parametrize("points,fragment", [
-    ([EntryPoint("toy", "trainforge.engines.local:ENGINE", registry.ENTRY_POINT_GROUP)],
+    ([EntryPoint("toy", "trainforge.engines.local:ENGINE", descriptors.ENTRY_POINT_GROUP)],
      "is not the Engine named 'toy'"),
-    ([EntryPoint("toy", "no_such_module_here:ENGINE", registry.ENTRY_POINT_GROUP)],
+    ([EntryPoint("toy", "no_such_module_here:ENGINE", descriptors.ENTRY_POINT_GROUP)],
      "does not load"),
-    ([EntryPoint("local", "trainforge.engines.local:ENGINE", registry.ENTRY_POINT_GROUP),
-      EntryPoint("local", "trainforge.engines.ray:ENGINE", registry.ENTRY_POINT_GROUP)],
+    ([EntryPoint("local", "trainforge.engines.local:ENGINE", descriptors.ENTRY_POINT_GROUP),
+      EntryPoint("local", "trainforge.engines.ray:ENGINE", descriptors.ENTRY_POINT_GROUP)],
      "registered twice"),
 ])
 def test_broken_entry_points(monkeypatch, points, fragment):
-    monkeypatch.setattr(registry, "entry_points", lambda group: points)
-    registry._engines.cache_clear()
+    monkeypatch.setattr(descriptors, "entry_points", lambda group: points)
+    descriptors._engines.cache_clear()
     try:
         with pytest.raises(EngineRegistryError, match=fragment):
             engine_names()
     finally:
         monkeypatch.undo()
-        registry._engines.cache_clear()
+        descriptors._engines.cache_clear()
 
 
 def test_engine_is_a_plain_value():
     engine = get_engine("local")
     assert isinstance(engine, Engine) and engine.backend_class().engine == "local"
+
+
+def test_the_old_module_name_still_imports_and_warns():
+    code = ("import warnings; warnings.simplefilter('always')\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    from trainforge.engines.registry import Engine, get_backend\n"
+            "from trainforge.engines import descriptors\n"
+            "assert Engine is descriptors.Engine and get_backend is descriptors.get_backend\n"
+            "print([(w.category.__name__, str(w.message)) for w in caught])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "DeprecationWarning" in out and "trainforge.engines.descriptors" in out
