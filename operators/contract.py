@@ -87,6 +87,15 @@ finds them."""
 PRETRAINED_OVERRIDABLE = frozenset({"attention_dropout", "hidden_dropout", "embd_pdrop",
                                     "resid_pdrop", "attn_pdrop"})
 
+COMPILE_FALLBACKS = ("error", "warn")
+"""``framework.compile_fallback`` (spec and job config; ``error`` when absent): what hitting
+Dynamo's recompile or cache-size limit does, where Dynamo would run the function eagerly from
+then on. ``error`` fails the job as a bad config (exit 78); ``warn`` logs it once and trains on."""
+COMPILE_MODES = ("compiled", "eager", "partly_eager")
+"""How an attempt's steps ran, in its ledger record (``compiled``) and the run's MLflow tag
+:data:`COMPILE_MODE_TAG`: compiled decoder layers, eager ones, or compiled until a limit was hit."""
+COMPILE_MODE_TAG = "compile/mode"
+
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONFIG = 78

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainforge.contract import JOB_FORMAT, attention_errors
+from trainforge.contract import COMPILE_FALLBACKS, JOB_FORMAT, attention_errors
 from trainforge.trainer.config_fields import Section, scalar_overrides, show  # noqa: F401
 from trainforge.trainer.errors import ConfigError
 
@@ -117,6 +117,7 @@ class FrameworkConfig:
     powersgd_rank: int = 1  # PowerSGD matrix_approximation_rank
     activation_checkpointing: bool = False  # recompute each decoder layer in the backward pass
     compile: str | bool = "auto"  # torch.compile each decoder layer: "auto" | True | False
+    compile_fallback: str = "error"  # Dynamo's recompile or cache-size limit hit: "error" | "warn"
 
     def compile_on(self, device_type: str) -> bool:
         """Whether to torch.compile the decoder layers when training on ``device_type``.
@@ -280,6 +281,7 @@ def parse_job_config(obj: Any) -> JobConfig:
         powersgd_rank=s.int("powersgd_rank", lo=1, default=FrameworkConfig.powersgd_rank),
         activation_checkpointing=s.bool("activation_checkpointing", default=FrameworkConfig.activation_checkpointing),
         compile=s.auto_or_bool("compile", default=FrameworkConfig.compile),
+        compile_fallback=s.str("compile_fallback", COMPILE_FALLBACKS, default=FrameworkConfig.compile_fallback),
     )
     s.done()
     if framework.parallelism != "ddp" and framework.gradient_compression != "none":

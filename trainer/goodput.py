@@ -6,16 +6,17 @@ times, with local ``perf_counter`` readings and no collective:
 * ``startup``: process start (the kernel's, `process_started_at`) to the first step, less restore;
 * ``restore``: loading the newest checkpoint (`trainforge.trainer.train.resume`);
 * ``data_wait``: waiting for the next micro-batch;
-* ``save``: a checkpoint's blocking part (waiting for the write before, the copy to host
-  memory, the barrier; the final checkpoint's whole write);
+* ``save``: a checkpoint's blocking part (the write before, the copy to host, the barrier);
 * ``eval``: evaluation inside the training loop (none today: validation is its own stage);
+* ``compile``: compiling inside a step (trainforge.trainer.compile), out of that step's time;
 * ``wasted``: the step time of steps this run had reached before (``reached``: the newest step
   the MLflow run already holds when the attempt starts) and trains again after resuming from
   an older checkpoint;
 * ``productive``: the step time of every other step.
 
 Beside the buckets, not one of them (the step time goes on meanwhile): ``background_save_s``, the
-seconds rank 0's writer thread spent writing checkpoints (trainforge.trainer.checkpoint_writer).
+seconds rank 0's writer thread spent writing checkpoints (trainforge.trainer.checkpoint_writer);
+and ``compiled``, how the steps ran (`trainforge.contract.COMPILE_MODES`).
 
 :meth:`AttemptClock.snapshot` is the record: the MLflow tag ``trainforge.ledger.attempt.<ms>``
 and the same JSON under ``$TRAINFORGE_JOB_DIR/ledger/`` and ``$TRAINFORGE_LEDGER_DIR`` (every try's
@@ -64,7 +65,7 @@ class AttemptClock:
     def __init__(self, *, world_size: int, tokens_per_step: int, flops_per_token: int,
                  device: str, energy: EnergyMeter | None = None,
                  started_at: float | None = None, job_dir: str | None = None,
-                 ledger_dir: str | None = None) -> None:
+                 ledger_dir: str | None = None, compiled: str = "eager") -> None:
         self.started_at = process_started_at() if started_at is None else started_at
         self.world_size, self.tokens_per_step = world_size, tokens_per_step
         self.flops_per_token, self.device, self.energy = flops_per_token, device, energy
@@ -77,7 +78,8 @@ class AttemptClock:
             (ledger_dir if is_s3(ledger_dir) else Path(ledger_dir)) if ledger_dir else None)
         self.shared_file = self.shared.join(self.shared_dir, name) if self.shared else None
         self.seconds = {"startup": 0.0, "restore": 0.0, "data_wait": 0.0, "save": 0.0,
-                        "eval": 0.0, "wasted": 0.0, "productive": 0.0}
+                        "eval": 0.0, "compile": 0.0, "wasted": 0.0, "productive": 0.0}
+        self.compiled = compiled  # how the steps run; "partly_eager" once a compile limit was hit
         self.resumed_step = self.reached_step = self.step = 0
         self.productive_steps = self.wasted_steps = 0
         self.first_step_at: float | None = None
@@ -156,11 +158,15 @@ class AttemptClock:
             self._step_wait += time.perf_counter() - t0
             yield item
 
-    def step_done(self, step: int) -> None:
-        """Optimizer step ``step`` ended: its time is productive, or wasted when trained before."""
+    def step_done(self, step: int, compile_s: float = 0.0) -> None:
+        """Optimizer step ``step`` ended: its time is productive, or wasted when trained before,
+        less the ``compile_s`` it spent compiling (the ``compile`` bucket)."""
         now = time.perf_counter()
         bucket = "wasted" if step <= self.reached_step else "productive"
-        self.seconds[bucket] += max(0.0, now - self._mark - self._step_wait)
+        step_s = max(0.0, now - self._mark - self._step_wait)
+        compile_s = min(max(0.0, compile_s), step_s)
+        self.seconds["compile"] += compile_s
+        self.seconds[bucket] += step_s - compile_s
         self.seconds["data_wait"] += self._step_wait
         if bucket == "wasted":
             self.wasted_steps += 1
@@ -200,7 +206,7 @@ class AttemptClock:
             "step": self.step, "productive_steps": self.productive_steps,
             "wasted_steps": self.wasted_steps, "tokens_per_step": self.tokens_per_step,
             "world_size": self.world_size, "device": self.device,
-            "flops_per_token": self.flops_per_token,
+            "flops_per_token": self.flops_per_token, "compiled": self.compiled,
             "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
             "background_save_s": round(self.background_save_s, 4),
         }

@@ -54,8 +54,8 @@ if __name__ == "__main__":  # the program only, not its importers: trainer/start
     refuse_conflicts(sys.argv[1:])  # transformers blind to torch, a torch feature the job needs: exit 78
     import_llama()
 
-from trainforge.contract import (EXIT_ERROR, EXIT_OK, JOB_DIR_ENV, RESULT_FILE_ENV, STATUS_ERROR,
-                                 STATUS_SUCCESS)
+from trainforge.contract import (COMPILE_MODE_TAG, EXIT_ERROR, EXIT_OK, JOB_DIR_ENV, RESULT_FILE_ENV,
+                                 STATUS_ERROR, STATUS_SUCCESS)
 from trainforge.storage.files import atomic_write_json
 from trainforge.trainer import checkpoint as ckpt
 from trainforge.trainer.amp import Precision
@@ -127,7 +127,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     tracker = MlflowTracker.from_env() if d.rank == 0 else None  # gpus: the job's own on rank 0's machine
     gpus = (JobGpus.open(cuda_uuids=torch_cuda_uuids()) if d.device.type == "cuda" else JobGpus.none()) \
         if d.rank == 0 else None  # each local rank's device by torch's UUID for it
-    clock = _attempt_clock(cfg, d, model, n_params, tokens_per_step, gpus) if d.rank == 0 else None
+    clock = _attempt_clock(cfg, d, model, n_params, tokens_per_step, gpus, par.compiled) if d.rank == 0 else None
     if clock:  # steps up to the newest one the run holds are trained again: wasted progress
         reached = tracker.skip_logged_steps(step) if tracker else step  # exactly once: never re-logged
         clock.restored(restore_s, step, reached)
@@ -141,7 +141,8 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                                    "config_digest": cfg.digest()})
         tracker.log_at_start(at_start)  # {} without pretrained weights: nothing logged
         tracker.set_tags({  # params keep the first attempt's world_size; the tag holds every change
-            "trainforge.world_size_history": json.dumps(world_sizes, separators=(",", ":"))})
+            "trainforge.world_size_history": json.dumps(world_sizes, separators=(",", ":")),
+            COMPILE_MODE_TAG: "compiled" if par.compiled else "eager"})  # what tokens_per_s measures
     log.info("model: %d parameters; %d steps of %d sequences x %d tokens (micro %d x world %d x accum %d); "
              "%s, %s, %s schedule, %s AdamW", n_params, o.max_steps, o.global_batch_size, T, o.micro_batch_size,
              d.world_size, accum, par.kind, cfg.precision, o.lr_schedule,
@@ -153,7 +154,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     reserve_staging(d, par, optimizer)
     # system/* metrics of rank 0's machine while the steps run (trainforge.trainer.tracking)
     with (tracker.system_metrics(gpus=gpus) if tracker else nullcontext(),
-          RecompileWatch() if par.compiled else nullcontext() as watch):
+          RecompileWatch(cfg.framework.compile_fallback) if par.compiled else nullcontext() as watch):
         t_window, steps_in_window = time.perf_counter(), 0
         if clock:
             clock.loop_started()
@@ -161,7 +162,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             if clock:
                 clock.step_started()
             if watch:
-                watch.step = step + 1
+                watch.begin_step(step + 1)  # CompileLimitError: a limit hit under compile_fallback=error
             lr = lr_at(step, o)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -195,7 +196,8 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
             tokens_seen += tokens_per_step
             steps_in_window += 1
             if clock:
-                clock.step_done(step)
+                clock.step_done(step, watch.take_seconds() if watch else 0.0)  # compiling: its own bucket
+                clock.compiled = watch.mode if watch else clock.compiled
             out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, loss_value
             metrics = {"train_loss": loss_value, "learning_rate": lr, "grad_norm": grad_norm,
                        "loss_tokens": loss_tokens}  # targets of this step's loss (padded and prompt ones not)
@@ -208,8 +210,9 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                 log.info("step %d/%d | loss %.4f | lr %.3e | grad_norm %.3f | tok/s %.0f | loss_tokens %d", step,
                          o.max_steps, loss_value, lr, grad_norm, metrics["tokens_per_s"], loss_tokens)
                 ledger_tags = clock.snapshot()
-                if tracker:
-                    tracker.log_metrics(step, metrics, tags=ledger_tags)
+                if tracker:  # compile/*: this attempt's so far; the compile/mode tag: how the steps ran
+                    tracker.log_metrics(step, metrics | (watch.metrics() if watch else {}),
+                                        tags=ledger_tags | (watch.tags() if watch else {}))
                 t_window, steps_in_window = time.perf_counter(), 0
             elif clock and clock.flush_due():  # a SIGKILL loses at most a few seconds of the record
                 _flush(clock, tracker)
@@ -225,7 +228,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     if step > o.max_steps:
         log.warning("resumed at step %d, past optim.max_steps=%d: nothing to train", step, o.max_steps)
     if watch:
-        log.info("torch.compile: %d recompilation(s), %d after warm-up", watch.recompiles, watch.after_warmup)
+        log.info("%s", watch.summary())
     if d.device.type == "cuda":
         log.info("peak CUDA memory %.2f GiB allocated, %.2f GiB reserved", torch.cuda.max_memory_allocated(d.device) / 2**30,
                  torch.cuda.max_memory_reserved(d.device) / 2**30)
@@ -272,7 +275,7 @@ def _flush(clock: AttemptClock, tracker: MlflowTracker | None) -> None:
 
 
 def _attempt_clock(cfg: JobConfig, d: Dist, model: torch.nn.Module, n_params: int,
-                   tokens_per_step: int, gpus: JobGpus) -> AttemptClock:
+                   tokens_per_step: int, gpus: JobGpus, compiled: bool) -> AttemptClock:
     """Rank 0's ledger clock of this attempt, with the energy counters of its machine and of the
     job's ``gpus`` on it."""
     embedding = model.get_input_embeddings().weight.numel()
@@ -284,7 +287,7 @@ def _attempt_clock(cfg: JobConfig, d: Dist, model: torch.nn.Module, n_params: in
     return AttemptClock(world_size=d.world_size, tokens_per_step=tokens_per_step, flops_per_token=fpt,
                         device=torch.cuda.get_device_name(d.device) if cuda else "cpu",
                         energy=EnergyMeter.open(gpus if cuda else None),
-                        job_dir=os.environ.get(JOB_DIR_ENV))
+                        job_dir=os.environ.get(JOB_DIR_ENV), compiled="compiled" if compiled else "eager")
 
 
 _SIGTERM_MESSAGE = "received SIGTERM (torchrun stopping the worker group, or the task being killed)"

@@ -1,5 +1,6 @@
 """framework.compile on the CPU: compiled and eager training agree, nothing recompiles after
-warm-up, checkpoints keep an uncompiled model's names, and a run resumes across the two.
+warm-up, compile seconds are their own ledger bucket, checkpoints keep an uncompiled model's
+names, and a run resumes across the two.
 
 One compiled and one eager run of 5 steps (checkpoints at 3 and 5) are shared by the module; each
 resume test continues one run's step-3 checkpoint the other way. Inductor compiles C++ on the CPU,
@@ -9,6 +10,7 @@ so a compiled run takes about 30 s here; the tests share runs to keep that to th
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -37,7 +39,7 @@ def _run(tools, root: Path, dataset_dir: Path, compile_: bool | str, checkpoints
     job["framework"] = {"compile": compile_}
     name = f"{checkpoints.name}.json"
     proc = tools.run_trainer(tools.write_job(root / name, job), root / f"{checkpoints.name}.result.json",
-                             timeout_s=400)
+                             timeout_s=400, TRAINFORGE_JOB_DIR=str(root / f"{checkpoints.name}.job"))
     assert proc.returncode == 0, proc.stdout[-5000:]
     return proc.stdout
 
@@ -67,6 +69,23 @@ def test_nothing_recompiles_after_warm_up(runs):
     log = runs["compiled"]["log"]
     assert "torch.compile: " in log and " 0 after warm-up" in log, log[-3000:]
     assert "recompiled during step" not in log
+
+
+def _record(runs, kind: str) -> dict:
+    """The run's attempt record (trainforge.trainer.goodput) from its job folder."""
+    (path,) = (runs["root"] / f"{kind}.job" / "ledger").glob("attempt-*.json")
+    return json.loads(path.read_text())
+
+
+def test_compile_seconds_are_their_own_bucket_not_productive_time(runs):
+    compiled, eager = _record(runs, "compiled"), _record(runs, "eager")
+    assert compiled["compiled"] == "compiled" and eager["compiled"] == "eager"
+    assert compiled["productive_steps"] == eager["productive_steps"] == STEPS
+    # Inductor's C++ build dwarfs five steps of a 2-layer model: most of step 1 is compiling
+    assert compiled["seconds"]["compile"] > 2 * compiled["seconds"]["productive"] > 0, compiled["seconds"]
+    assert eager["seconds"]["compile"] == 0
+    assert re.search(r"torch\.compile: \d+\.\ds compiling, [1-9]\d* graph\(s\), 0 recompilation\(s\)",
+                     runs["compiled"]["log"]), runs["compiled"]["log"][-3000:]
 
 
 def test_checkpoint_names_are_those_of_an_uncompiled_model(runs):

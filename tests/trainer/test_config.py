@@ -213,3 +213,11 @@ def test_compile_errors_name_the_field_the_value_and_the_choices(valid_job, valu
 ])
 def test_compile_on_decides_auto_by_device_type(compile_, device_type, on):
     assert FrameworkConfig(compile=compile_).compile_on(device_type) is on
+
+
+def test_compile_fallback_is_error_unless_warn_is_asked_for(valid_job):
+    assert parse_job_config(valid_job).framework.compile_fallback == "error"  # absent: a limit hit fails
+    assert parse_job_config(_with_framework(valid_job, compile_fallback="warn")).framework.compile_fallback == "warn"
+    with pytest.raises(ConfigError) as info:
+        parse_job_config(_with_framework(valid_job, compile_fallback="eager"))
+    assert "framework.compile_fallback='eager': expected one of ['error', 'warn']" in str(info.value)
