@@ -34,8 +34,9 @@ def render_job_config(
 
     ``init`` (see :func:`init_block`) starts training from existing weights when the run has no
     checkpoint of its own; ``model.config_overrides`` appears only when the spec sets some,
-    ``distributed.world_size_change`` only when it is not the default ``continue`` and
-    ``data.packing`` only when true, so configs of specs without them are unchanged.
+    ``distributed.world_size_change`` only when it is not the default ``continue``,
+    ``framework.compile_fallback`` only when not ``error`` and ``data.packing`` only when true,
+    so configs of specs without them are unchanged.
     ``pretrained``: the resolved ``model.pretrained`` (trainforge.model_source,
     ``ResolvedModel.job_section()``), required when the spec sets it; the model section is then
     the reduced one of the contract.
@@ -61,6 +62,8 @@ def render_job_config(
     if spec.training.fault.world_size_change != "continue":
         # Like config_overrides: configs of specs that keep the default are unchanged.
         config["distributed"]["world_size_change"] = spec.training.fault.world_size_change
+    if spec.training.framework.compile_fallback != "error":  # the same: the default is the trainer's
+        config["framework"]["compile_fallback"] = spec.training.framework.compile_fallback
     if init is not None:
         config["init"] = init_block(init["checkpoint"], init["source"])
     return config

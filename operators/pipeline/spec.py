@@ -1,7 +1,7 @@
 """The pipeline spec, PipelineSpec: the typed model of one ``dags/pipelines/<name>.yaml`` file,
-with its ``framework``, ``optimization``, ``checkpoint`` and ``training`` sections; each other
-section has its own module (``pipeline.py`` the ``pipeline:`` section, ``architecture.py`` the
-``model:`` section, ...). Nothing else parses pipeline YAML or re-declares a default: the DAG
+with its ``optimization``, ``checkpoint`` and ``training`` sections; each other section has its
+own module (``pipeline.py`` the ``pipeline:`` section, ``architecture.py`` the ``model:``
+section, ``framework.py`` ``training.framework``, ...). Nothing else parses pipeline YAML or re-declares a default: the DAG
 builder, the job-config renderer, the CLI and the JSON Schema all read these classes.
 
 Units are in field names or descriptions: ``*_s`` seconds (written as durations, see
@@ -10,10 +10,9 @@ Units are in field names or descriptions: ``*_s`` seconds (written as durations,
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 from pydantic import (
-    BeforeValidator,
     Field,
     ValidationError,
     create_model,
@@ -37,68 +36,13 @@ from trainforge.pipeline.engines import (
 )
 from trainforge.pipeline.cost import CostSection
 from trainforge.pipeline.fault import FaultSection
+from trainforge.pipeline.framework import FrameworkSection
 from trainforge.pipeline.pipeline import PipelineSection
 from trainforge.pipeline.registry import RegistrySection, ValidationSection
 from trainforge.pipeline.resources import ResourcesSection, batch_errors, elastic_fault_errors
 from trainforge.pipeline.stage_checks import check_stages, rewrap
 from trainforge.pipeline.stages import stage_model
 from trainforge.sections import SpecModel, field_errors
-
-
-def _compile_setting(value: Any) -> Any:
-    """``training.framework.compile``: exactly ``auto``, ``true`` or ``false``.
-
-    pydantic's lax mode would read ``"yes"``, ``"true"`` or ``1`` as a boolean; this refuses them
-    here, before the ``Literal["auto"] | bool`` type sees them. None passes through (a stage's
-    override model reads it as "inherit"; the section's own type refuses it).
-    """
-    if value is None or isinstance(value, bool) or (isinstance(value, str) and value == "auto"):
-        return value
-    expected = "expected 'auto', true or false"
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in ("true", "false"):
-            raise ValueError(f"a quoted boolean is text; write {word} without quotes "
-                             f"(got {value!r}; {expected})")
-        hint = "; did you mean 'auto'?" if word == "auto" else ""
-        raise ValueError(f"unknown value (got {value!r}; {expected}{hint})")
-    if isinstance(value, (int, float)):
-        raise ValueError(f"a number is not a compile setting (got {value!r}; {expected})")
-    shown = "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else repr(value)
-    raise ValueError(f"wrong kind of value (got {shown}; {expected})")
-
-
-#: ``auto`` (torch.compile on CUDA, not on the CPU), or true/false to force it either way.
-CompileSetting = Annotated[Literal["auto"] | bool, BeforeValidator(_compile_setting)]
-
-
-class FrameworkSection(SpecModel):
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="Autocast precision of forward and backward (fp16 uses loss scaling)."
-    )
-    parallelism: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="Data parallelism: replicated (DDP) or sharded (FSDP) parameters."
-    )
-    gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
-        "none", description="DDP communication hook compressing gradients before all-reduce."
-    )
-    powersgd_rank: int = Field(1, ge=1, le=64, description="Rank of PowerSGD's approximation.")
-    activation_checkpointing: bool = Field(
-        False, description="Recompute activations in the backward pass to save memory."
-    )
-    compile: CompileSetting = Field(
-        "auto", description="Compile each decoder layer with torch.compile: true, false, or "
-        "auto (on when training on CUDA GPUs, off on the CPU)."
-    )
-
-    @model_validator(mode="after")
-    def _combination(self) -> FrameworkSection:
-        if self.parallelism == "fsdp" and self.gradient_compression != "none":
-            raise field_errors(FrameworkSection, (
-                ("gradient_compression",), f"gradient_compression is a DDP communication hook "
-                f"and does not apply to FSDP (got {self.gradient_compression!r} with parallelism "
-                f"'fsdp'; expected 'none')", self.gradient_compression, ("parallelism",)))
-        return self
 
 
 class OptimizationSection(SpecModel):

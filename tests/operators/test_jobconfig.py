@@ -56,6 +56,24 @@ def test_framework_compile_reaches_the_trainer(written, rendered):
     assert parse_job_config(config).framework.compile == rendered
 
 
+@pytest.mark.parametrize(("written", "rendered"), [(None, None), ("error", None), ("warn", "warn")])
+def test_framework_compile_fallback_reaches_the_trainer(written, rendered):
+    framework = "" if written is None else f"  framework:\n    compile_fallback: {written}\n"
+    spec = parse_spec_text(MINIMAL.replace("  checkpoint:\n", framework + "  checkpoint:\n"), "ok.yaml")
+    config = render_job_config(spec, "/data/ds", "/ckpt", IDENTITY)
+    assert config["framework"].get("compile_fallback") == rendered  # the default: configs as before
+    assert parse_job_config(config).framework.compile_fallback == (rendered or "error")
+
+
+def test_an_unknown_compile_fallback_is_a_spec_error():
+    with pytest.raises(SpecError) as info:
+        parse_spec_text(MINIMAL.replace("  checkpoint:\n", "  framework:\n    compile_fallback: eager\n"
+                                        "  checkpoint:\n"), "ok.yaml")
+    issues = [str(i) for i in info.value.issues]
+    assert [i.path for i in info.value.issues] == ["training.framework.compile_fallback"], issues
+    assert "'error'" in issues[0] and "'warn'" in issues[0], issues
+
+
 def test_a_stage_overrides_framework_compile_and_the_others_inherit_it():
     from trainforge.pipeline.stages import stage_spec
 
