@@ -26,7 +26,7 @@ from trainforge.storage import Location, Storage, storage_for
 
 _SECONDS = {"startup": "program_startup", "restore": "checkpoint_restore",
             "data_wait": "data_loading", "save": "checkpoint_save", "eval": "evaluation",
-            "wasted": "wasted_progress"}
+            "compile": "compile", "wasted": "wasted_progress"}
 
 
 class AttemptRecordError(ValueError):
@@ -113,6 +113,7 @@ class TrainerBooks:
     device: str | None
     flops_per_token: float | None
     background_save_s: float | None = None  # checkpoint writes beside the steps (no bucket); None: not recorded
+    compiled: str | None = None  # how the steps ran (contract.COMPILE_MODES); None: not recorded
 
 
 def sum_attempts(records: list[dict[str, Any]]) -> TrainerBooks:
@@ -138,4 +139,14 @@ def sum_attempts(records: list[dict[str, Any]]) -> TrainerBooks:
         first_start=float(records[0]["started_at"]) if records else None,
         last_record=float(last["recorded_at"]) if records else None,
         world_size=last.get("world_size"), device=last.get("device"),
-        flops_per_token=last.get("flops_per_token"), background_save_s=sum(background) if background else None)
+        flops_per_token=last.get("flops_per_token"), background_save_s=sum(background) if background else None,
+        compiled=_compiled(records))
+
+
+def _compiled(records: list[dict[str, Any]]) -> str | None:
+    """How the attempts' steps ran: their one ``compiled``, ``partly_eager`` when they differ, or
+    None when an attempt (a trainer from before) did not say."""
+    modes = {rec.get("compiled") for rec in records if rec.get("productive_steps") or rec.get("wasted_steps")}
+    if not modes or None in modes:
+        return None
+    return modes.pop() if len(modes) == 1 else "partly_eager"

@@ -3,7 +3,7 @@
     wall      the first try's start (or the first attempt's, if earlier) -> this try's end: one
               window over every try and attempt (trainforge.ledger.tries)
     buckets   trainer: program_startup, checkpoint_restore, data_loading, checkpoint_save,
-                       evaluation, wasted_progress, recovery     (trainforge.ledger.attempts)
+                       evaluation, compile, wasted_progress, recovery (trainforge.ledger.attempts)
               engine:  queue_wait, image_pull                      (JobStatus.phases)
               task:    orchestration = each try's start -> its job submission (when it
                                        submitted) + its job's end -> its end
@@ -14,7 +14,8 @@ Figures: goodput = productive / wall; the seconds checkpoints were written in th
 productive step time; TFLOP/s per device and MFU (trainforge.ledger.devices); GPU-hours
 allocated (the wall time x GPUs: the same window) and productive; energy, every attempt's record
 summed, or estimated over the same GPU-hours (trainforge.ledger.energy); the allocated cost over
-the same hours (trainforge.ledger.catalog).
+the same hours (trainforge.ledger.catalog). The tag ``compile/mode`` says whether the throughput
+figures are those of compiled steps.
 """
 
 from __future__ import annotations
@@ -104,6 +105,8 @@ def build_ledger(spec: PipelineSpec, event: dict[str, Any], run_tags: dict[str, 
         m[n.RECOVERY_MAX_S] = max(trainer.recoveries_s)
     _throughput(ledger, trainer.productive_tokens, trainer.productive_s, trainer.world_size,
                 trainer.flops_per_token, trainer.device)
+    if trainer.compiled is not None:  # what the throughput figures measured
+        t[n.COMPILE_MODE] = trainer.compiled
     _usage(ledger, spec, records, books.wall_s, price)  # the window goodput is over
     return ledger
 

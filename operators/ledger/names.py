@@ -6,8 +6,10 @@ follow torchtitan's metrics.
 
 from __future__ import annotations
 
+from trainforge.contract import COMPILE_MODE_TAG
+
 TRAINER_BUCKETS = ("program_startup", "checkpoint_restore", "data_loading", "checkpoint_save",
-                   "evaluation", "wasted_progress", "recovery")
+                   "evaluation", "compile", "wasted_progress", "recovery")
 """Known from the trainer's attempt records."""
 ORCHESTRATION_BUCKETS = ("queue_wait", "image_pull", "orchestration")
 """Known from the task and the engine; an engine that cannot know one says so in a tag."""
@@ -28,6 +30,9 @@ MFU_PCT = "mfu_pct"
 DISRUPTIONS = "disruptions/count"
 RECOVERY_MEAN_S = "recovery/mean_s"
 RECOVERY_MAX_S = "recovery/max_s"
+COMPILE_MODE = COMPILE_MODE_TAG
+"""The tag saying how every attempt's steps ran, and so what ``tps``, ``tflops`` and ``mfu_pct``
+measure: ``compiled``, ``eager``, or ``partly_eager`` (some eager steps, or attempts that differ)."""
 CHECKPOINT_BACKGROUND_S = "checkpoint/background_write_s"
 """Seconds rank 0's writer thread spent writing checkpoints, summed over attempts; beside the buckets
 (the steps went on meanwhile, except while the final one was awaited), not one of them."""

@@ -124,6 +124,29 @@ def test_background_checkpoint_writes_are_a_figure_beside_the_buckets():
     assert n.CHECKPOINT_BACKGROUND_S not in older.metrics  # a trainer that recorded none: no figure, not 0
 
 
+def test_compile_seconds_are_badput_and_the_throughput_says_whether_it_was_compiled():
+    spec = load_spec(DEMO)
+    event = {"handle": {}, "ended_at_epoch_s": 1072.0, "phases": {"queue_wait": 0.5}}
+
+    def ledger(*modes):
+        records = [record(1000.0 + 40 * i, 1002.5 + 40 * i, 1030.0 + 40 * i, productive=15.0, compile=3.0)
+                   | ({"compiled": mode} if mode else {}) for i, mode in enumerate(modes)]
+        return build_ledger(spec, event, tags_of(*records), choose_price(spec), task_started_s=998.0,
+                            now_s=1075.0, submitted_by_this_try=True)
+
+    compiled = ledger("compiled", "compiled")
+    m = compiled.metrics
+    assert m[n.badput("compile")] == pytest.approx(6.0) and m[n.PRODUCTIVE_S] == pytest.approx(30.0)
+    parts = m[n.PRODUCTIVE_S] + sum(m[n.badput(b)] for b in n.BUCKETS if n.badput(b) in m)
+    assert parts == pytest.approx(m[n.WALL_S])
+    assert m[n.TPS] == pytest.approx(2000 / 30.0 / 2)  # over productive time: compiling left out
+    assert compiled.tags[n.COMPILE_MODE] == "compiled" == compiled.to_json()["tags"]["compile/mode"]
+    assert ledger("eager").tags[n.COMPILE_MODE] == "eager"
+    assert ledger("compiled", "partly_eager").tags[n.COMPILE_MODE] == "partly_eager"
+    assert ledger("compiled", "eager").tags[n.COMPILE_MODE] == "partly_eager"  # attempts that differ
+    assert n.COMPILE_MODE not in ledger(None, "compiled").tags  # a trainer from before did not say
+
+
 def test_no_attempt_record_makes_the_trainer_buckets_unknown_not_zero():
     spec = load_spec(DEMO)
     ledger = build_ledger(spec, {"handle": {}}, {}, choose_price(spec), task_started_s=0.0,
