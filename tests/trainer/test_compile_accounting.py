@@ -76,7 +76,7 @@ def run_main(tmp_path, dataset_dir, tools, monkeypatch):
     """``run_main(fallback) -> (exit code, result, attempt record or None)``: the trainer's
     ``main()`` in this process with ``framework.compile: true`` and Dynamo's recompile limit 0."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "TORCH_LOGS"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name, raising=False)  # MLflow: a test sets its own
     monkeypatch.setenv("TRAINFORGE_RESULT_FILE", str(tmp_path / "result.json"))
     monkeypatch.setenv("TRAINFORGE_JOB_DIR", str(tmp_path / "job"))
     handler, handlers, level = signal.getsignal(signal.SIGTERM), logging.root.handlers[:], logging.root.level
@@ -110,7 +110,15 @@ def test_hitting_the_recompile_limit_fails_the_run_for_good_naming_the_limit_and
     assert failure_kind(code, result) is FailureKind.PERMANENT
 
 
-def test_with_compile_fallback_warn_the_run_trains_on_and_says_it_went_partly_eager(run_main, capsys):
+def test_with_compile_fallback_warn_the_run_trains_on_and_says_it_went_partly_eager(run_main, capsys, tmp_path,
+                                                                                  monkeypatch):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # a real run in a local store, as the DAG's would be
+    client = mlflow.MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("compile")).info.run_id
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_RUN_ID", run_id)
     code, result, record = run_main("warn")
     out = capsys.readouterr().out
     assert code == 0 and result["final_step"] == 3, out[-3000:]
@@ -119,3 +127,9 @@ def test_with_compile_fallback_warn_the_run_trains_on_and_says_it_went_partly_ea
     assert "recompile_limit (0) compiling 'forward'" in warned[0]
     assert "0 recompilation(s), 0 after warm-up; partly eager: torch._dynamo.config.recompile_limit (0)" in out
     assert record["compiled"] == "partly_eager" and record["step"] == 3
+    run = client.get_run(run_id)
+    assert run.data.tags["compile/mode"] == "partly_eager"  # what tokens_per_s measured
+    assert run.data.params["framework.compile_fallback"] == "warn"
+    for name in ("compile/seconds", "compile/graphs", "compile/recompiles", "tokens_per_s"):
+        assert [m.step for m in client.get_metric_history(run_id, name)] == [1, 2, 3], name
+    assert client.get_metric_history(run_id, "compile/graphs")[-1].value == 0  # the limit hit before any graph
