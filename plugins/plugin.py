@@ -7,7 +7,7 @@ a plugins folder is needed.
 It also mounts the Training, run and Cluster pages (trainforge.plugins.ui) on the API server and shows
 them in Airflow's UI: Training and Cluster in the navigation, the run view on a DAG run; and the
 receiver of MLflow registry webhooks (trainforge.plugins.webhooks), which turns alias moves into asset
-events. Its listener (trainforge.approval_close) closes an approval request whose task ended
+events. Its listener (trainforge.approval.close) closes an approval request whose task ended
 without an answer, and a cleared approval task posts a fresh request.
 
 It reports instead of crashing: an Airflow or MLflow outside the ranges the wheel declares stops
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from trainforge import approval_close
+from trainforge.approval import close as approval_close
 from trainforge.plugins.compat import check_supported
 from trainforge.plugins.links import MlflowRunLink
 from trainforge.plugins.ui.asgi import URL_PREFIX, ui_app

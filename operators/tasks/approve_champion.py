@@ -16,10 +16,10 @@ Present only with ``registry.approval`` (docs/registry.md, "Human approval"). It
    run and try: then nothing moves and the task fails. **Reject** tags the version rejected;
    champion stays. A timeout never promotes: ``on_timeout: reject`` rejects, ``on_timeout:
    fail`` closes the request and fails the task;
-4. ``registry.approval.notify`` mails the posted request (trainforge.approval_notify).
+4. ``registry.approval.notify`` mails the posted request (trainforge.approval.notify).
 
 Ended without an answer (the task, its DAG run or an upstream task marked), the request is
-closed and the version tagged ``cancelled`` by the plugin's listener (trainforge.approval_close),
+closed and the version tagged ``cancelled`` by the plugin's listener (trainforge.approval.close),
 told by the XCom ``trainforge_approval_request``; a task resumed by such a closed request fails.
 Decisions are kept, oldest first, in the version's ``trainforge.approval.history`` tag.
 """
@@ -58,8 +58,8 @@ from trainforge.approval import (
     upstream_states,
     with_history,
 )
-from trainforge.approval_close import REQUEST_XCOM_KEY
-from trainforge.approval_notify import notifiers_for, remaining_timeout, request_html, run_notifiers
+from trainforge.approval.close import REQUEST_XCOM_KEY
+from trainforge.approval.notify import notifiers_for, remaining_timeout, request_html, run_notifiers
 from trainforge.base import TrainforgeStageOperator, fail_permanently
 from trainforge.gate import PASS
 from trainforge.hooks.mlflow_registry import CHAMPION, ModelRegistry

@@ -1,4 +1,4 @@
-"""``registry.approval.notify`` (trainforge.approval_notify): the posted request goes out through
+"""``registry.approval.notify`` (trainforge.approval.notify): the posted request goes out through
 the SMTP provider's notifier to the session's SMTP sink; a notifier that fails or hangs is logged
 and cut at its own timeout, never an answer; the approval task still parks for its answer, with
 the wait counted from when the request was posted.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import TaskAwaitingInput
 
-from trainforge.approval_notify import (
+from trainforge.approval.notify import (
     TimedNotifier,
     notifiers_for,
     remaining_timeout,
@@ -77,7 +77,7 @@ def test_the_request_is_mailed_as_written_through_smtp(smtp_sink, monkeypatch):
 def test_a_hanging_notifier_is_cut_at_its_timeout(silent_smtp, caplog):
     [notifier] = notifiers_for(_email(silent_smtp, "1s"), subject=SUBJECT, html="x")
     started = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="trainforge.approval_notify"):
+    with caplog.at_level(logging.WARNING, logger="trainforge.approval.notify"):
         assert run_notifiers([notifier], {}) == {f"email ({silent_smtp})": "timed out"}
     assert time.monotonic() - started < 10  # the connection's own timeout is 120 s
     assert "did not finish within 1.0s" in caplog.text
@@ -90,7 +90,7 @@ def test_a_failing_notifier_is_logged_and_the_next_one_still_runs(caplog):
         raise ConnectionRefusedError("no SMTP server")
 
     notifiers = [TimedNotifier("broken", broken, 5), TimedNotifier("ok", sent.append, 5)]
-    with caplog.at_level(logging.WARNING, logger="trainforge.approval_notify"):
+    with caplog.at_level(logging.WARNING, logger="trainforge.approval.notify"):
         assert run_notifiers(notifiers, {"k": 1}) == {"broken": "failed", "ok": "sent"}
     assert sent == [{"k": 1}]
     assert "approval notifier broken failed (ConnectionRefusedError: no SMTP server)" in caplog.text

@@ -1,5 +1,5 @@
 """The listener that closes an approval request whose task ended without an answer
-(trainforge.approval_close), on Airflow's own ``hitl_detail`` and ``log`` tables in SQLite:
+(trainforge.approval.close), on Airflow's own ``hitl_detail`` and ``log`` tables in SQLite:
 an open request is closed (Reject, by ``trainforge``, the mark and who made it as the reason),
 an answered one is left alone, and only approve_champion rows (not a worker's task instance)
 are ours.
@@ -18,7 +18,7 @@ from airflow.models.taskinstance import TaskInstance
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from trainforge import approval_close
+from trainforge.approval import close as approval_close
 
 
 class FakeTI:

@@ -221,7 +221,7 @@ def test_nothing_to_approve_skips_the_task(registry, mlflow_server, gate, fragme
 def test_asking_resets_the_tags_and_names_the_version_for_the_listener(registry, mlflow_server,
                                                                       monkeypatch):
     """A re-asked request (after a reject or a cancel) says pending, not the old who and why;
-    the XCom tells trainforge.approval_close which version to tag if the task is marked."""
+    the XCom tells trainforge.approval.close which version to tag if the task is marked."""
     from airflow.providers.standard.operators import hitl
     from airflow.sdk.exceptions import TaskAwaitingInput
 

@@ -4,6 +4,8 @@ reads, the tags that record the answer, and what each answer means. Pure: no Air
 The ``approve_champion`` task (trainforge.tasks.approve_champion) asks; a person answers
 ``Approve`` or ``Reject`` (with an optional reason) in the Airflow UI's required actions or
 through the REST API; this module turns the answer into an :class:`ApprovalOutcome`.
+Beside it: :mod:`~trainforge.approval.notify` sends the posted request to approvers, and
+:mod:`~trainforge.approval.close` (the plugin's listener) closes one whose task ended unanswered.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ TAG_DAG_RUN = APPROVAL_TAG_PREFIX + "dag_run"  # "<dag_id>/<run_id>" that asked
 TAG_TRY = APPROVAL_TAG_PREFIX + "try"  # the try number of approve_champion that asked
 TAG_HISTORY = APPROVAL_TAG_PREFIX + "history"  # one line per decision, oldest first
 PENDING, APPROVED, REJECTED, TIMED_OUT = "pending", "approved", "rejected", "timed_out"
-CANCELLED = "cancelled"  # the task ended without an answer (trainforge.approval_close)
+CANCELLED = "cancelled"  # the task ended without an answer (trainforge.approval.close)
 DECISIONS = (APPROVED, REJECTED, TIMED_OUT, CANCELLED)  # statuses that end a request
 CLOSED_BY_ID = "trainforge"  # responded_by.id of a request closed without an answer
 HISTORY_MAX_CHARS = 5000  # MLflow's longest model version tag value; the oldest lines go first
