@@ -7,7 +7,7 @@ worker slot, cancel on kill: docs/faults.md, "The launch, inside"). This task ad
 * the job: the spec's (or the stage's) training section rendered into a job config, with the
   dataset of ``prepare_data``, the DAG run's checkpoint folder, the MLflow run to log into, the
   ranks' S3 access, the ``init`` block of ``init_from`` (a stage's upstream checkpoint, or
-  a registered model version through trainforge.tasks.model_init), and the ``pretrained``
+  a registered model version through trainforge.init_from), and the ``pretrained``
   block of ``model.pretrained`` (prepare_data's resolution, trainforge.model_source);
 * the MLflow run: reopened when an earlier try ended it, tagged with the job, ended ``KILLED``
   when the task is killed; a stage keeps to its own child run of the DAG run's run
@@ -42,7 +42,7 @@ from trainforge.paths import checkpoint_root, dataset_location, trainforge_home
 from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec, stage_task_id
 from trainforge.storage.s3 import make_client
-from trainforge.tasks.model_init import InitSourceError, registered_init
+from trainforge.init_from import InitSourceError, registered_init
 from trainforge.tasks.prepare_data import connection_s3_client
 from trainforge.tasks.train_ledger import (ledger_dir, ledger_env, record_ledger,
                                            record_try_started, task_records)
@@ -133,7 +133,7 @@ class TrainOperator(ClusterJobOperator):
         return init_block(checkpoint, f"stage:{stage_init_from(spec, self.stage)}")
 
     def _registered_init(self, spec: Any, prepared: dict[str, Any]) -> dict[str, str]:
-        """The ``init`` block of ``model.init_from`` (trainforge.tasks.model_init); a version that
+        """The ``init`` block of ``model.init_from`` (trainforge.init_from); a version that
         cannot be used fails the task without retries."""
         try:
             init = registered_init(self.mlflow_hook, spec.model.init_from, spec.training.engine,

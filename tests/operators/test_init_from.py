@@ -1,7 +1,7 @@
 """``model.init_from``: a registered model's weights start training (real MLflow server).
 
 The tiny Llama of ``tiny_hf_model_dir`` is registered, resolved by the ``train`` task's helper
-(trainforge.tasks.model_init) to its Hugging Face folder, and loaded by the trainer's one weights-only
+(trainforge.init_from) to its Hugging Face folder, and loaded by the trainer's one weights-only
 loader into a freshly built model: every tensor must equal the registered one before any step.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from trainforge.hooks.mlflow import MlflowHook
-from trainforge.tasks.model_init import InitSourceError, registered_init
+from trainforge.init_from import InitSourceError, registered_init
 from trainforge.trainer.config import ModelConfig
 from trainforge.trainer.errors import ConfigError
 from trainforge.storage.files import sha256_file
