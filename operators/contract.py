@@ -25,6 +25,17 @@ S3_URI = re.compile(r"^s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/.*)?$")
 """What an ``s3://bucket[/prefix]`` location looks like wherever one is given (the spec, the job
 config, the MLflow server's artifact store): a valid bucket name (group 1), then any prefix."""
 
+_S3_PARTS = re.compile(r"^s3://([^/]+)/?(.*)$")
+
+
+def split_s3_uri(uri: str) -> tuple[str, str] | None:
+    """``s3://bucket/key`` -> ``("bucket", "key")`` (``""`` for no key), or None when ``uri`` is
+    not ``s3://`` and a bucket. It reads a location and leaves judging the bucket name to
+    :data:`S3_URI`; each caller raises its own error for None."""
+    match = _S3_PARTS.match(uri)
+    return (match.group(1), match.group(2)) if match else None
+
+
 DATASET_FORMAT = "trainforge.dataset/v1"
 """``format`` of a prepared dataset's manifest, :data:`DATASET_MANIFEST` in its folder
 (docs/contracts.md, "Dataset"): data preparation writes it, the trainer reads it."""

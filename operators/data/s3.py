@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from trainforge.contract import split_s3_uri
 from trainforge.data.errors import SourceAccessError, SourceChangedError
 
 logger = logging.getLogger(__name__)
@@ -39,11 +40,11 @@ def split_uri(uri: str) -> tuple[str, str]:
     Raises:
         SourceAccessError: not an ``s3://bucket/...`` URI.
     """
-    match = re.match(r"^s3://([^/]+)/?(.*)$", uri)
-    if not match:
+    parts = split_s3_uri(uri)
+    if parts is None:
         raise SourceAccessError(uri, "parse", "not an s3://bucket/key URI",
                                 "write S3 locations as s3://bucket/prefix/...")
-    return match.group(1), match.group(2)
+    return parts
 
 
 @dataclass(frozen=True)

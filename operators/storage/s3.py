@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +36,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from trainforge.contract import split_s3_uri
 from trainforge.storage.base import Location, StorageError
 from trainforge.storage.s3_errors import (
     THROTTLE_COUNTERS,
@@ -58,7 +58,6 @@ CHECKSUM_ENV = {"request_checksum_calculation": "AWS_REQUEST_CHECKSUM_CALCULATIO
 # trainforge.storage.settle. TRAINFORGE_S3_SETTLE_S overrides it.
 SETTLE_S = 30.0
 HASH_CHUNK_BYTES = 4 << 20
-_URI = re.compile(r"^s3://([^/]+)/?(.*)$")
 _CLIENTS: dict[str | None, Any] = {}
 _LOCK = threading.Lock()
 
@@ -70,10 +69,10 @@ def is_s3(uri: Any) -> bool:
 
 def split(uri: str) -> tuple[str, str]:
     """``s3://bucket/key`` -> ``("bucket", "key")``. Raises StorageError for anything else."""
-    match = _URI.match(uri)
-    if not match:
+    parts = split_s3_uri(uri)
+    if parts is None:
         raise StorageError(uri, "parse", "expected s3://bucket/key")
-    return match.group(1), match.group(2)
+    return parts
 
 
 def join(uri: str, *parts: str) -> str:
