@@ -124,8 +124,11 @@ class RecompileWatch(logging.Handler):
         callback_handler.remove_end_callback(self._compile_ended)
         logging.getLogger(_LIMIT_LOGGER).removeHandler(self._limits)
         self._logger.removeHandler(self)
-        if isinstance(exc, FailOnRecompileLimitHit):
-            raise CompileLimitError(self._limit_error()) from exc
+        cause, seen = exc, 0
+        while cause is not None and seen < 8:  # Dynamo's own, or a wrapper's around it (autograd, hooks)
+            if isinstance(cause, FailOnRecompileLimitHit):
+                raise CompileLimitError(self._limit_error()) from exc
+            cause, seen = cause.__cause__ or cause.__context__, seen + 1
 
     def begin_step(self, step: int) -> None:
         """Optimizer step ``step`` starts. Raises `CompileLimitError` when a limit was hit
