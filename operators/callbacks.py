@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from trainforge.hooks.mlflow import TAG_STAGE, MlflowHook
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.mlflow_runs import TAG_STAGE
 from trainforge.pipeline.spec import PipelineSpec
 
 log = logging.getLogger(__name__)

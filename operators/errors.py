@@ -26,10 +26,6 @@ class TriggerEventError(TrainforgeError):
     """A trigger event does not have the expected shape."""
 
 
-class StageError(TrainforgeError):
-    """A pipeline stage (data prep, validation, registration) failed on its inputs."""
-
-
 class PluginNotLoaded(TrainforgeError):
     """Airflow did not load the trainforge plugin in this process (trainforge.plugin_status):
     raised while a DAG file is parsed, so the plugin's reason is that file's import error."""

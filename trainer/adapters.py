@@ -88,11 +88,6 @@ def is_lora(model: torch.nn.Module) -> bool:
     return hasattr(model, "_trainforge_lora")
 
 
-def adapter_names(model: torch.nn.Module) -> list[str]:
-    """The adapters' state-dict names (what a LoRA checkpoint holds), in model order."""
-    return [name for name, p in model.named_parameters() if p.requires_grad]
-
-
 def adapter_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters as a checkpoint stores them: name -> contiguous fp32 CPU copy."""
     return {name: p.detach().to("cpu", torch.float32).contiguous().clone()

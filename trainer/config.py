@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from trainforge.contract import COMPILE_FALLBACKS, JOB_FORMAT, attention_errors
-from trainforge.trainer.config_fields import Section, scalar_overrides, show  # noqa: F401
+from trainforge.trainer.config_fields import Section, scalar_overrides, show
 from trainforge.trainer.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -17,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from trainforge.hooks.mlflow import TAG_DAG_ID
+from trainforge.hooks.mlflow_runs import TAG_DAG_ID
 from trainforge.ledger import names as n
 from trainforge.ledger.read import energy_sources_line, ledger_figures, stage_names
 from trainforge.paths import trainforge_home

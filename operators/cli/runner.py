@@ -233,11 +233,6 @@ def stop_local_jobs(home: Path, dag_id: str, since_epoch_s: float | None = None)
     return stopped
 
 
-def cancel_running_jobs(home: Path, dag_id: str) -> list[str]:
-    """Cancel every still-running local job of ``dag_id``; the keys of those cancelled."""
-    return stop_local_jobs(home, dag_id).cancelled
-
-
 def cancel_ray_jobs(address: str, dag_id: str, since_epoch_s: float | None = None) -> StoppedJobs:
     """Stop every unfinished Ray job of ``dag_id`` on ``address`` (after an interrupted run).
 

@@ -25,7 +25,7 @@ from trainforge.data.errors import (
 from trainforge.data.settings import EOS_TOKEN, PrepareSettings
 
 # numpy and tokenizers load only when these are first used, so that importing the settings
-# and errors (e.g. at DAG-parse time) stays cheap (STYLE habit 13).
+# and errors (e.g. at DAG-parse time) stays cheap.
 _LAZY = {
     "FORMAT": "trainforge.data.manifest",
     "ModelEos": "trainforge.data.model_tokenizer",

@@ -18,7 +18,6 @@ import numpy as np
 from trainforge.contract import DATASET_FORMAT as FORMAT
 from trainforge.contract import DATASET_MANIFEST as MANIFEST_NAME
 from trainforge.contract import DATASET_SPLITS as SPLITS
-from trainforge.contract import dataset_files  # noqa: F401 - data preparation's name for it
 from trainforge.data.errors import DatasetInvalidError
 from trainforge.storage.files import sha256_file
 

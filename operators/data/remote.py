@@ -26,8 +26,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from trainforge.contract import dataset_files
 from trainforge.data.errors import DatasetInvalidError, SourceAccessError
-from trainforge.data.manifest import MANIFEST_NAME, dataset_files, load_manifest, verify_dataset
+from trainforge.data.manifest import MANIFEST_NAME, load_manifest, verify_dataset
 from trainforge.data.result import PreparedDataset
 from trainforge.storage import Storage, StorageError
 

@@ -1,8 +1,8 @@
 """Settings of one dataset preparation: everything that changes the output.
 
 The pipeline spec (``trainforge.pipeline``) owns the user-facing defaults; this dataclass has none for
-tunable values (STYLE habit 1), only the EOS token fixed by ``docs/contracts.md`` for the
-tokenizers trainforge trains (a pretrained model's tokenizer brings its own: ``eos_ids``).
+tunable values, only the EOS token fixed by ``docs/contracts.md`` for the tokenizers trainforge
+trains (a pretrained model's tokenizer brings its own: ``eos_ids``).
 """
 
 from __future__ import annotations

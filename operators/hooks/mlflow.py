@@ -35,13 +35,7 @@ from trainforge.hooks.errors import (
 from trainforge.hooks.mlflow_artifacts import ModelArtifacts
 from trainforge.hooks.mlflow_calls import mlflow_errors, tracking_uri_from_connection
 from trainforge.hooks.mlflow_logged_models import LoggedModels
-# TAG_DAG_ID, TAG_AIRFLOW_RUN_ID and TAG_STAGE are also read from here.
-from trainforge.hooks.mlflow_runs import (  # noqa: F401
-    TAG_AIRFLOW_RUN_ID,
-    TAG_DAG_ID,
-    TAG_STAGE,
-    DagRuns,
-)
+from trainforge.hooks.mlflow_runs import DagRuns
 from trainforge.hooks.mlflow_versions import ModelVersions
 
 if TYPE_CHECKING:

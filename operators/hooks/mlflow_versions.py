@@ -22,12 +22,10 @@ from trainforge.hooks.errors import (
     MlflowTimeoutError,
 )
 from trainforge.hooks.mlflow_calls import mlflow_errors, quote
-# TAG_IDEMPOTENCY_KEY and default_pip_requirements are also read from here.
-from trainforge.hooks.mlflow_model_links import (  # noqa: F401
+from trainforge.hooks.mlflow_model_links import (
     TAG_IDEMPOTENCY_KEY,
     MetricLink,
     VersionModels,
-    default_pip_requirements,
     link_metrics,
 )
 

@@ -28,7 +28,7 @@ from trainforge.base import TrainforgeStageOperator
 from trainforge.callbacks import clear_failure, failure_tags
 from trainforge.errors import TrainforgeError
 from trainforge.graph import CLOSE_RUN_TASK_ID, REGISTER_MODEL_TASK_ID, task_graph
-from trainforge.hooks.mlflow import TAG_STAGE
+from trainforge.hooks.mlflow_runs import TAG_STAGE
 from trainforge.paths import trainforge_home
 from trainforge.pipeline.spec import PipelineSpec
 from trainforge.pipeline.stages import stage_spec

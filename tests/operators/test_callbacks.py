@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from trainforge.callbacks import clear_failure_on_success, close_mlflow_run_on_failure
-from trainforge.hooks.mlflow import TAG_STAGE, MlflowHook
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.mlflow_runs import TAG_STAGE
 from trainforge.pipeline import load_spec
 from trainforge.pipeline.spec import PipelineSpec
 from trainforge.tasks.close_run import CloseRunOperator

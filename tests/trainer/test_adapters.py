@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.hf_models import FAMILIES
-from trainforge.trainer.adapters import adapter_names, apply_lora, merged_weights, targets_for
+from trainforge.trainer.adapters import adapter_weights, apply_lora, merged_weights, targets_for
 from trainforge.trainer.config import LoraSettings
 from trainforge.trainer.errors import ConfigError
 
@@ -29,7 +29,7 @@ def test_auto_wraps_every_attention_and_mlp_projection_and_only_they_train(hf_mo
     layers = model.config.num_hidden_layers
     before = copy.deepcopy(model)
     apply_lora(model, AUTO)
-    names = adapter_names(model)
+    names = list(adapter_weights(model))  # the adapters a LoRA checkpoint holds, in model order
     assert len(names) == layers * 7 * 2  # q k v o gate up down, A and B each
     assert all(".lora_A.default." in n or ".lora_B.default." in n for n in names)
     assert [n for n, p in model.named_parameters() if p.requires_grad] == names

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from trainforge.cli.main import app
-from trainforge.hooks.mlflow import TAG_AIRFLOW_RUN_ID, TAG_DAG_ID, MlflowHook
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.mlflow_runs import TAG_AIRFLOW_RUN_ID, TAG_DAG_ID
 from trainforge.ledger import names as n
 from trainforge.ledger.catalog import choose_price
 from trainforge.ledger.read import ledger_figures, ledger_line

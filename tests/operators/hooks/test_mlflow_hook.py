@@ -19,11 +19,8 @@ from trainforge.hooks.errors import (
 from trainforge.hooks.mlflow import MlflowHook
 from trainforge.hooks.mlflow_runs import _run_name
 from trainforge.hooks.mlflow_calls import fluent_tracking_uri, quote
-from trainforge.hooks.mlflow_versions import (
-    TAG_IDEMPOTENCY_KEY,
-    default_pip_requirements,
-    wait_model_version_ready,
-)
+from trainforge.hooks.mlflow_model_links import TAG_IDEMPOTENCY_KEY, default_pip_requirements
+from trainforge.hooks.mlflow_versions import wait_model_version_ready
 
 CLOSED_URL = "http://127.0.0.1:9"  # nothing listens on the discard port; never contacted here
 

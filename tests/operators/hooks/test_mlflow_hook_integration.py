@@ -9,13 +9,8 @@ from pathlib import Path
 import pytest
 
 from trainforge.hooks.errors import MlflowParamConflictError
-from trainforge.hooks.mlflow import (
-    DATASET_CONTEXT_TAG,
-    TAG_AIRFLOW_RUN_ID,
-    TAG_DAG_ID,
-    TAG_DATASET_DIGEST,
-    MlflowHook,
-)
+from trainforge.hooks.mlflow import DATASET_CONTEXT_TAG, TAG_DATASET_DIGEST, MlflowHook
+from trainforge.hooks.mlflow_runs import TAG_AIRFLOW_RUN_ID, TAG_DAG_ID
 
 pytestmark = pytest.mark.integration
 

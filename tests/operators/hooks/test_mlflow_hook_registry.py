@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from trainforge.hooks.mlflow import MlflowHook
-from trainforge.hooks.mlflow_versions import TAG_IDEMPOTENCY_KEY
+from trainforge.hooks.mlflow_model_links import TAG_IDEMPOTENCY_KEY
 
 pytestmark = pytest.mark.integration
 

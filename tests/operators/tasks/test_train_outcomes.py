@@ -16,7 +16,8 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from trainforge.callbacks import close_mlflow_run_on_failure
 from trainforge.cli.runner_summary import collect_summary
-from trainforge.hooks.mlflow import TAG_STAGE, MlflowHook
+from trainforge.hooks.mlflow import MlflowHook
+from trainforge.hooks.mlflow_runs import TAG_STAGE
 from trainforge.pipeline import load_spec
 from trainforge.pipeline.spec import PipelineSpec
 from trainforge.tasks.train import TrainOperator, post_training_reason

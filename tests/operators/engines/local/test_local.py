@@ -168,13 +168,13 @@ def test_a_vanished_supervisor_is_a_transient_failure(tmp_path):
 
 
 def test_an_interrupted_run_cancels_only_its_own_pipelines_jobs(tmp_path):
-    from trainforge.cli.runner import cancel_running_jobs
+    from trainforge.cli.runner import stop_local_jobs
 
     backend = LocalBackend(tmp_path / "runs", cwd=str(FAKES))
     mine = backend.submit(_job(JobIdentity("mine", "r", "train", 1), {"lines": 1, "sleep_s": 120}, 1))
     other = backend.submit(_job(JobIdentity("other", "r", "train", 1), {"lines": 1, "sleep_s": 120}, 1))
     time.sleep(1.0)
-    assert cancel_running_jobs(tmp_path, "mine") == [mine["key"]]
+    assert stop_local_jobs(tmp_path, "mine").cancelled == [mine["key"]]
     assert backend.status(mine).state is JobState.CANCELLED
     assert backend.status(other).state is JobState.RUNNING
     backend.cancel(other, grace_s=5)
