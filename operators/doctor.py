@@ -2,8 +2,9 @@
 
 Checked: each ``Requires-Dist`` of the installed trainforge distribution within its declared range
 (the base ones, and those of every extra whose packages are all installed); the installed
-transformers within the tested range of the installed MLflow's transformers flavour (its
-``ml_package_versions.py``, read without importing MLflow); transformers seeing torch and the torch
+transformers not older than the installed MLflow's transformers flavour takes (its
+``ml_package_versions.py``, read without importing MLflow; newer than it was tested with is a note
+line, exit 0); transformers seeing torch and the torch
 features a spec asks for (trainforge.trainer.env_check, which the trainer runs at start); the
 plugin's entry point importing. DAG files run the metadata-only part while they are parsed
 (`require_environment`): nothing is imported. Ranges are the distribution's, never written here.
@@ -27,7 +28,7 @@ from trainforge.errors import EnvironmentConflict
 from trainforge.trainer import env_check
 from trainforge.trainer.env_check import FEATURES, asked_features, feature_problems, transformers_torch_problem
 
-__all__ = ["FEATURES", "Installed", "problems", "require_environment", "spec_features", "summary"]
+__all__ = ["FEATURES", "Installed", "flavour_note", "problems", "require_environment", "spec_features", "summary"]
 
 DISTRIBUTION = "trainforge"
 SHOWN = ("apache-airflow", "mlflow", "transformers", "torch", "pydantic")
@@ -111,22 +112,44 @@ def requirement_problems(installed: Installed, extras: bool = True,
     return problems
 
 
-def flavour_problem(installed: Installed) -> str | None:
-    """Where the installed transformers lies outside the installed MLflow's transformers flavour."""
+def _flavour_position(installed: Installed) -> tuple[str, str, str, str, int] | None:
+    """``(transformers, mlflow, minimum, maximum, side)``: side -1 below MLflow's tested range, 0
+    inside it, 1 above it; None where either package or the table is missing."""
     transformers, mlflow = installed.version("transformers"), installed.version("mlflow")
     tested = installed.flavour_range("transformers") if transformers and mlflow else None
     if tested is None:
         return None
     low, high = tested
     try:
-        inside = Version(low) <= Version(transformers) <= Version(high)
+        found = Version(transformers)
+        side = -1 if found < Version(low) else 1 if found > Version(high) else 0
     except InvalidVersion:
         return None
-    if inside:
+    return transformers, mlflow, low, high, side
+
+
+def flavour_problem(installed: Installed) -> str | None:
+    """Where the installed transformers is older than the installed MLflow's transformers flavour
+    takes (MLflow refuses to save it)."""
+    position = _flavour_position(installed)
+    if position is None or position[4] >= 0:
         return None
+    transformers, mlflow, low, high, _ = position
     return (f"transformers {transformers} is installed; MLflow {mlflow}'s transformers flavour supports "
-            f"transformers>={low},<={high} (registering a model fails outside it): install a transformers in "
-            f"that range or an MLflow whose flavour supports {transformers}")
+            f"transformers>={low},<={high} (registering a model fails below it): install a transformers in "
+            "that range")
+
+
+def flavour_note(installed: Installed) -> str | None:
+    """Where the installed transformers is newer than MLflow's flavour was tested with: a note, not a
+    problem (MLflow itself only warns; trainforge's own range stops below the releases known to
+    fail to register, docs/install.md)."""
+    position = _flavour_position(installed)
+    if position is None or position[4] <= 0:
+        return None
+    transformers, mlflow, _, high, _ = position
+    return (f"note: transformers {transformers} is newer than MLflow {mlflow}'s transformers flavour was "
+            f"tested with (up to {high}); trainforge's range excludes the releases known to fail to register")
 
 
 def plugin_problem() -> str | None:

@@ -313,8 +313,9 @@ def doctor(
     for name in feature or ():
         asked.setdefault(name, f"--feature {name}")
     found = checks.problems(asked)
-    for problem in found:
-        typer.echo(problem)
+    for line in [*found, checks.flavour_note(checks.Installed())]:
+        if line:
+            typer.echo(line)
     if found:
         raise typer.Exit(1)
     typer.echo(checks.summary(asked=asked))

@@ -23,8 +23,8 @@ from trainforge.trainer import env_check
 ROOT = Path(__file__).resolve().parents[3]
 DEMO = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
 REQUIRES = [
-    "apache-airflow<4,>=3.2.0", "mlflow<4,>=3.11.1", "torch<3,>=2.6", "transformers<6,>=5.0.0",
-    "pydantic<3,>=2.11.1", 'ray[default]<3,>=2.40.0; extra == "ray"', 'peft<1,>=0.18.0; extra == "lora"',
+    "apache-airflow<4,>=3.2.0", "mlflow<4,>=3.11.1", "torch<3,>=2.6", "transformers<5.23,>=5.0.0",
+    "pydantic<3,>=2.11.5", 'ray[default]<3,>=2.40.0; extra == "ray"', 'peft<1,>=0.18.0; extra == "lora"',
     'pywin32>=300; sys_platform == "win32"',
 ]
 GOOD = {"trainforge": "0.1.0", "apache-airflow": "3.3.2", "mlflow": "3.11.1", "torch": "2.6.0",
@@ -56,7 +56,7 @@ def test_each_requirement_outside_its_declared_range_is_one_line():
     found = doctor.requirement_problems(Fake(apache_airflow="3.1.0", pydantic=None, peft="0.17.0",
                                              pywin32="200"))
     assert found == ["apache-airflow 3.1.0 is installed; trainforge needs apache-airflow>=3.2.0,<4",
-                     "pydantic is not installed; trainforge needs pydantic>=2.11.1,<3",
+                     "pydantic is not installed; trainforge needs pydantic>=2.11.5,<3",
                      # lora's packages are installed: its range counts; ray's are not; pywin32's
                      # marker does not apply here
                      "peft 0.17.0 is installed; trainforge[lora] needs peft>=0.18.0,<1"]
@@ -84,12 +84,23 @@ def test_a_transformers_that_does_not_see_torch_names_both_versions():
     assert env_check.transformers_torch_problem(Fake(), runtime=False) is None
 
 
-def test_a_transformers_above_mlflows_flavour_is_named_with_mlflows_version_and_maximum():
-    assert doctor.flavour_problem(Fake(transformers="5.25.0")).startswith(
-        "transformers 5.25.0 is installed; MLflow 3.11.1's transformers flavour supports "
+def test_a_transformers_newer_than_mlflow_tested_is_a_note_and_an_older_one_a_problem():
+    # MLflow 3.11.1 tested its flavour up to 5.3.0; 5.22.2 registers with it (inside our range)
+    newer = Fake(transformers="5.22.2")
+    assert doctor.flavour_problem(newer) is None
+    assert doctor.flavour_note(newer) == (
+        "note: transformers 5.22.2 is newer than MLflow 3.11.1's transformers flavour was tested with "
+        "(up to 5.3.0); trainforge's range excludes the releases known to fail to register")
+    older = Fake(transformers="4.40.0")
+    assert doctor.flavour_problem(older).startswith(
+        "transformers 4.40.0 is installed; MLflow 3.11.1's transformers flavour supports "
         "transformers>=4.45.2,<=5.3.0")
-    assert doctor.flavour_problem(Fake(transformers="5.3.0")) is None  # the maximum itself
+    assert doctor.flavour_note(older) is None
+    for inside in ("5.3.0", "4.45.2"):  # the bounds themselves
+        assert doctor.flavour_problem(Fake(transformers=inside)) is None
+        assert doctor.flavour_note(Fake(transformers=inside)) is None
     assert doctor.flavour_problem(Fake(flavour=None)) is None  # no table: nothing to compare
+    doctor.require_environment(newer)  # a note never stops a DAG file
 
 
 def test_mlflows_table_is_read_as_mlflow_writes_it(tmp_path):
@@ -134,12 +145,14 @@ def test_the_command_prints_one_line_per_problem_and_exits_1(monkeypatch):
     result = CliRunner().invoke(app, ["doctor"])
     assert result.exit_code == 1, result.output
     lines = result.output.splitlines()
-    assert len(lines) == 5, result.output
+    assert len(lines) == 6, result.output
     assert lines[0] == "apache-airflow 3.1.0 is installed; trainforge needs apache-airflow>=3.2.0,<4"
     assert lines[1] == "torch 2.5.1 is installed; trainforge needs torch>=2.6,<3"
-    assert lines[2].startswith("transformers 5.25.0 is installed; MLflow 3.11.1's transformers flavour")
+    # the pair that fails registration (MLflow 3.11.1, transformers 5.25.0) is outside our range
+    assert lines[2] == "transformers 5.25.0 is installed; trainforge needs transformers>=5.0.0,<5.23"
     assert lines[3].startswith("transformers 5.25.0 does not see torch 2.5.1")
     assert lines[4].endswith("does not import: boom")
+    assert lines[5].startswith("note: transformers 5.25.0 is newer than MLflow 3.11.1's")
     unknown = CliRunner().invoke(app, ["doctor", "--feature", "fp4"])
     assert unknown.exit_code == 2 and "unknown --feature fp4" in unknown.output
 
@@ -161,7 +174,7 @@ def test_a_dag_file_raises_the_conflict_as_its_import_error(monkeypatch, tmp_pat
     (tmp_path / "demo.yaml").write_text(DEMO.read_text())
     with pytest.raises(EnvironmentConflict) as raised:
         dag_files.companion_dags(str(tmp_path / "demo.py"))
-    assert "transformers 5.25.0 is installed; MLflow 3.11.1's transformers flavour" in str(raised.value)
+    assert "transformers 5.25.0 is installed; trainforge needs transformers>=5.0.0,<5.23" in str(raised.value)
     assert "transformers 5.25.0 does not see torch 2.5.1 (it needs torch>=2.6)" in str(raised.value)
     monkeypatch.undo()
     doctor.require_environment()  # the venv itself: nothing raised
