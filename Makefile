@@ -38,7 +38,7 @@ help:
 $(VENV)/.installed: pyproject.toml requirements.lock
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip==26.3"
-	$(PY) -m pip install --quiet -c requirements.lock -e ".[test,ray,postgres,lora]"
+	$(PY) -m pip install --quiet -c requirements.lock -e ".[test,ray,postgres,lora,fp8]"
 	@touch $@
 
 venv: $(VENV)/.installed

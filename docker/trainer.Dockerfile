@@ -30,7 +30,7 @@ RUN --mount=type=secret,id=pip.conf --mount=type=secret,id=ca.crt --mount=type=s
     pip-install /opt/venv --upgrade "pip==26.3"; \
     pip-install /opt/venv --torch "$TORCH_VARIANT" "$TORCH_VERSION" "$TORCH_CPU_INDEX" \
         transformers tokenizers safetensors numpy mlflow-skinny boto3 pyyaml psutil pydantic \
-        pyarrow zstandard peft
+        pyarrow zstandard peft torchao
 COPY README.md ./
 COPY operators ./operators
 COPY plugins ./plugins
