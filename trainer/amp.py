@@ -4,6 +4,8 @@
 |-----------|--------------------------------------|-----------------------------------------------|
 | fp32      | fp32                                 | none                                          |
 | bf16      | `torch.autocast` bfloat16            | none (bf16 has fp32's exponent range)         |
+| fp8       | float8 linears (trainer/float8.py),  | none                                          |
+|           | the rest under bfloat16 autocast     |                                               |
 | fp16      | `torch.autocast` float16             | `torch.amp.GradScaler`; `ShardedGradScaler`   |
 |           |                                      | under FSDP (it all-reduces the overflow flag  |
 |           |                                      | that each rank finds in its own shards)       |
@@ -33,7 +35,7 @@ class Precision:
     """Autocast context and (for fp16) the gradient scaler of one training run.
 
     Args:
-        precision: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (checked by the config parser).
+        precision: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp8"`` (checked by the config parser).
         device: where the model runs; autocast and the scaler follow its type.
         sharded: the parameters are FSDP-sharded (use `ShardedGradScaler`).
     """
@@ -41,7 +43,8 @@ class Precision:
     def __init__(self, precision: str, device: torch.device, sharded: bool) -> None:
         self.precision = precision
         self.device_type = device.type
-        self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        self.dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                      "fp8": torch.bfloat16}[precision]
         self.scaler: torch.amp.GradScaler | None = None
         if precision == "fp16" and sharded:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # FSDP only: startup cost

@@ -28,7 +28,7 @@ from trainforge.contract import COMPILE_FALLBACKS, JOB_FORMAT, attention_errors
 from trainforge.trainer.config_fields import Section, scalar_overrides, show
 from trainforge.trainer.errors import ConfigError
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 PARALLELISMS = ("ddp", "fsdp")
 GRADIENT_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
@@ -272,6 +272,9 @@ def parse_job_config(obj: Any) -> JobConfig:
         )
 
     precision = top.str("precision", PRECISIONS)
+    if precision == "fp8" and optim.micro_batch_size * data.sequence_length % 16:  # float8 matmul dims
+        raise ConfigError(f"precision 'fp8' needs micro-batch tokens divisible by 16 (got optim.micro_batch_size="
+                          f"{optim.micro_batch_size} x data.sequence_length={data.sequence_length})")
 
     s = top.section("framework", optional=True)
     framework = FrameworkConfig(

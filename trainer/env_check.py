@@ -120,6 +120,8 @@ def asked_features(framework: Mapping[str, Any], where: str) -> dict[str, str]:
         asked["compile"] = f"{where}.compile: {str(framework.get('compile', 'auto')).lower()}"
     if framework.get("parallelism") == "fsdp":
         asked["fsdp2"] = asked["dcp"] = f"{where}.parallelism: fsdp"
+    if framework.get("precision") == "fp8":  # the spec's framework section; the job config's is top-level
+        asked["float8"] = f"{where}.precision: fp8"
     return asked
 
 
@@ -148,6 +150,8 @@ def startup_problems(raw: Mapping[str, Any] | None, installed: Installed | None 
     problem = transformers_torch_problem(installed)
     framework = raw.get("framework") if isinstance(raw, Mapping) else None
     asked = asked_features(framework, "framework") if isinstance(framework, Mapping) else {}
+    if isinstance(raw, Mapping) and raw.get("precision") == "fp8":
+        asked["float8"] = "precision: fp8"
     return ([problem] if problem else []) + feature_problems(asked, installed)
 
 

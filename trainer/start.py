@@ -3,8 +3,9 @@
 `start_model` is the trainer's one path from the job config to the wrapped model the steps train:
 the job's model (`trainforge.trainer.model.job_model`), its initial weights (an ``init`` section,
 or a pretrained folder's) unless the run already has a checkpoint of its own (a retry resumes
-that instead), and DDP or FSDP2 (`trainforge.trainer.parallel.parallelize`). Open weights under
-FSDP2 are loaded after sharding, each rank reading its own rows (docs/model.md, "Open weights").
+that instead), float8 linears under ``precision: fp8`` (trainer/float8.py), and DDP or FSDP2
+(`trainforge.trainer.parallel.parallelize`). Open weights under FSDP2 are loaded after sharding,
+each rank reading its own rows (docs/model.md, "Open weights").
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainforge.trainer import pretrained
+from trainforge.trainer import float8, pretrained
 from trainforge.trainer.adapters import apply_lora
 from trainforge.trainer.config import JobConfig
 from trainforge.trainer.dataset import Dataset
@@ -33,6 +34,7 @@ class Started:
     par: Parallel
     n_params: int  # before sharding; tied weights counted once; LoRA adapters not counted
     at_start: dict[str, float]  # {"val/loss_at_start": ...} on rank 0 of a fresh pretrained start, else {}
+    float8_report: str | None = None  # precision fp8: the conversion report (trainer/float8.py)
 
 
 def start_model(cfg: JobConfig, d: Dist, dataset: Dataset) -> Started:
@@ -52,6 +54,12 @@ def start_model(cfg: JobConfig, d: Dist, dataset: Dataset) -> Started:
         apply_lora(model, cfg.peft)
     if cfg.init is not None and not own:
         load_initial_weights(model, cfg.init.checkpoint, dataset.tokenizer_path, dataset.tokenizer_sha256)
+    report = None
+    if cfg.precision == "fp8":  # before compile and the wrappers; the state-dict names stay those of nn.Linear
+        float8.check_device(d.device)
+        report = float8.report(float8.convert(model, d.device))
+        if d.rank == 0:
+            log.info("%s", report)
     par = parallelize(model, cfg, d)
     if shards:
         with pretrained.open_folder(cfg.pretrained.folder) as folder:
@@ -61,4 +69,4 @@ def start_model(cfg: JobConfig, d: Dist, dataset: Dataset) -> Started:
         loss = loss_at_start(par.model, dataset, cfg.data.sequence_length, d.device)  # every rank: FSDP2's forward
         par.model.reshard()  # a forward without backward leaves the root unsharded: the optimizer takes the shards
         at_start = {"val/loss_at_start": loss} if d.rank == 0 else {}
-    return Started(model, par, n_params, at_start)
+    return Started(model, par, n_params, at_start, report)

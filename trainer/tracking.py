@@ -136,6 +136,10 @@ class MlflowTracker:
         if batch:
             self._call("log_batch(start metrics)", self.client.log_batch, self.run_id, metrics=batch)
 
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Store ``text`` as the run's artifact ``artifact_file`` (a report; a retry overwrites it)."""
+        self._call(f"log_text({artifact_file})", self.client.log_text, self.run_id, text, artifact_file)
+
     def log_metrics(self, step: int, metrics: dict[str, float], tags: dict[str, str] | None = None
                     ) -> None:
         """Log ``metrics`` at optimizer step ``step`` (once per step) and ``tags`` in one

@@ -65,6 +65,7 @@ from trainforge.trainer.data import make_sampler, open_dataset
 from trainforge.trainer.distributed import Dist, setup_distributed, shut_down
 from trainforge.trainer.energy import EnergyMeter
 from trainforge.trainer.errors import DivergedError, TerminatedError, TrainerError
+from trainforge.trainer.float8 import ARTIFACT as float8_artifact, divergence_note
 from trainforge.trainer.goodput import AttemptClock, flops_per_token
 from trainforge.trainer.gpus import JobGpus, torch_cuda_uuids
 from trainforge.trainer.loss import IGNORE_INDEX
@@ -140,6 +141,8 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                                    "num_parameters": n_params, "dataset_digest": dataset.digest,
                                    "config_digest": cfg.digest()})
         tracker.log_at_start(at_start)  # {} without pretrained weights: nothing logged
+        if started.float8_report:  # precision fp8: each linear converted or kept, and why
+            tracker.log_text(started.float8_report, float8_artifact)
         tracker.set_tags({  # params keep the first attempt's world_size; the tag holds every change
             "trainforge.world_size_history": json.dumps(world_sizes, separators=(",", ":")),
             COMPILE_MODE_TAG: "compiled" if par.compiled else "eager"})  # what tokens_per_s measures
@@ -347,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         code, status, message = EXIT_OK, STATUS_SUCCESS, f"finished at step {out.final_step}"
         consistent = True
     except (TrainerError, TerminatedError) as err:
-        code, status, message = err.exit_code, err.status, str(err)
+        code, status, message = err.exit_code, err.status, str(err) + divergence_note(err, cfg)  # fp8: says so
         # Config and divergence errors are raised identically on every rank: a clean shutdown is safe.
         consistent = isinstance(err, (ConfigError, DivergedError))
         log.error("%s (exit %d): %s", type(err).__name__, code, message)

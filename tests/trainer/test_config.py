@@ -57,7 +57,7 @@ ERROR_ROWS = [
     ("model.hidden_size", 30, "model.hidden_size=30 must be divisible by num_heads=4"),
     ("model.num_kv_heads", 3, "model.num_heads=4 must be a multiple of num_kv_heads=3"),
     ("model.tie_word_embeddings", 1, "model.tie_word_embeddings=1 (int): expected true or false"),
-    ("precision", "fp8", "precision='fp8': expected one of ['fp32', 'bf16', 'fp16']"),
+    ("precision", "fp4", "precision='fp4': expected one of ['fp32', 'bf16', 'fp16', 'fp8']"),
     (
         "distributed.backend",
         "mpi",
