@@ -1,10 +1,12 @@
 """``training.framework``: how the model is computed and spread over the ranks (precision,
 DDP or FSDP, gradient compression, activation checkpointing, torch.compile and what a compile
 limit does). The job config's ``framework`` section is rendered from it (trainforge.jobconfig).
+`fp8_device_errors` and `fp8_token_errors`: what ``precision: fp8`` asks of the GPUs and batches.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
@@ -41,8 +43,9 @@ CompileSetting = Annotated[Literal["auto"] | bool, BeforeValidator(_compile_sett
 
 
 class FrameworkSection(SpecModel):
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="Autocast precision of forward and backward (fp16 uses loss scaling)."
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
+        "fp32", description="Autocast precision of forward and backward (fp16 uses loss scaling; "
+        "fp8: float8 linears under bf16 autocast, on GPUs of compute capability 8.9 or higher)."
     )
     parallelism: Literal["ddp", "fsdp"] = Field(
         "ddp", description="Data parallelism: replicated (DDP) or sharded (FSDP) parameters."
@@ -72,3 +75,43 @@ class FrameworkSection(SpecModel):
                 f"and does not apply to FSDP (got {self.gradient_compression!r} with parallelism "
                 f"'fsdp'; expected 'none')", self.gradient_compression, ("parallelism",)))
         return self
+
+
+#: GPU types without float8 tensor cores (compute capability below 8.9), as a Slurm ``gpu_type``
+#: or a device name spells them: matched against each word of the name, lower case.
+NO_FLOAT8 = frozenset({"a100", "a800", "a40", "a30", "a16", "a10", "a10g", "a2", "a6000", "a5000", "a4000",
+                       "v100", "t4", "p100", "p40", "p4", "k80", "rtx3090", "rtx3080", "rtx2080"})
+FP8_REQUIREMENT = "float8 training needs CUDA GPUs of compute capability 8.9 or higher (H100, H200, L4, L40S, Ada)"
+#: float8 matmuls need the tokens of a micro-batch (their inner dimension in the weight gradient)
+#: divisible by this.
+FP8_TOKEN_MULTIPLE = 16
+
+
+def fp8_device_errors(training: Any) -> list[tuple]:
+    """``precision: fp8`` on a job without GPUs, or on a GPU type the spec names (the Slurm
+    block's ``gpu_type``) that has no float8 matmuls; unnamed types are checked by the trainer."""
+    if training.framework.precision != "fp8":
+        return []
+    loc, resources = ("framework", "precision"), training.resources
+    if not resources.gpus_per_node:
+        return [(loc, f"precision 'fp8': {FP8_REQUIREMENT}, and the job requests none (got "
+                 f"resources.gpus_per_node 0; expected gpus_per_node of 1 or more on such GPUs, or "
+                 f"precision 'bf16')", "fp8", ())]
+    gpu_type = getattr(getattr(training, training.engine, None), "gpu_type", None)
+    if gpu_type and NO_FLOAT8 & set(re.split(r"[^a-z0-9]+", gpu_type.lower())):
+        return [(loc, f"precision 'fp8': {FP8_REQUIREMENT}, and training.{training.engine}.gpu_type "
+                 f"{gpu_type!r} names an older one (expected such a gpu_type, or precision 'bf16')", "fp8", ())]
+    return []
+
+
+def fp8_token_errors(training: Any, sequence_length: int) -> list[tuple]:
+    """``precision: fp8`` with micro_batch_size x sequence_length not divisible by 16."""
+    micro = training.optimization.micro_batch_size
+    if training.framework.precision != "fp8" or micro * sequence_length % FP8_TOKEN_MULTIPLE == 0:
+        return []
+    return [(("training", "optimization", "micro_batch_size"), f"precision 'fp8' needs the tokens of a "
+             f"micro-batch divisible by {FP8_TOKEN_MULTIPLE} (got micro_batch_size {micro} x "
+             f"data.sequence_length {sequence_length} = {micro * sequence_length}; expected a "
+             f"multiple of {FP8_TOKEN_MULTIPLE}, e.g. sequence_length "
+             f"{-(-sequence_length // FP8_TOKEN_MULTIPLE) * FP8_TOKEN_MULTIPLE})", micro,
+             ("training", "framework", "precision"))]

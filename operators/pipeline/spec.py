@@ -36,7 +36,7 @@ from trainforge.pipeline.engines import (
 )
 from trainforge.pipeline.cost import CostSection
 from trainforge.pipeline.fault import FaultSection
-from trainforge.pipeline.framework import FrameworkSection
+from trainforge.pipeline.framework import FrameworkSection, fp8_device_errors, fp8_token_errors
 from trainforge.pipeline.pipeline import PipelineSection
 from trainforge.pipeline.registry import RegistrySection, ValidationSection
 from trainforge.pipeline.resources import ResourcesSection, batch_errors, elastic_fault_errors
@@ -188,6 +188,8 @@ class TrainingSection(_EngineFields):  # type: ignore[valid-type, misc]
             errors += size_errors(self)
         if usable("resources", "fault"):
             errors += elastic_fault_errors(self.resources, self.fault)
+        if usable("framework", "resources", "engine", self.engine):
+            errors += fp8_device_errors(self)
         if not usable("optimization"):
             return errors
         opt = self.optimization
@@ -269,6 +271,7 @@ class PipelineSpec(SpecModel):
                   *pretrained_errors(self.model, self.data.tokenizer.source,
                                      self.training.engine, len(self.stages or ())),
                   *fine_tuning_errors(self.model, self.data.format, self.training.peft is not None),
+                  *fp8_token_errors(self.training, self.data.sequence_length),
                   *self._approval_needs_gate()]
         if errors:
             raise field_errors(PipelineSpec, *errors)

@@ -80,8 +80,8 @@ CASES = [
     (_under("data:\n", "  validation_fraction: 0.7\n"), "data.validation_fraction", 4,
      "less than 0.5"),
     (_under("training:\n", "  engine: kubernets\n"), "training.engine", 6, "unknown value"),
-    (_under("training:\n", "  framework:\n    precision: fp8\n"),
-     "training.framework.precision", 7, "expected 'fp32', 'bf16' or 'fp16'"),
+    (_under("training:\n", "  framework:\n    precision: fp4\n"),
+     "training.framework.precision", 7, "expected 'fp32', 'bf16', 'fp16' or 'fp8'"),
     (_under("training:\n", "  framework:\n    parallelism: fsdp\n    gradient_compression: powersgd\n"),
      "training.framework.gradient_compression", 8, "does not apply to FSDP"),
     # framework.compile: 'auto', true or false, nothing lax pydantic would turn into a boolean
