@@ -10,8 +10,10 @@ uses the standard library only, so importing it pulls neither Airflow nor torch.
   :data:`RESULT_FILE_ENV` when it exits; :data:`RESULT_STATUSES` lists the statuses.
 * Exit codes: 0 finished, :data:`EXIT_CONFIG` (78, ``EX_CONFIG`` from sysexits.h) for a bad
   config or a dataset that does not verify, :data:`EXIT_DIVERGED` (79, trainforge's own) for a
-  non-finite loss; both are permanent (a retry cannot fix them). Any other code is transient:
-  retried, resuming from the newest valid checkpoint.
+  non-finite loss, :data:`EXIT_OOM` (80) for a GPU out of memory; all three are permanent (a
+  retry cannot fix them; the ``train`` task may retry an out of memory at a smaller micro-batch:
+  :func:`shrunk_micro_batch`). Any other code is transient: retried, resuming from the newest
+  valid checkpoint.
 """
 
 from __future__ import annotations
@@ -111,18 +113,37 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONFIG = 78
 EXIT_DIVERGED = 79
+EXIT_OOM = 80
 EXIT_TERMINATED = 143
 
-PERMANENT_EXIT_CODES = frozenset({EXIT_CONFIG, EXIT_DIVERGED})
+PERMANENT_EXIT_CODES = frozenset({EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM})
 """Exit codes a retry cannot fix."""
 
 STATUS_SUCCESS = "success"
 STATUS_BAD_CONFIG = "bad_config"
 STATUS_DIVERGED = "diverged"
+STATUS_OOM = "out_of_memory"
 STATUS_ERROR = "error"
-RESULT_STATUSES = (STATUS_SUCCESS, STATUS_BAD_CONFIG, STATUS_DIVERGED, STATUS_ERROR)
-PERMANENT_RESULTS = frozenset({STATUS_BAD_CONFIG, STATUS_DIVERGED})
+RESULT_STATUSES = (STATUS_SUCCESS, STATUS_BAD_CONFIG, STATUS_DIVERGED, STATUS_OOM, STATUS_ERROR)
+PERMANENT_RESULTS = frozenset({STATUS_BAD_CONFIG, STATUS_DIVERGED, STATUS_OOM})
 """Result statuses a retry cannot fix."""
+
+ON_OOM = ("fail", "shrink_micro_batch")
+"""``training.fault.on_oom`` (``fail`` when absent): what a GPU out of memory does to the ``train``
+task: fail without retries, or retry at :func:`shrunk_micro_batch` (job config ``retry``)."""
+RETRY_SECTION = "retry"
+"""The job config's section of how a retry runs unlike the spec (``{"micro_batch_size": m}``
+after an out of memory): rendered only then, and left out of the config digest like ``identity``,
+since the same global batch trains the same model."""
+DIGEST_EXCLUDED = ("identity", RETRY_SECTION)
+"""Job config sections the config digest leaves out."""
+
+
+def shrunk_micro_batch(micro_batch_size: int) -> int | None:
+    """The micro-batch a retry after an out of memory trains at: the largest divisor of
+    ``micro_batch_size`` no more than half of it (4 -> 2, 6 -> 3, 3 -> 1), so the global batch
+    still divides and gradient accumulation grows by the same factor; None at the floor, 1."""
+    return next((m for m in range(micro_batch_size // 2, 0, -1) if micro_batch_size % m == 0), None)
 
 
 class FailureKind(str, enum.Enum):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainforge.contract import JOB_FORMAT
+from trainforge.contract import JOB_FORMAT, RETRY_SECTION
 from trainforge.engines.base import JobIdentity, TrainingJob
 from trainforge.pipeline.spec import PipelineSpec
 
@@ -29,6 +29,7 @@ def init_block(checkpoint: str, source: str) -> dict[str, str]:
 def render_job_config(
     spec: PipelineSpec, dataset_dir: str, checkpoint_dir: str, identity: JobIdentity,
     init: dict[str, str] | None = None, pretrained: dict[str, str | None] | None = None,
+    retry: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """The JSON job config the trainer reads. Batch sizes count sequences.
 
@@ -36,7 +37,8 @@ def render_job_config(
     checkpoint of its own; ``model.config_overrides`` appears only when the spec sets some,
     ``distributed.world_size_change`` only when it is not the default ``continue``,
     ``framework.compile_fallback`` only when not ``error`` and ``data.packing`` only when true,
-    so configs of specs without them are unchanged.
+    so configs of specs without them are unchanged. ``retry``: how this try runs unlike the spec
+    (``{"micro_batch_size": m}`` after an out of memory: trainforge.tasks.train_oom), when given.
     ``pretrained``: the resolved ``model.pretrained`` (trainforge.model_source,
     ``ResolvedModel.job_section()``), required when the spec sets it; the model section is then
     the reduced one of the contract.
@@ -66,6 +68,8 @@ def render_job_config(
         config["framework"]["compile_fallback"] = spec.training.framework.compile_fallback
     if init is not None:
         config["init"] = init_block(init["checkpoint"], init["source"])
+    if retry is not None:
+        config[RETRY_SECTION] = dict(retry)
     return config
 
 
@@ -144,9 +148,10 @@ def build_training_job(
     secret_env: dict[str, str] | None = None,
     secret_env_source: str = "",
     pretrained: dict[str, str | None] | None = None,
+    retry: dict[str, int] | None = None,
 ) -> TrainingJob:
-    """The engine-neutral job for the spec's training section (``init``, ``pretrained``: see
-    :func:`render_job_config`).
+    """The engine-neutral job for the spec's training section (``init``, ``pretrained``,
+    ``retry``: see :func:`render_job_config`).
 
     The spec's S3 endpoint (``storage.endpoint_url`` or ``data.s3_endpoint_url``) reaches every
     rank as ``AWS_ENDPOINT_URL_S3`` (``env`` may override it). ``secret_env`` (S3 keys of the
@@ -159,7 +164,7 @@ def build_training_job(
     return TrainingJob(
         identity=identity,
         config=render_job_config(spec, dataset_dir, checkpoint_dir, identity, init=init,
-                                 pretrained=pretrained),
+                                 pretrained=pretrained, retry=retry),
         nodes=resources.max_nodes,
         min_nodes=resources.min_nodes if resources.elastic else None,
         processes_per_node=resources.processes_per_node,

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from trainforge.contract import COMPILE_FALLBACKS, JOB_FORMAT, attention_errors
+from trainforge.contract import COMPILE_FALLBACKS, DIGEST_EXCLUDED, JOB_FORMAT, RETRY_SECTION, attention_errors
 from trainforge.trainer.config_fields import Section, scalar_overrides, show
 from trainforge.trainer.errors import ConfigError
 
@@ -196,12 +196,12 @@ class JobConfig:
         return self.optim.global_batch_size // per_pass
 
     def digest(self) -> str:
-        """SHA-256 hex of the canonical JSON of the config without ``identity``.
+        """SHA-256 hex of the canonical JSON of the config without ``identity`` and ``retry``.
 
-        ``identity`` (and so ``try_number``) is left out so every retry of one training run
-        has the same digest.
+        ``identity`` (and so ``try_number``) and ``retry`` (a smaller micro-batch after an out of
+        memory) are left out so every retry of one training run has the same digest.
         """
-        body = {k: v for k, v in self.raw.items() if k != "identity"}
+        body = {k: v for k, v in self.raw.items() if k not in DIGEST_EXCLUDED}
         canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
@@ -270,6 +270,14 @@ def parse_job_config(obj: Any) -> JobConfig:
             f"optim.global_batch_size={optim.global_batch_size} must be a multiple of "
             f"optim.micro_batch_size={optim.micro_batch_size}"
         )
+    if RETRY_SECTION in top.obj:  # a retry after an out of memory: a smaller micro-batch, the same global batch
+        s = top.section(RETRY_SECTION)
+        micro = s.int("micro_batch_size", lo=1)
+        s.done()
+        if optim.micro_batch_size % micro:
+            raise ConfigError(f"retry.micro_batch_size={micro}: expected a divisor of optim.micro_batch_size="
+                              f"{optim.micro_batch_size} (a retry trains at a smaller micro-batch)")
+        optim = replace(optim, micro_batch_size=micro)
 
     precision = top.str("precision", PRECISIONS)
     if precision == "fp8" and optim.micro_batch_size * data.sequence_length % 16:  # float8 matmul dims

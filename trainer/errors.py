@@ -7,18 +7,20 @@ The codes are the ones in docs/contracts.md ("Trainer exit codes and result file
 | ConfigError      | 78        | bad_config    | permanent: fail, no retry             |
 | DatasetError     | 78        | bad_config    | permanent (a dataset that does not verify) |
 | DivergedError    | 79        | diverged      | permanent                             |
+| GpuOutOfMemoryError | 80     | out_of_memory | permanent, or a retry at a smaller micro-batch (training.fault.on_oom) |
 | CheckpointError  | 1         | error         | transient: retry, resume              |
 | TerminatedError  | 143       | error         | transient (SIGTERM; a BaseException)  |
 | any other        | 1         | error         | transient                             |
 
-78 is ``EX_CONFIG`` from sysexits.h; 79 is trainforge's own. The codes and statuses are the
+78 is ``EX_CONFIG`` from sysexits.h; 79 and 80 are trainforge's own. The codes and statuses are the
 job contract's (:mod:`trainforge.contract`), which the orchestrator classifies with.
 """
 
 from __future__ import annotations
 
 from trainforge.contract import (
-    EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_TERMINATED, STATUS_BAD_CONFIG, STATUS_DIVERGED, STATUS_ERROR,
+    EXIT_CONFIG, EXIT_DIVERGED, EXIT_ERROR, EXIT_OOM, EXIT_TERMINATED, STATUS_BAD_CONFIG, STATUS_DIVERGED, STATUS_ERROR,
+    STATUS_OOM,
 )
 
 
@@ -49,6 +51,18 @@ class DivergedError(TrainerError):
 
     exit_code = EXIT_DIVERGED
     status = STATUS_DIVERGED
+
+
+class GpuOutOfMemoryError(TrainerError):
+    """A CUDA out of memory in this rank, named with the step, the phase and the memory asked
+    for and free (``record``: trainforge.trainer.oom). Exit code 80."""
+
+    exit_code = EXIT_OOM
+    status = STATUS_OOM
+
+    def __init__(self, message: str, record: dict):
+        super().__init__(message)
+        self.record = record
 
 
 class CheckpointError(TrainerError):

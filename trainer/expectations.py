@@ -16,16 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainforge.contract import DIGEST_EXCLUDED, RETRY_SECTION
 from trainforge.trainer.errors import ConfigError
 
 
 def config_digest(job_config: dict[str, Any]) -> str:
-    """SHA-256 hex of the canonical JSON of a job config without ``identity``.
+    """SHA-256 hex of the canonical JSON of a job config without ``identity`` and ``retry``.
 
     The formula of `trainforge.trainer.config.JobConfig.digest` (a test keeps the two equal), applied to a
     raw dict so that a job config this trainer version cannot parse still gets a digest.
     """
-    body = {k: v for k, v in job_config.items() if k != "identity"}
+    body = {k: v for k, v in job_config.items() if k not in DIGEST_EXCLUDED}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
@@ -73,6 +74,7 @@ def check_consistency(meta: dict[str, Any], expect: Expectations) -> tuple[bool,
     world, accum = meta.get("world_size"), meta.get("grad_accum_steps")
     optim = job.get("optim") or {}
     micro, global_batch = optim.get("micro_batch_size"), optim.get("global_batch_size")
+    micro = (job.get(RETRY_SECTION) or {}).get("micro_batch_size", micro)  # a retry's, after an out of memory
     if not (_positive_int(world) and _positive_int(accum)):
         problems.append(f"world_size={world!r}, grad_accum_steps={accum!r}: expected positive integers "
                         "recorded in meta.json")

@@ -12,8 +12,8 @@ TRAINFORGE_JOB_DIR (rank 0 writes its run-ledger records under ``ledger/``: trai
 
 Exit codes (docs/contracts.md): 0 finished at max_steps, 78 bad config, dataset, environment (trainer/env_check.py)
 or model (the check before step 1: trainer/model_check.py), 79 diverged (non-finite loss or gradient norm, or non-finite weights at a
-checkpoint), anything else is a crash the orchestrator retries; every attempt first resumes from the
-newest valid checkpoint.
+checkpoint), 80 GPU out of memory (trainer/oom.py), anything else is a crash the orchestrator retries;
+every attempt first resumes from the newest valid checkpoint.
 
 One optimizer step: global_batch sequences = micro_batch x world x accum; each rank runs
 ``accum`` forward/backward passes (gradients reduced only on the last: DDP.no_sync, FSDP2
@@ -57,14 +57,14 @@ if __name__ == "__main__":  # the program only, not its importers: trainer/start
 from trainforge.contract import (COMPILE_MODE_TAG, EXIT_ERROR, EXIT_OK, JOB_DIR_ENV, RESULT_FILE_ENV,
                                  STATUS_ERROR, STATUS_SUCCESS)
 from trainforge.storage.files import atomic_write_json
-from trainforge.trainer import checkpoint as ckpt
+from trainforge.trainer import checkpoint as ckpt, oom
 from trainforge.trainer.amp import Precision
 from trainforge.trainer.compile import RecompileWatch
 from trainforge.trainer.config import ConfigError, JobConfig, load_job_config
 from trainforge.trainer.data import make_sampler, open_dataset
 from trainforge.trainer.distributed import Dist, setup_distributed, shut_down
 from trainforge.trainer.energy import EnergyMeter
-from trainforge.trainer.errors import DivergedError, TerminatedError, TrainerError
+from trainforge.trainer.errors import DivergedError, GpuOutOfMemoryError, TerminatedError, TrainerError
 from trainforge.trainer.float8 import ARTIFACT as float8_artifact, divergence_note
 from trainforge.trainer.goodput import AttemptClock, flops_per_token
 from trainforge.trainer.gpus import JobGpus, torch_cuda_uuids
@@ -156,7 +156,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
     # Pin the saves' host buffers on a thread while the first step compiles (trainer/state.py).
     reserve_staging(d, par, optimizer)
     # system/* metrics of rank 0's machine while the steps run (trainforge.trainer.tracking)
-    with (tracker.system_metrics(gpus=gpus) if tracker else nullcontext(),
+    with (tracker.system_metrics(gpus=gpus) if tracker else nullcontext(), oom.named_oom(train, cfg, d),
           RecompileWatch(cfg.framework.compile_fallback) if par.compiled else nullcontext() as watch):
         t_window, steps_in_window = time.perf_counter(), 0
         if clock:
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         # Config and divergence errors are raised identically on every rank: a clean shutdown is safe.
         consistent = isinstance(err, (ConfigError, DivergedError))
         log.error("%s (exit %d): %s", type(err).__name__, code, message)
-        if consistent:
+        if consistent or isinstance(err, GpuOutOfMemoryError):  # this process is sound: rank 0's writer finishes
             finish_pending_write()  # the checkpoint before the failure completes and is reported
     except BaseException as err:  # noqa: BLE001 - every exit path writes the result file
         code = 130 if isinstance(err, KeyboardInterrupt) else EXIT_ERROR
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
               "tokens_seen": out.tokens_seen, "final_train_loss": out.final_train_loss,
               "last_checkpoint": out.last_checkpoint}
     if rank == 0 and result_file:
-        atomic_write_json(result_file, result)
+        oom.write_result(result_file, result)  # an out of memory's record, or another rank's out of memory
     failure = shut_down(consistent, code, cfg.distributed.collective_timeout_s if cfg else 60.0)
     if failure is not None and code == EXIT_OK:
         result = after_training_failure(result, failure)

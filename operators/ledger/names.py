@@ -37,6 +37,12 @@ CHECKPOINT_BACKGROUND_S = "checkpoint/background_write_s"
 """Seconds rank 0's writer thread spent writing checkpoints, summed over attempts; beside the buckets
 (the steps went on meanwhile, except while the final one was awaited), not one of them."""
 
+OOM_COUNT = "out_of_memory/count"
+"""Tries that ended in a GPU out of memory (logged only when one did)."""
+OOM_TAG = "ledger/out_of_memory"
+"""Those tries as JSON: try, rank, step, phase, micro_batch_size and the retry's
+next_micro_batch_size (null: no retry at a smaller one)."""
+
 TRY = "ledger/try"
 """The tag naming the task try whose outcome the logged ledger is; its metrics are at that step."""
 

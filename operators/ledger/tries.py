@@ -10,7 +10,8 @@ job started are known only to the orchestrator. So each try writes, when it has 
     {"try": n, "task_started_at": s, "submitted_at": s | null, "submitted_by_this_try": bool,
      "job": key, "job_ended_at": s | null, "job_wall_s": s | null,
      "phases": {"queue_wait": s, "image_pull": s}, "ended_at": s | null, "outcome": str | null,
-     "disruption": {"kind": "node_loss", "node": str, "detection_s": s, ...}}  # when known
+     "disruption": {"kind": "node_loss", "node": str, "detection_s": s, ...},  # when known
+     "oom": {"rank", "step", "phase", "micro_batch_size", "next_micro_batch_size", ...}}  # idem
 
 The ledger (trainforge.ledger.build) opens its window at the earliest try's start, so every
 attempt of every try, and everything between them, is in one window: goodput's wall time, and the
@@ -23,6 +24,7 @@ import json
 from typing import Any
 
 from trainforge.ledger.disruptions import event_disruption
+from trainforge.ledger.names import OOM_COUNT, OOM_TAG
 
 TRY_TAG_PREFIX = "trainforge.ledger.try."
 
@@ -60,7 +62,20 @@ def try_ended(record: dict[str, Any] | None, try_number: int, task_started_s: fl
     disruption = event_disruption(event)
     if disruption is not None:  # e.g. the node a node_loss took (trainforge.ledger.disruptions)
         out["disruption"] = disruption
+    if event.get("oom"):  # a GPU out of memory and the retry's micro-batch (trainforge.tasks.train_oom)
+        out["oom"] = event["oom"]
     return out
+
+
+def oom_figures(tries: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, str]]:
+    """(metrics, tags) of the tries that ran out of GPU memory: how many, and each one's rank,
+    step, phase and micro-batch, then the retry's (JSON); both empty when none did."""
+    ooms = [{"try": t.get("try"), **t["oom"]} for t in tries if t.get("oom")]
+    if not ooms:
+        return {}, {}
+    keys = ("try", "rank", "step", "phase", "micro_batch_size", "next_micro_batch_size")
+    return ({OOM_COUNT: float(len(ooms))},
+            {OOM_TAG: json.dumps([{k: o.get(k) for k in keys} for o in ooms], separators=(",", ":"))})
 
 
 def try_records(tags: dict[str, str]) -> dict[int, dict[str, Any]]:

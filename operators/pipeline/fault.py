@@ -1,6 +1,6 @@
 """``training.fault``: how a training launch is watched and what its failures may do
-(timeouts, restarts, where the task waits, and the policies for a failure after training and a
-resume on another world size; docs/faults.md)."""
+(timeouts, restarts, where the task waits, and the policies for a failure after training, a
+resume on another world size and a GPU out of memory; docs/faults.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from trainforge.contract import ON_OOM
 from trainforge.pipeline.durations import DurationS
 from trainforge.sections import SpecModel, field_errors
 
@@ -40,6 +41,13 @@ class FaultSection(SpecModel):
         "size (nodes x processes_per_node): 'continue' reshards (model and data order survive) "
         "and records it in the checkpoint's world_size_history and the MLflow run; 'refuse' "
         "fails the job permanently (exit 78)."
+    )
+    on_oom: Literal[ON_OOM] = Field(
+        "fail", description="A GPU out of memory in any rank (exit 80, named with the rank, step and "
+        "phase): 'fail' fails the task without retries, saying what to change; 'shrink_micro_batch' "
+        "retries (the task's next try, resuming the newest checkpoint) at half the micro-batch and "
+        "twice the gradient accumulation, the same global batch, down to a micro-batch of 1; each "
+        "shrink is recorded in the try record and the ledger."
     )
 
     @model_validator(mode="after")

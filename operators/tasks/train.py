@@ -16,8 +16,8 @@ worker slot, cancel on kill: docs/faults.md, "The launch, inside"). This task ad
   run (the run summary lists them), and the step and tokens it reached as the stage's
   ``train/<stage>/final_step`` and ``train/<stage>/tokens_seen``;
 * a job that failed after its training finished: its own reason instead of the trainer's
-  "finished at step N"; ``training.fault.post_training_failure`` decides (docs/faults.md,
-  "Training (cluster side)", "A failure after training has its own reason");
+  "finished at step N" (``training.fault.post_training_failure``); a GPU out of memory:
+  ``training.fault.on_oom`` (docs/faults.md, "Training (cluster side)");
 * on success: the final step, tokens and loss, and the accounting over the ledger's window, as
   metrics and XCom; and at every outcome the ledger over every try so far — goodput, badput
   buckets, GPU-hours, energy, cost (trainforge.ledger; logged by trainforge.tasks.train_ledger,
@@ -46,6 +46,7 @@ from trainforge.init_from import InitSourceError, registered_init
 from trainforge.tasks.prepare_data import connection_s3_client
 from trainforge.tasks.train_ledger import (ledger_dir, ledger_env, record_ledger,
                                            record_try_started, task_records)
+from trainforge.tasks.train_oom import oom_policy, retry_section
 
 MAX_TAG_CHARS = 5000  # MLflow's tag value limit is 8000 characters
 
@@ -233,7 +234,9 @@ class TrainOperator(ClusterJobOperator):
         job = build_training_job(spec, dataset_location(prepared), self._checkpoint_dir(spec, ti),
                                  identity, env, init=init, secret_env=secret_env,
                                  secret_env_source=f"Airflow connection {spec.storage.aws_conn_id}",
-                                 pretrained=pretrained)
+                                 pretrained=pretrained, retry=retry_section(  # a smaller micro-batch after an OOM
+                                     lambda: self.mlflow_hook.get_run(self._mlflow_run_id).data.tags,
+                                     identity.try_number, spec.training, self.log))
         return job, {"init": init, "pretrained": pretrained}
 
     def job_attached(self, context: Any, spec: PipelineSpec, handle: JobHandle) -> None:
@@ -278,6 +281,7 @@ class TrainOperator(ClusterJobOperator):
             if reason is not None:
                 event = apply_post_training_policy(event, reason,
                                                    spec.training.fault.post_training_failure)
+            event = oom_policy(event, spec.training.fault.on_oom)  # fail, or retry at a smaller micro-batch
             self._record_failed_try(context, spec, event)
         return super().execute_complete(context, event, first_start_epoch_s, **job_kwargs)
 

@@ -29,7 +29,8 @@ from trainforge.ledger import names as n
 from trainforge.ledger.attempts import folder_records, merge_records
 from trainforge.ledger.build import Ledger, build_ledger
 from trainforge.ledger.catalog import Price
-from trainforge.ledger.tries import earlier_tries, encode, try_ended, try_records, try_started, try_tag
+from trainforge.ledger.tries import (earlier_tries, encode, oom_figures, try_ended, try_records, try_started,
+                                     try_tag)
 from trainforge.pipeline.spec import PipelineSpec
 from trainforge.storage import StorageError, storage_for
 
@@ -98,13 +99,17 @@ def record_ledger(hook: MlflowHook, spec: PipelineSpec, event: dict[str, Any], p
     job = (event.get("handle") or {}).get("identity") or {}
     tags = hook.get_run(own_run).data.tags
     now = time.time()
+    earlier = earlier_tries(tags, try_number)
     ledger = build_ledger(spec, event, merge_records(tags, records or {}), price,
                           task_started_s=task_started_s, now_s=now,
                           submitted_by_this_try=int(job.get("try_number") or 0) == try_number,
-                          earlier_tries=earlier_tries(tags, try_number), try_number=try_number)
+                          earlier_tries=earlier, try_number=try_number)
     ledger.tags[n.TRY] = str(try_number)
-    hook.set_tags(own_run, {try_tag(try_number): encode(try_ended(
-        try_records(tags).get(try_number), try_number, task_started_s, event, now))})
+    this_try = try_ended(try_records(tags).get(try_number), try_number, task_started_s, event, now)
+    hook.set_tags(own_run, {try_tag(try_number): encode(this_try)})
+    oom_metrics, oom_tags = oom_figures([*earlier, this_try])  # each out of memory and the micro-batch after it
+    ledger.metrics.update(oom_metrics)
+    ledger.tags.update(oom_tags)
     hook.log_metrics(own_run, ledger.metrics, step=try_number)
     _replace_tags(hook, own_run, ledger.tags, tags)
     hook.log_dict_artifact(own_run, ledger.to_json(), n.ARTIFACT)
