@@ -1,37 +1,33 @@
-"""The wheel's dependency ranges, tested at both ends and beside an Airflow already installed.
+"""The wheel's dependency ranges, resolved without the lock, and beside an Airflow already installed.
 
 - Its METADATA holds ranges, no exact pins.
-- **Floor** (:func:`floor`): on Python 3.12 (not the lock's 3.11), a fresh venv holding the wheel
-  with the lowest release of every range that matters pinned exactly: apache-airflow, mlflow,
-  transformers and torch (the lower bounds read from the wheel itself, so a raised floor is
-  tested at once). There ``validate``, ``render``, a tiny ``run`` (tests/packaging/wheel_tiny.yaml,
-  :func:`~tests.packaging.test_wheel.check_tiny_pipeline`:
-  one rank, 20 steps, every stage) and ``airflow plugins`` must work, and every module imports.
-  The other requirements resolve to what pip picks inside their ranges, except two held back
-  (:data:`HELD`): Airflow's releases expect their constraints file (their own requirements are
-  open-ended; raw.githubusercontent.com is not reachable from CI), and with the newest FastAPI
-  (0.163) Airflow 3.2.0's execution API fails every task (pydantic: "TITerminalStatePayload
-  needs a discriminator field"); fastapi 0.136.3 is the lock's. structlog 25.4.0: Airflow 3.1's
-  logging does not import with structlog 26 (kept from that check, not shown needed for 3.2).
-- **Lock**: tests/packaging/test_wheel.py, Python 3.11, ``-c requirements.lock``, with the same
-  tiny run (``test_tiny_run``).
+- **Three resolutions** (:data:`RESOLUTIONS`), each on Python 3.12 (not the lock's 3.11) from the
+  wheel's own requirements by uv, with no constraints beyond the floors themselves: ``floors``
+  (apache-airflow, mlflow, transformers, torch and pydantic at their lower bounds, read from the
+  wheel, so a raised floor is tested at once), ``lowest-direct`` (what a user's resolver picks when
+  asked for the lowest direct versions) and ``highest`` (what it picks today). In each, every
+  module imports, and ``validate``, ``render``, a tiny ``run`` (tests/packaging/wheel_tiny.yaml,
+  :func:`~tests.packaging.test_wheel.check_tiny_pipeline`: one rank, 20 steps, every stage) and
+  ``airflow plugins`` work. Nothing is pinned to make them pass: a pair that fails is excluded in
+  pyproject.toml, with its reason.
+- **Lock**: tests/packaging/test_wheel.py, Python 3.11, ``-c requirements.lock``, the same tiny run.
 - **Beside Airflow 3.3.2 with PyYAML 6.0.3**: ``pip install --dry-run --report`` of the wheel
   would change no installed distribution (it only adds).
 
-What the floor venv costs, and what is cached: PyPI's Linux torch wheels for Python 3.12 are CUDA
-builds (torch 2.6.0: 767 MB; installed with its nvidia-* packages 4.3 GB, 4.9 GB with triton); this
-machine's pip keeps no HTTP cache and PyTorch's CPU index (download.pytorch.org) is not reachable
-from CI. So the floor's dependencies are installed with pip from PyPI once per floor set into
-``$TRAINFORGE_TEST_CACHE/floor-<python>-<hash>`` (default ``~/.cache/trainforge-tests``; 6.3
-minutes the first time on 2 shared cores, then the whole module takes about 4.3 minutes), and each run makes a fresh venv that sees them through a ``.pth`` file
-(console scripts rewritten to its own interpreter), then installs the wheel into it with
-``pip install --no-index``: pip must find every requirement met at the floor. The torch there is
-the CUDA build running on CPU; the CPU build at the floor is not tested.
+What is cached: PyPI's Linux torch wheels are CUDA builds (torch 2.6.0 with its nvidia-* packages:
+4.3 GB installed) and PyTorch's CPU index is not reachable from CI, so each resolution's answer is
+kept for the day (``$TRAINFORGE_TEST_CACHE/resolved``, default ``~/.cache/trainforge-tests``) and
+each exact set is installed by uv once into ``env-<python>-<hash>`` there (minutes the first
+time). Each run makes a fresh venv that sees it through a ``.pth`` file (console scripts rewritten
+to its own interpreter) and installs the wheel into it with ``pip install --no-index``: pip must
+find every requirement met. The torch there is the CUDA build running on CPU.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import os
 import json
 import shutil
 import subprocess
@@ -51,9 +47,11 @@ pytestmark = [pytest.mark.wheel, pytest.mark.airflow, pytest.mark.integration]
 
 FLOOR_PYTHONS = ("python3.12", "/root/.pyenv/versions/3.12.1/bin/python3.12")
 #: The ranges whose lower bound the floor venv pins (the features that set them: pyproject.toml).
-FLOORED = ("apache-airflow", "mlflow", "transformers", "torch")
-#: Held below what pip would pick, with the reason in the module docstring.
-HELD = ("fastapi==0.136.3", "structlog==25.4.0")
+FLOORED = ("apache-airflow", "mlflow", "transformers", "torch", "pydantic")
+#: How each environment is resolved from the wheel's runtime requirements, by uv: ``floors`` pins
+#: :data:`FLOORED` at their lower bounds (the rest as high as they allow), ``lowest-direct`` is what
+#: a user's resolver picks asked for the lowest direct versions, ``highest`` what it picks today.
+RESOLUTIONS = ("floors", "lowest-direct", "highest")
 
 
 def _runtime(wheel: Path) -> list[Requirement]:
@@ -88,33 +86,60 @@ def _floor_python() -> str:
 
 
 def _cache_root() -> Path:
-    import os
     return Path(os.environ.get("TRAINFORGE_TEST_CACHE", Path.home() / ".cache" / "trainforge-tests"))
 
 
-def _floor_environment(python: str, wheel: Path) -> Path:
-    """The cached environment holding the wheel's runtime requirements at the floor (built once
-    per floor set and Python, by pip from the package index)."""
-    runtime = _runtime(wheel)
-    pins = [f"{r.name}=={lower_bound(r)}" for r in runtime if canonicalize_name(r.name) in FLOORED]
-    assert len(pins) == len(FLOORED), pins
-    lines = sorted(str(r) for r in runtime) + sorted(pins) + list(HELD)
+def _uv() -> str:
+    """uv of the test environment (the ``test`` extra), else on PATH."""
+    found = Path(sys.executable).with_name("uv")
+    return str(found) if found.is_file() else shutil.which("uv") or pytest.fail(
+        "uv is not installed: it is in the test extra (make venv)")
+
+
+def _resolve(python: str, wheel: Path, resolution: str) -> list[str]:
+    """The exact set ``resolution`` gives the wheel's runtime requirements on ``python``: resolved
+    by uv against the package index once a day (the answer is kept for that day)."""
+    runtime = sorted(str(r) for r in _runtime(wheel))
+    floors = sorted(f"{r.name}=={lower_bound(r)}" for r in _runtime(wheel)
+                    if canonicalize_name(r.name) in FLOORED) if resolution == "floors" else []
+    assert len(floors) == (len(FLOORED) if resolution == "floors" else 0), floors
+    key = hashlib.sha256("\n".join([python, resolution, *runtime, *floors]).encode()).hexdigest()[:16]
+    answer = _cache_root() / "resolved" / f"{resolution}-{datetime.date.today()}-{key}.txt"
+    if answer.is_file():
+        return answer.read_text().split()
+    work = answer.parent / f".{answer.name}.work"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "requirements.in").write_text("\n".join(runtime) + "\n")
+    (work / "constraints.txt").write_text("\n".join(floors) + "\n")
+    command = [_uv(), "pip", "compile", "--quiet", "--no-header", "--no-annotate", "--python", python,
+               str(work / "requirements.in"), "-c", str(work / "constraints.txt"), "-o", str(work / "out.txt")]
+    if resolution == "lowest-direct":
+        command += ["--resolution", "lowest-direct"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"uv could not resolve {resolution}:\n{result.stderr[-6000:]}"
+    pins = [line.strip() for line in (work / "out.txt").read_text().splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+    answer.write_text("\n".join(pins) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return pins
+
+
+def _environment(python: str, pins: list[str]) -> Path:
+    """The cached environment holding exactly ``pins`` (installed by uv once per set and Python)."""
     version = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                              capture_output=True, text=True, check=True).stdout.strip()
-    key = hashlib.sha256("\n".join([version, *lines]).encode()).hexdigest()[:16]
-    env = _cache_root() / f"floor-py{version}-{key}"
+    key = hashlib.sha256("\n".join([version, *pins]).encode()).hexdigest()[:16]
+    env = _cache_root() / f"env-py{version}-{key}"
     if (env / "complete").is_file():
         return env
     shutil.rmtree(env, ignore_errors=True)
     env.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([python, "-m", "venv", str(env)], check=True, timeout=300)
-    (env / "requirements.txt").write_text("\n".join(str(r) for r in runtime) + "\n")
-    (env / "floors.txt").write_text("\n".join(pins + list(HELD)) + "\n")
-    result = subprocess.run(
-        [str(env / "bin" / "pip"), "install", "--progress-bar", "off", "-r",
-         str(env / "requirements.txt"), "-c", str(env / "floors.txt")],
-        capture_output=True, text=True, timeout=1800)
-    assert result.returncode == 0, f"floor install failed:\n{result.stdout[-4000:]}{result.stderr[-4000:]}"
+    subprocess.run([_uv(), "venv", "--quiet", "--python", python, str(env)], check=True, timeout=300)
+    (env / "requirements.txt").write_text("\n".join(pins) + "\n")
+    result = subprocess.run([_uv(), "pip", "install", "--quiet", "--python", str(env / "bin" / "python"),
+                             "--no-deps", "-r", str(env / "requirements.txt")],
+                            capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, f"install of {env.name} failed:\n{result.stderr[-6000:]}"
     (env / "complete").write_text("\n".join(pins) + "\n")
     return env
 
@@ -124,11 +149,10 @@ def _site(venv: Path) -> Path:
     return site
 
 
-@pytest.fixture(scope="module")
-def floor(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path, request) -> Venv:
-    python = _floor_python()
-    cached = _floor_environment(python, built_wheel)
-    venv = Venv(tmp_path_factory.mktemp("wheel-floor"))
+def _venv_over(cached: Path, python: str, wheel: Path, root: Path, request) -> Venv:
+    """A fresh venv seeing ``cached``'s packages (a ``.pth`` file; console scripts rewritten to its
+    own interpreter) with the wheel installed by pip from no index: every requirement must be met."""
+    venv = Venv(root)
     subprocess.run([python, "-m", "venv", str(venv.root / "venv")], check=True, timeout=300)
     (_site(venv.root / "venv") / "trainforge-floor-deps.pth").write_text(f"{_site(cached)}\n")
     own_python = str(venv.bin / "python")
@@ -141,9 +165,12 @@ def floor(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path, request) 
             target.write_bytes(b"#!" + own_python.encode() + b"\n" + rest)
             target.chmod(0o755)
     venv.work.mkdir()
-    installed = venv.run("pip", "install", "--no-index", str(built_wheel), timeout_s=600)
+    # A machine's pip configuration (a global constraints file, extra indexes) plays no part:
+    # no configuration file (PIP_CONFIG_FILE=os.devnull) and no PIP_* variable (--isolated).
+    installed = venv.run("pip", "install", "--isolated", "--no-index", str(wheel), timeout_s=600,
+                         PIP_CONFIG_FILE=os.devnull)
     assert "Installing collected packages: trainforge\n" in installed.stdout, installed.stdout
-    venv.run("pip", "check")
+    venv.run("pip", "check", "--isolated", PIP_CONFIG_FILE=os.devnull)
     corpus = data_cache(request.config) / "shakespeare"
     venv.run("python", "-m", "trainforge.data.corpus", "fetch", "--dest", str(corpus), timeout_s=600)
     (venv.home / "corpus").mkdir(parents=True)
@@ -151,19 +178,35 @@ def floor(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path, request) 
     return venv
 
 
-def test_floor_versions_are_the_lower_bounds(floor: Venv, built_wheel: Path):
-    out = floor.run("python", "-c", "import json, importlib.metadata as m, sys; print(json.dumps("
-                    "[sys.version_info[:2], {n: m.version(n) for n in sys.argv[1:]}]))", *FLOORED)
+@pytest.fixture(scope="module", params=RESOLUTIONS)
+def resolved(tmp_path_factory: pytest.TempPathFactory, built_wheel: Path, request) -> Venv:
+    """The wheel in a fresh venv over the cached environment of one resolution."""
+    python = _floor_python()
+    cached = _environment(python, _resolve(python, built_wheel, request.param))
+    venv = _venv_over(cached, python, built_wheel, tmp_path_factory.mktemp(f"wheel-{request.param}"),
+                      request)
+    venv.resolution = request.param
+    return venv
+
+
+def test_the_versions_are_what_the_resolution_asked(resolved: Venv, built_wheel: Path):
+    """Every direct requirement inside its range; at the floors, :data:`FLOORED` at the bound."""
+    runtime = {canonicalize_name(r.name): r for r in _runtime(built_wheel)}
+    out = resolved.run("python", "-c", "import json, importlib.metadata as m, sys; print(json.dumps("
+                       "[sys.version_info[:2], {n: m.version(n) for n in sys.argv[1:]}]))", *runtime)
     version, versions = json.loads(out.stdout)
     assert version != [3, 11]
-    bounds = {canonicalize_name(r.name): lower_bound(r) for r in _runtime(built_wheel)}
-    # Compared as versions: the range says torch>=2.6, the release is 2.6.0.
-    assert {canonicalize_name(n): Version(Version(v).base_version) for n, v in versions.items()} == {
-        n: Version(bounds[n]) for n in FLOORED}
+    print(resolved.resolution, versions)  # what each resolution gave, in the test's output
+    for name, found in versions.items():
+        assert runtime[canonicalize_name(name)].specifier.contains(found, prereleases=True), (name, found)
+    if resolved.resolution == "floors":
+        # Compared as versions: the range says torch>=2.6, the release is 2.6.0.
+        assert {n: Version(Version(versions[n]).base_version) for n in FLOORED} == {
+            n: Version(lower_bound(runtime[n])) for n in FLOORED}
 
 
-def test_floor_imports_every_module(floor: Venv):
-    out = floor.run("python", "-c", """
+def test_imports_every_module(resolved: Venv):
+    out = resolved.run("python", "-c", """
 import importlib, json, pkgutil, trainforge
 failed = {}
 for module in pkgutil.walk_packages(trainforge.__path__, "trainforge."):
@@ -177,8 +220,30 @@ print(json.dumps(failed))""")
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {}
 
 
-def test_floor_validate_render_run_and_plugins(floor: Venv):
-    check_tiny_pipeline(floor)
+def test_validate_render_run_and_plugins(resolved: Venv):
+    """At the floors, at uv's lowest-direct and at the highest versions the index serves."""
+    check_tiny_pipeline(resolved)
+
+
+def test_the_resolver_refuses_the_mlflow_floor_with_a_transformers_that_cannot_register(
+        built_wheel: Path, tmp_path: Path):
+    """MLflow's transformers flavour fails to save any model with transformers 5.23 and later (every
+    MLflow up to 3.17.2): the wheel's ranges must make that pair unresolvable, not a late failure
+    of register_model. The same request with the last release that saves resolves."""
+    mlflow = next(r for r in _runtime(built_wheel) if canonicalize_name(r.name) == "mlflow")
+
+    def resolve(transformers: str) -> subprocess.CompletedProcess:
+        wanted = tmp_path / f"requirements-{transformers}.in"
+        wanted.write_text("\n".join([str(built_wheel), f"mlflow=={lower_bound(mlflow)}",
+                                     f"transformers=={transformers}"]) + "\n")
+        return subprocess.run([_uv(), "pip", "compile", "--quiet", "--no-header", "--python",
+                               _floor_python(), str(wanted)], capture_output=True, text=True, timeout=900)
+
+    refused = resolve("5.23.0")
+    assert refused.returncode != 0 and "unsatisfiable" in refused.stderr, refused.stdout + refused.stderr
+    assert "transformers" in refused.stderr
+    accepted = resolve("5.22.2")
+    assert accepted.returncode == 0, accepted.stderr[-4000:]
 
 
 def test_beside_airflow_332_with_pyyaml_603_installs_without_changing_anything(
