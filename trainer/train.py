@@ -42,6 +42,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainforge.trainer.verdict import end_if_decided, recorded  # first: a restart after exit 78,
+end_if_decided(__name__)  # 79 or 80 of this run exits here with it, before torch loads (trainer/verdict.py)
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -78,7 +80,6 @@ from trainforge.trainer.state import close_pending_write, finish_pending_write, 
 from trainforge.trainer.tracking import MlflowTracker
 
 log = logging.getLogger("trainforge.trainer.train")
-
 __all__ = ["after_training_failure", "lr_at", "main", "micro_batch_loss", "train"]
 
 
@@ -396,4 +397,4 @@ def after_training_failure(result: dict, failure: str) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(recorded(main()))  # exit 78, 79 or 80: torchrun's restarts end at once (trainer/verdict.py)

@@ -178,3 +178,24 @@ def test_an_interrupted_run_cancels_only_its_own_pipelines_jobs(tmp_path):
     assert backend.status(mine).state is JobState.CANCELLED
     assert backend.status(other).state is JobState.RUNNING
     backend.cancel(other, grace_s=5)
+
+
+def test_a_permanent_verdict_is_not_trained_again_by_torchrun_restarts(tmp_path):
+    """The real trainer on 2 gloo ranks with max_restarts 2 and a batch that does not divide over
+    2 ranks (exit 78 after the process group is up): the first attempt's verdict ends the job;
+    torchrun's two restarts exit at once without training (trainer/verdict.py)."""
+    from tests.trainer.conftest import make_job
+
+    config = make_job(tmp_path / "no-dataset", tmp_path / "checkpoints",
+                      optim={"global_batch_size": 6, "micro_batch_size": 2})  # 6 / (2 x 2) ranks
+    backend = LocalBackend(tmp_path / "runs")
+    job = TrainingJob(identity=JobIdentity("d", "r", "train", 1), config=config, processes_per_node=2,
+                      max_restarts=2, env={"HF_HUB_OFFLINE": "1"})
+    started = time.monotonic()
+    status = _wait(backend, backend.submit(job), timeout_s=150)
+    log = (Path(backend.job_dir(job.identity)) / "job.log").read_text()
+    assert status.state is JobState.FAILED and status.failure is FailureKind.PERMANENT, log[-3000:]
+    assert status.result["status"] == "bad_config" and "global_batch_size" in status.message, status
+    assert log.count("ConfigError (exit 78)") == 1, log[-3000:]  # rank 0's trainer ran once
+    assert log.count("exiting without training") == 2, log[-3000:]  # restart 1 and 2, rank 0
+    print(f"job took {time.monotonic() - started:.1f} s")
