@@ -19,6 +19,7 @@ uses the standard library only, so importing it pulls neither Airflow nor torch.
 from __future__ import annotations
 
 import enum
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -108,6 +109,75 @@ COMPILE_MODES = ("compiled", "eager", "partly_eager")
 """How an attempt's steps ran, in its ledger record (``compiled``) and the run's MLflow tag
 :data:`COMPILE_MODE_TAG`: compiled decoder layers, eager ones, or compiled until a limit was hit."""
 COMPILE_MODE_TAG = "compile/mode"
+
+STAGING_MODES = ("pinned", "pageable", "synchronous")
+"""How rank 0 keeps a checkpoint's state while it is written (its attempt record's
+``checkpoint_staging``, docs/trainer.md "Host memory"): pinned or pageable host copies written in
+the background, or no copy (written while training waits)."""
+PHASE_DIR = "phase"
+"""Under the job folder: ``rank-<N>``, what rank N was doing last (``staging checkpoint step 20``),
+for the engine to name an OOM kill with."""
+_UNLIMITED = 2**60  # a cgroup v1 limit this high means none
+
+
+def phase_file(job_dir: str, rank: int) -> str:
+    """The file rank ``rank`` writes its current phase to (:data:`PHASE_DIR`)."""
+    return os.path.join(job_dir, PHASE_DIR, f"rank-{rank}")
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _stat(text: str | None, key: str) -> int | None:
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def cgroup_memory(pid: int | str = "self") -> dict[str, Any] | None:
+    """Process ``pid``'s memory cgroup: ``{"version", "dir", "limit" (None: none), "usage" (the
+    working set: usage less inactive file pages), "oom_kills"}``, cgroup v2 first, else v1's memory
+    controller; None where neither can be read. The trainer sizes checkpoint staging from it, the
+    local engine counts OOM kills with it."""
+    groups, mounts = _read(f"/proc/{pid}/cgroup"), _read("/proc/self/mountinfo")
+    if groups is None or mounts is None:
+        return None
+    for version in (2, 1):
+        for line in groups.splitlines():
+            _, controllers, path = line.split(":", 2)
+            if (version == 2) != (controllers == "") or (version == 1 and "memory" not in controllers.split(",")):
+                continue
+            for mount in mounts.splitlines():
+                fields = mount.split()
+                fstype, options = fields[fields.index("-") + 1], fields[-1].split(",")
+                if fstype != ("cgroup2" if version == 2 else "cgroup") or (version == 1 and "memory" not in options):
+                    continue
+                root = fields[3].rstrip("/")
+                rel = path[len(root):] if path.startswith(root) else path
+                found = _memory_files(version, fields[4] + rel)
+                if found is not None:
+                    return found
+    return None
+
+
+def _memory_files(version: int, folder: str) -> dict[str, Any] | None:
+    names = (("memory.max", "memory.current", "inactive_file", "memory.events") if version == 2 else
+             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file", "memory.oom_control"))
+    limit, usage = _read(os.path.join(folder, names[0])), _read(os.path.join(folder, names[1]))
+    if limit is None or usage is None:
+        return None
+    limit_n = None if limit.strip() == "max" or int(limit) >= _UNLIMITED else int(limit)
+    inactive = _stat(_read(os.path.join(folder, "memory.stat")), names[2]) or 0
+    return {"version": version, "dir": folder, "limit": limit_n, "usage": max(0, int(usage) - inactive),
+            "oom_kills": _stat(_read(os.path.join(folder, names[3])), "oom_kill")}
+
 
 EXIT_OK = 0
 EXIT_ERROR = 1

@@ -127,6 +127,8 @@ def _render(
             "dir": checkpoint_dir,
             "interval_steps": spec.training.checkpoint.interval_steps,
             "keep_last": spec.training.checkpoint.keep_last,
+            **({"max_host_bytes": spec.training.checkpoint.max_host_bytes}
+               if spec.training.checkpoint.max_host_bytes is not None else {}),
         },
         "logging": {"log_every_steps": spec.training.log_every_steps},
         "distributed": {

@@ -47,6 +47,7 @@ class HostStager:
 
     def __init__(self) -> None:
         self._pinned: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self.pin = True  # False: pageable buffers instead (trainforge.trainer.host_memory)
 
     @property
     def pinned_bytes(self) -> int:
@@ -116,10 +117,10 @@ class HostStager:
         key = (path, tuple(value.shape), value.dtype)
         buffer = self._pinned.get(key)
         if buffer is None:
-            buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin)
             self._pinned[key] = buffer
         used.add(key)
-        return buffer.copy_(value, non_blocking=True)
+        return buffer.copy_(value, non_blocking=self.pin)
 
     def clear(self) -> None:
         """Free the pinned buffers."""
@@ -199,6 +200,7 @@ class CheckpointWriter:
         self._reserving: threading.Thread | None = None
         self._result: WriteResult | None = None
         self._step: int | None = None
+        self.plan: Any = None  # the staging choice (trainforge.trainer.host_memory.Plan)
         _WRITERS.add(self)
 
     @property
@@ -264,6 +266,11 @@ class CheckpointWriter:
         self._thread.join()
         result, self._thread, self._result = self._result, None, None
         return result
+
+    def join(self) -> None:
+        """Block until the write in flight ends, leaving its result for `wait`."""
+        if self._thread is not None:
+            self._thread.join()
 
     def abandon(self) -> None:
         """From now on no manifest is written (one being written is finished first, and its

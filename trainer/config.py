@@ -138,6 +138,7 @@ class CheckpointConfig:
     dir: str  # absolute path or s3://bucket/prefix; step-XXXXXXXX/ folders are written below it
     interval_steps: int
     keep_last: int
+    max_host_bytes: int | None = None  # what checkpoint staging may use (None: what the host has)
 
 
 @dataclass(frozen=True)
@@ -299,11 +300,11 @@ def parse_job_config(obj: Any) -> JobConfig:
         raise ConfigError(
             f"framework.gradient_compression={framework.gradient_compression!r} is a DDP communication "
             f"hook and does not apply to framework.parallelism={framework.parallelism!r}: expected 'none' "
-            f"with {framework.parallelism!r}, or parallelism 'ddp'"
-        )
+            f"with {framework.parallelism!r}, or parallelism 'ddp'")
 
     s = top.section("checkpoint")
-    checkpoint = CheckpointConfig(s.location("dir"), s.int("interval_steps", lo=1), s.int("keep_last", lo=1))
+    checkpoint = CheckpointConfig(s.location("dir"), s.int("interval_steps", lo=1), s.int("keep_last", lo=1),
+                                  s.optional_int("max_host_bytes", lo=0))
     s.done()
 
     s = top.section("logging")

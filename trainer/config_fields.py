@@ -73,6 +73,10 @@ class Section:
         self._range(key, value, lo, hi)
         return value
 
+    def optional_int(self, key: str, lo: int | None = None) -> int | None:
+        """`int`, or None when ``key`` is absent."""
+        return self.int(key, lo) if key in self.obj else None
+
     def float(
         self, key: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
         hi_open: bool = False,

@@ -84,6 +84,7 @@ class AttemptClock:
         self.productive_steps = self.wasted_steps = 0
         self.first_step_at: float | None = None
         self.background_save_s = 0.0  # not a bucket: it overlaps the steps
+        self.staging: dict[str, Any] | None = None  # the checkpoint staging choice (trainer/host_memory.py)
         self._step_wait = self._mark = 0.0
         self._open: tuple[str, float] | None = None  # (bucket, perf_counter) of the step running on
         self._flushed = time.monotonic()  # when the record was last taken
@@ -210,6 +211,8 @@ class AttemptClock:
             "seconds": {k: round(v, 4) for k, v in self.seconds.items()},
             "background_save_s": round(self.background_save_s, 4),
         }
+        if self.staging is not None:
+            record["checkpoint_staging"] = self.staging
         if self.energy is not None:  # per kind and per GPU device (trainforge.trainer.energy)
             record.update(self.energy.record())
         return record

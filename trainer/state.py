@@ -24,7 +24,7 @@ import transformers
 
 from trainforge.storage import Location
 from trainforge.trainer import checkpoint as ckpt
-from trainforge.trainer import powersgd
+from trainforge.trainer import host_memory, powersgd
 from trainforge.trainer.adapters import adapter_base_sha256, check_adapter_base
 from trainforge.trainer.amp import Precision
 from trainforge.trainer.checkpoint_writer import CheckpointWriter, WriteResult, storage_addresses
@@ -231,12 +231,15 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
         t_stage = time.perf_counter()
         # FSDP's gathered full state is a private CPU copy already: only what aliases live state is copied.
         shared = _live_storages(par, optimizer) if par.kind == "fsdp" else None
-        staged = _writer.stage({"weights": weights, "optimizer": optimizer_state, "state": state,
-                                "rank_files": rank_files}, shared)
-        del weights, optimizer_state
+        tree = {"weights": weights, "optimizer": optimizer_state, "state": state, "rank_files": rank_files}
+        mode = host_memory.decide(_writer, cfg.checkpoint.max_host_bytes, tree, shared, clock, step)
+        staged = host_memory.unstaged(tree) if mode == "synchronous" else _writer.stage(tree, shared)
+        del weights, optimizer_state, tree
         path = _writer.submit(cfg.checkpoint.dir, step, staged["weights"], staged["optimizer"], staged["state"],
                               copy.deepcopy(meta), staged["rank_files"], cfg.checkpoint.keep_last,
                               on_written=_on_written(outcome), on_ended=_on_ended(clock))
+        if mode == "synchronous":  # the write reads the live state: training waits for it
+            _writer.join()
         staged_s = time.perf_counter() - t_stage
     final = step >= cfg.optim.max_steps
     if final:
@@ -244,20 +247,24 @@ def save(cfg: JobConfig, d: Dist, dataset: Dataset, par: Parallel, optimizer, am
     elif d.enabled:
         dist.barrier()  # every rank trains on once rank 0 holds its copy
     if d.rank == 0:
+        host_memory.note_phase(0, f"training after checkpoint step {step}")
         blocked_s = time.perf_counter() - t0
         if final:
             log.info("checkpoint %s written: training blocked %.2fs (the final save is awaited)", path, blocked_s)
+        elif mode == "synchronous":
+            log.info("checkpoint %s written synchronously: training blocked %.2fs (%.2fs waiting for the write "
+                     "before, %.2fs writing it)", path, blocked_s, waited_s, staged_s)
         else:
             log.info("checkpoint %s staged: training blocked %.2fs (%.2fs waiting for the write before, %.2fs "
                      "copying to host memory); writing in the background", path, blocked_s, waited_s, staged_s)
     return path
 
 
-def reserve_staging(d: Dist, par: Parallel, optimizer) -> None:
+def reserve_staging(d: Dist, par: Parallel, optimizer, max_host_bytes: int | None = None) -> None:
     """Rank 0 on CUDA, outside FSDP: pin the host buffers of the coming saves on a thread, so
-    that no save blocks for it. Called before the first step, whose compilation (seconds of CPU
-    work) the pinning overlaps; AdamW's state, not made before the first step, is reserved by
-    the shapes it will have (`_adamw_state_to_come`)."""
+    that no save blocks for it, where they fit (`host_memory.decide`). Called before the first
+    step, whose compilation (seconds of CPU work) the pinning overlaps; AdamW's state, not made
+    before the first step, is reserved by the shapes it will have (`_adamw_state_to_come`)."""
     global _writer
     if d.rank != 0 or d.device.type != "cuda" or par.kind == "fsdp":
         return
@@ -266,7 +273,9 @@ def reserve_staging(d: Dist, par: Parallel, optimizer) -> None:
     weights, optimizer_state = _state_to_stage(par, optimizer)
     if not optimizer.state:
         optimizer_state = _adamw_state_to_come(optimizer)
-    _writer.reserve_in_background({"weights": weights, "optimizer": optimizer_state})
+    tree = {"weights": weights, "optimizer": optimizer_state}
+    if host_memory.decide(_writer, max_host_bytes, tree, None, None, None) == "pinned":
+        _writer.reserve_in_background(tree)
 
 
 def _adamw_state_to_come(optimizer) -> dict:

@@ -155,7 +155,7 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
              ", ".join(f"{name} {t - prev:.1f}s" for (_, prev), (name, t) in zip(marks, marks[1:])))
 
     # Pin the saves' host buffers on a thread while the first step compiles (trainer/state.py).
-    reserve_staging(d, par, optimizer)
+    reserve_staging(d, par, optimizer, cfg.checkpoint.max_host_bytes)
     # system/* metrics of rank 0's machine while the steps run (trainforge.trainer.tracking)
     with (tracker.system_metrics(gpus=gpus) if tracker else nullcontext(), oom.named_oom(train, cfg, d),
           RecompileWatch(cfg.framework.compile_fallback) if par.compiled else nullcontext() as watch):

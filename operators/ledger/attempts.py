@@ -114,6 +114,7 @@ class TrainerBooks:
     flops_per_token: float | None
     background_save_s: float | None = None  # checkpoint writes beside the steps (no bucket); None: not recorded
     compiled: str | None = None  # how the steps ran (contract.COMPILE_MODES); None: not recorded
+    staging: str | None = None  # checkpoint staging (contract.STAGING_MODES), attempts' choices; None: none
 
 
 def sum_attempts(records: list[dict[str, Any]]) -> TrainerBooks:
@@ -140,7 +141,7 @@ def sum_attempts(records: list[dict[str, Any]]) -> TrainerBooks:
         last_record=float(last["recorded_at"]) if records else None,
         world_size=last.get("world_size"), device=last.get("device"),
         flops_per_token=last.get("flops_per_token"), background_save_s=sum(background) if background else None,
-        compiled=_compiled(records))
+        compiled=_compiled(records), staging=_staging(records))
 
 
 def _compiled(records: list[dict[str, Any]]) -> str | None:
@@ -150,3 +151,9 @@ def _compiled(records: list[dict[str, Any]]) -> str | None:
     if not modes or None in modes:
         return None
     return modes.pop() if len(modes) == 1 else "partly_eager"
+
+
+def _staging(records: list[dict[str, Any]]) -> str | None:
+    """The attempts' checkpoint staging modes, each once in order (None: no attempt saved)."""
+    modes = [rec["checkpoint_staging"]["mode"] for rec in records if isinstance(rec.get("checkpoint_staging"), dict)]
+    return ",".join(dict.fromkeys(modes)) or None

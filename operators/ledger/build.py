@@ -107,6 +107,8 @@ def build_ledger(spec: PipelineSpec, event: dict[str, Any], run_tags: dict[str, 
                 trainer.flops_per_token, trainer.device)
     if trainer.compiled is not None:  # what the throughput figures measured
         t[n.COMPILE_MODE] = trainer.compiled
+    if trainer.staging is not None:  # how checkpoints were kept while written (trainer/host_memory.py)
+        t[n.CHECKPOINT_STAGING] = trainer.staging
     _usage(ledger, spec, records, books.wall_s, price)  # the window goodput is over
     return ledger
 

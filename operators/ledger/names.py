@@ -36,6 +36,9 @@ measure: ``compiled``, ``eager``, or ``partly_eager`` (some eager steps, or atte
 CHECKPOINT_BACKGROUND_S = "checkpoint/background_write_s"
 """Seconds rank 0's writer thread spent writing checkpoints, summed over attempts; beside the buckets
 (the steps went on meanwhile, except while the final one was awaited), not one of them."""
+CHECKPOINT_STAGING = "checkpoint/staging"
+"""The tag saying how rank 0 kept checkpoints while they were written (contract.STAGING_MODES), each
+attempt's choice in order when they differ (``pageable,synchronous``)."""
 
 OOM_COUNT = "out_of_memory/count"
 """Tries that ended in a GPU out of memory (logged only when one did)."""

@@ -93,6 +93,10 @@ class OptimizationSection(SpecModel):
 class CheckpointSection(SpecModel):
     interval_steps: int = Field(ge=1, description="Save a checkpoint every this many steps.")
     keep_last: int = Field(3, ge=1, description="Checkpoints kept; the newest valid is never deleted.")
+    max_host_bytes: int | None = Field(
+        None, ge=0, description="Host memory (bytes) rank 0 may use to stage a checkpoint for its "
+        "background write; default: what the job's cgroup limit, else the machine, leaves. Pinned "
+        "when the state fits, pageable when only that fits, else a synchronous save (0: always).")
     uri: str = Field(
         "checkpoints",
         description="Root of checkpoint folders; a run writes under <uri>/<dag_id>/<run_id>/. A "

@@ -203,3 +203,19 @@ def test_a_bad_catalog_row_names_file_line_column_and_value(tmp_path):
     (tmp_path / "short.csv").write_text("cloud,instance_type\n")
     with pytest.raises(CatalogError, match="missing column"):
         load_catalog(tmp_path / "short.csv")
+
+
+def test_the_checkpoint_staging_of_each_attempt_is_a_tag():
+    spec = load_spec(DEMO)
+    event = {"handle": {}, "ended_at_epoch_s": 1072.0, "phases": {"queue_wait": 0.5}}
+    staged = {"mode": "pageable", "state_bytes": 10, "pinned_bytes": 16, "budget_bytes": 12,
+              "source": "cgroup v2 memory.max"}
+    records = [record(1000.0, 1002.5, 1030.0, productive=15.0) | {"checkpoint_staging": staged},
+               record(1040.0, 1043.0, 1070.0, productive=15.0) | {"checkpoint_staging": {**staged, "mode": "synchronous"}},
+               record(1071.0, 1072.0, 1074.0, productive=1.0)]  # no save in it
+    ledger = build_ledger(spec, event, tags_of(*records), choose_price(spec), task_started_s=998.0,
+                          now_s=1075.0, submitted_by_this_try=True)
+    assert ledger.tags[n.CHECKPOINT_STAGING] == "pageable,synchronous" == ledger.to_json()["tags"]["checkpoint/staging"]
+    assert n.CHECKPOINT_STAGING not in build_ledger(spec, event, tags_of(records[2]), choose_price(spec),
+                                                    task_started_s=998.0, now_s=1075.0,
+                                                    submitted_by_this_try=True).tags
