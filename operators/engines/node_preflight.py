@@ -1,8 +1,8 @@
 """Each node's check before its torchrun starts: the network interface to use, and whether the
 rendezvous can be reached at all, failing fast and permanently when it cannot.
 
-Run on every node of a multi-node job, in front of torchrun (the Slurm script's per-node
-preamble; the Ray launcher calls :func:`prepare` in each node's task)::
+Run on every node of a multi-node job before torchrun (the Slurm script's per-node preamble;
+the Ray launcher calls :func:`prepare` in each node's task)::
 
     python -m trainforge.engines.node_preflight --timeout 600 --node h1 -- \\
         python -m torch.distributed.run ... --rdzv-endpoint=10.0.0.10:29500 \\
@@ -10,19 +10,19 @@ preamble; the Ray launcher calls :func:`prepare` in each node's task)::
 
 1. The interface: the one this node's route to the rendezvous address leaves by
    (``ip -o route get ADDR``; without ``ip``, a UDP socket connected to it and the interface
-   holding its source address). ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` are set to it,
-   unless already set (the spec's ``env_vars`` or the node's environment): then the named
-   interfaces must exist here, and must not be loopback when the rendezvous is not.
+   holding its source address). ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` are set to it
+   when neither is set; a named one (the spec's ``env_vars`` or the node's environment) must
+   exist, be up, hold an address of the rendezvous' family and not be loopback when the
+   rendezvous is not, and names the other too (:mod:`trainforge.engines.socket_ifname`).
 2. The rendezvous: the node that hosts the c10d store (``is_host=true``) checks the address is
    its own (it can bind it); every other node connects over TCP, retrying until the store's
    host listens, within ``--timeout`` (``fault.startup_timeout``).
-3. Then torchrun is exec'd, its ``join_timeout`` cut to what is left of ``--timeout`` (the
-   store's host: a few seconds more, :data:`HOST_GRACE_S`): the whole start fails at the
-   configured timeout, not preflight plus a full join timeout (docs/slurm.md: why).
+3. Then torchrun is exec'd, its ``join_timeout`` what is left of ``--timeout`` (the store's host:
+   :data:`HOST_GRACE_S` more): the start fails at the configured timeout (docs/slurm.md: why).
 
-A failure prints one ``trainforge:`` line naming the node, the endpoint tried and the node's
-own address and interface, writes it as a ``bad_config`` result to ``$TRAINFORGE_RESULT_FILE``
-(unless a result is there already) and exits 78: a configuration error, never retried.
+A failure prints one ``trainforge:`` line (the node, the seconds it took, the endpoint, the node's
+address and interface), writes it as a ``bad_config`` result to ``$TRAINFORGE_RESULT_FILE``
+(unless one is there) and exits 78: a configuration error, never retried.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainforge.contract import EXIT_CONFIG, RESULT_FILE_ENV, STATUS_BAD_CONFIG
+from trainforge.engines.socket_ifname import (IFNAME_VARS, PreflightError, check_usable, check_user_ifname,
+                                              interfaces, is_loopback_interface, paired)
 
 MODULE = "trainforge.engines.node_preflight"
-IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 NODE_ENV = "TRAINFORGE_NODE"
 """Names this node in messages where ``--node`` is not given (the Slurm preamble sets it)."""
 DEFAULT_TIMEOUT_S = 600.0
@@ -59,23 +60,18 @@ reaching it: a node that cannot reach the rendezvous ends the job, with its mess
 configuration error), before the host's torchrun times out (a transient one)."""
 
 
-class PreflightError(Exception):
-    """The node cannot take part in the rendezvous; the message says why, in one line, and
-    ``net`` what the node had resolved by then."""
-
-    net: "Network | None" = None
-
-
 @dataclass
 class Network:
     """What a node resolved: the rendezvous ``host``/``address``/``port``, and its own
-    ``interface`` and ``own_address`` towards it (None where they could not be found)."""
+    ``interface`` and ``own_address`` towards it (None where they could not be found), and
+    ``notes`` on socket variables set to what the user did not name (socket_ifname.paired)."""
 
     host: str
     address: str
     port: int
     interface: str | None = None
     own_address: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
     def endpoint(self) -> str:
@@ -174,40 +170,6 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def interfaces() -> list[str]:
-    """The names of this node's network interfaces."""
-    return [name for _, name in socket.if_nameindex()]
-
-
-def is_loopback_interface(name: str) -> bool:
-    """Whether interface ``name`` is a loopback one (IFF_LOOPBACK in its flags)."""
-    try:
-        with open(f"/sys/class/net/{name}/flags", encoding="ascii") as fh:
-            return bool(int(fh.read().strip(), 16) & 0x8)
-    except (OSError, ValueError):
-        return name == "lo"
-
-
-def check_user_ifname(name: str, value: str, loopback_ok: bool) -> None:
-    """A user's ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` against this node's interfaces:
-    PreflightError when a named one is missing, or only loopback ones match and ``loopback_ok``
-    is false. NCCL's exclusion form (``^...``) is left to NCCL."""
-    here = interfaces()
-    if name == "NCCL_SOCKET_IFNAME" and value.startswith("^"):
-        return
-    exact = name == "GLOO_SOCKET_IFNAME" or value.startswith("=")
-    items = [i for i in value.lstrip("=").split(",") if i]
-    matched = {i: [n for n in here if (n == i if exact else n.startswith(i))] for i in items}
-    missing = [i for i, found in matched.items() if not found]
-    if missing and (exact or len(missing) == len(items)):
-        raise PreflightError(f"{name}={value} names {', '.join(missing)}, which this node does "
-                             f"not have (its interfaces: {', '.join(here)})")
-    used = [n for found in matched.values() for n in found]
-    if not loopback_ok and used and all(is_loopback_interface(n) for n in used):
-        raise PreflightError(f"{name}={value} is a loopback interface, which the other nodes "
-                             f"cannot reach")
-
-
 def reach(net: Network, is_host: bool, deadline: float) -> None:
     """The store's host: its address must be one of this node's. Every other node: a TCP
     connection to the endpoint, retried until ``deadline`` (time.monotonic)."""
@@ -235,13 +197,6 @@ def reach(net: Network, is_host: bool, deadline: float) -> None:
             last = (f"[Errno {err.errno}] {err.strerror or errno.errorcode.get(err.errno, '')}"
                     if err.errno else str(err) or type(err).__name__)
         time.sleep(min(RETRY_S, max(0.0, deadline - time.monotonic())))
-
-
-def socket_env(environ: Mapping[str, str], interface: str | None) -> dict[str, str]:
-    """The interface variables to set: each of :data:`IFNAME_VARS` not already set."""
-    if not interface:
-        return {}
-    return {name: interface for name in IFNAME_VARS if not environ.get(name)}
 
 
 def _option(argv: Sequence[str], name: str) -> tuple[int, str] | None:
@@ -296,14 +251,16 @@ def prepare(endpoint: str, is_host: bool, timeout_s: float, environ: Mapping[str
     loopback_ok = _is_loopback(net.address)
     try:
         net.interface, net.own_address = route(net.address)
-        for name in IFNAME_VARS:
+        usable = {}
+        for name in IFNAME_VARS:  # named: present, not loopback, up, an address of the family
             if environ.get(name):
                 check_user_ifname(name, environ[name], loopback_ok)
+                usable[name] = check_usable(name, environ[name], net.address, net.interface, ip_command())
+        env, net.notes = paired(environ, net.interface, usable)
         reach(net, is_host, started + timeout_s)
     except PreflightError as err:
         err.net = net
         raise
-    env = socket_env(environ, net.interface)
     local = environ.get("PET_LOCAL_ADDR")
     if local and not loopback_ok and net.own_address and _local_is_loopback(local):
         env["PET_LOCAL_ADDR"] = net.own_address  # a host name that maps to 127.0.1.1 here
@@ -317,12 +274,14 @@ def _local_is_loopback(name: str) -> bool:
         return False
 
 
-def failure(node: str, net: Network | None, endpoint: str, timeout_s: float, why: str) -> str:
-    """The one line a failed preflight prints."""
+def failure(node: str, net: Network | None, endpoint: str, timeout_s: float, why: str,
+            elapsed_s: float | None = None) -> str:
+    """The one line a failed preflight prints; ``elapsed_s``: how long it took (else the timeout)."""
     where = f"; {net.own}" if net else ""
-    return (f"preflight failed on node {node} within {round(timeout_s, 1):g} s "
-            f"(fault.startup_timeout), rendezvous {net.endpoint if net else endpoint}{where}: "
-            f"{why}")
+    took = (f"within {round(timeout_s, 1):g} s (fault.startup_timeout)" if elapsed_s is None else
+            f"after {elapsed_s:.1f} s (fault.startup_timeout {round(timeout_s, 1):g} s)")
+    return (f"preflight failed on node {node} {took}, rendezvous {net.endpoint if net else endpoint}"
+            f"{where}: {why}")
 
 
 def write_result(message: str, environ: Mapping[str, str]) -> None:
@@ -375,13 +334,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                            started)
     except (PreflightError, ValueError) as err:
         message = failure(args.node, getattr(err, "net", None), args.endpoint, args.timeout,
-                          str(err))
+                          str(err), time.monotonic() - started)
         print(f"trainforge: {message}", file=sys.stderr, flush=True)
         write_result(message, os.environ)
         return EXIT_CONFIG
     left = join_seconds(args.timeout, time.monotonic() - started, args.is_host == "true")
     command = with_join_timeout(args.command, left)
     set_ = " ".join(f"{k}={v}" for k, v in env.items()) or "nothing (set by the user)"
+    set_ += "".join(f" ({note})" for note in net.notes)
     print(f"trainforge: node {args.node} reaches the rendezvous {net.endpoint} from {net.own}; "
           f"set {set_}; torchrun's rendezvous must complete within {left} s (what is left of "
           f"fault.startup_timeout)", flush=True)

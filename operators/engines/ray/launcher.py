@@ -138,7 +138,7 @@ def run_node(node: int, nodes: int, key: str, config: str, argv: list[str],
         net, extra = node_preflight.prepare(endpoint, node == 0, timeout_s, env)
     except (node_preflight.PreflightError, ValueError) as err:
         message = node_preflight.failure(where, getattr(err, "net", None), endpoint, timeout_s,
-                                         str(err))
+                                         str(err), time.time() - ready_at)
         _say(message)
         node_preflight.write_result(message, env)
         return {"node": node, "address": address, "host": socket.gethostname(),

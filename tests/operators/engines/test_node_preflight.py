@@ -5,7 +5,10 @@ host reached (or not) within the timeout, and the exit and message of a failure.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -72,7 +75,7 @@ def test_the_route_sets_both_socket_variables_when_the_user_set_neither(listener
 def test_a_users_interface_is_kept(listener):
     port, _ = listener
     _, env = pf.prepare(f"127.0.0.1:{port}", False, 5, {"GLOO_SOCKET_IFNAME": "lo"})
-    assert env == {"NCCL_SOCKET_IFNAME": "lo"}
+    assert env == {"NCCL_SOCKET_IFNAME": "=lo"}  # the interface the user named, exactly
     _, env = pf.prepare(f"127.0.0.1:{port}", False, 5,
                         {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "^docker"})
     assert env == {}
@@ -142,7 +145,7 @@ def test_an_unreachable_endpoint_fails_permanently_within_the_timeout_naming_nod
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0, err  # one line
     for fragment in ("preflight failed on node h1 (node 1 of 2)", f"127.0.0.1:{port}",
-                     "its own address 127.0.0.1 on lo", "within 1.5 s",
+                     "its own address 127.0.0.1 on lo", "after 1.", "(fault.startup_timeout 1.5 s)",
                      "could not reach the rendezvous", "Connection refused"):
         assert fragment in err, (fragment, err)
     record = json.loads(result.read_text())
@@ -220,3 +223,55 @@ def test_a_command_without_rendezvous_is_a_usage_error(capsys):
         pf.main(["--timeout", "5", "--", "python", "train.py"])
     assert ended.value.code == 2
     assert "--rdzv-endpoint" in capsys.readouterr().err
+
+
+@pytest.fixture
+def namespace():
+    """A network namespace of this test's own with two veth pairs: ``tfd1`` up with 10.77.0.1/24
+    (the route to the rendezvous), ``tfd0`` down without an address (its peer ``tfp0`` up);
+    removed afterwards with its interfaces."""
+    ns = f"tf-pf-{os.getpid()}"
+    if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
+        pytest.skip("needs ip netns add (root, iproute2)")
+    try:
+        for step in (["link", "set", "lo", "up"], ["link", "add", "tfd1", "type", "veth", "peer", "name", "tfp1"],
+                     ["addr", "add", "10.77.0.1/24", "dev", "tfd1"], ["link", "set", "tfp1", "up"],
+                     ["link", "set", "tfd1", "up"], ["link", "add", "tfd0", "type", "veth", "peer", "name", "tfp0"],
+                     ["link", "set", "tfp0", "up"]):
+            subprocess.run(["ip", "-n", ns, *step], check=True, capture_output=True)
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _preflight_in(ns: str, **env: str) -> tuple[int, str, float]:
+    argv = ["ip", "netns", "exec", ns, sys.executable, "-m", pf.MODULE, "--timeout", "60", "--node", "hb",
+            "--endpoint", "10.77.0.1:29511", "--is-host", "true", "--", "env"]
+    clean = {k: v for k, v in os.environ.items() if k not in pf.IFNAME_VARS and k != "TRAINFORGE_RESULT_FILE"}
+    started = time.monotonic()
+    proc = subprocess.run(argv, env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - started
+
+
+def test_a_named_interface_that_is_down_or_without_an_address_fails_in_seconds_naming_it(namespace):
+    code, out, took = _preflight_in(namespace, GLOO_SOCKET_IFNAME="tfd0")
+    assert code == EXIT_CONFIG and took < 10, out
+    for fragment in ("preflight failed on node hb after ", "(fault.startup_timeout 60 s)", "GLOO_SOCKET_IFNAME=tfd0",
+                     "tfd0 is administratively down", "the route to it leaves by tfd1"):
+        assert fragment in out, (fragment, out)
+    subprocess.run(["ip", "-n", namespace, "link", "set", "tfp0", "down"], check=True)
+    subprocess.run(["ip", "-n", namespace, "link", "set", "tfd0", "up"], check=True)  # its peer down
+    code, out, _ = _preflight_in(namespace, GLOO_SOCKET_IFNAME="tfd0")
+    assert code == EXIT_CONFIG and "tfd0 is up without a carrier" in out, out
+    subprocess.run(["ip", "-n", namespace, "link", "set", "tfp0", "up"], check=True)
+    code, out, _ = _preflight_in(namespace, NCCL_SOCKET_IFNAME="=tfd0")
+    assert code == EXIT_CONFIG and "tfd0 has no IPv4 address" in out and "leaves by tfd1" in out, out
+
+
+def test_one_named_socket_variable_names_the_same_interface_for_both(namespace):
+    code, out, _ = _preflight_in(namespace, GLOO_SOCKET_IFNAME="tfd1")
+    assert code == 0 and "\nNCCL_SOCKET_IFNAME==tfd1\n" in out and "\nGLOO_SOCKET_IFNAME=tfd1\n" in out, out
+    assert "set NCCL_SOCKET_IFNAME==tfd1 (NCCL_SOCKET_IFNAME: the interfaces GLOO_SOCKET_IFNAME names)" in out
+    subprocess.run(["ip", "-n", namespace, "link", "set", "tfd0", "up"], check=True)  # up, no address
+    code, out, _ = _preflight_in(namespace, NCCL_SOCKET_IFNAME="tfd")  # a prefix: gloo gets the usable one
+    assert code == 0 and "\nGLOO_SOCKET_IFNAME=tfd1\n" in out and "\nNCCL_SOCKET_IFNAME=tfd\n" in out, out

@@ -6,6 +6,8 @@ left to itself, advertises 127.0.1.1 to its peer and the job never starts.
   interface of its route to the rendezvous (the hosts' ``eth0``);
 * a socket interface that no node has (``GLOO_SOCKET_IFNAME=eth9``) fails the job permanently at
   once, naming the node, the rendezvous address and port and the node's own address;
+* a named interface that is down on the hosts fails the job permanently in seconds, naming the
+  node, the interface and the route's interface (``eth0``);
 * the second host cannot reach the rendezvous port (its packets dropped): the job fails
   permanently within the startup timeout, with the same one-line message.
 
@@ -117,6 +119,29 @@ def test_an_interface_no_node_has_fails_permanently_at_once_naming_node_and_addr
     hosts.wait_nothing_left(JOB_WORDS)
 
 
+def test_a_named_interface_that_is_down_fails_permanently_in_seconds_naming_host_and_route(
+        tmp_path, cluster, dataset):
+    hosts, _ = cluster
+    for i in range(hosts.count):  # a veth pair left down, in each host's own network namespace
+        made = hosts.run(i, ["ip", "link", "add", "tfdown0", "type", "veth", "peer", "name", "tfdown1"])
+        assert made.returncode == 0, made.stderr
+    try:
+        backend = SlurmBackend(tmp_path / "runs")
+        job = _job(tmp_path, dataset, "down-ifname", env_vars={"GLOO_SOCKET_IFNAME": "tfdown0"})
+        started = time.monotonic()
+        status = _wait_end(backend, backend.submit(job), 120)
+        took = time.monotonic() - started
+    finally:
+        for i in range(hosts.count):
+            hosts.run(i, ["ip", "link", "del", "tfdown0"])
+    assert status.state is JobState.FAILED and status.failure is FailureKind.PERMANENT, status
+    assert took < STARTUP_TIMEOUT_S, (took, status)
+    for fragment in ("preflight failed on node h", "GLOO_SOCKET_IFNAME=tfdown0",
+                     "tfdown0 is administratively down", "the route to it leaves by eth0"):
+        assert fragment in status.message, (fragment, status.message)
+    hosts.wait_nothing_left(JOB_WORDS)
+
+
 def test_an_unreachable_rendezvous_fails_permanently_within_the_startup_timeout(
         tmp_path, cluster, dataset):
     hosts, _ = cluster
@@ -142,7 +167,7 @@ def test_an_unreachable_rendezvous_fails_permanently_within_the_startup_timeout(
     # Within the startup timeout of the job's start (and the poll and Slurm's teardown).
     assert took < STARTUP_TIMEOUT_S + 10, (took, status)
     message = status.message
-    for fragment in ("preflight failed on node h1 (node 1 of 2) within 20 s",
+    for fragment in ("preflight failed on node h1 (node 1 of 2) after ", "(fault.startup_timeout 20 s)",
                      f"rendezvous {hosts.address(0)}:{port}",
                      f"its own address {hosts.address(1)} on eth0",
                      "could not reach the rendezvous"):
