@@ -29,6 +29,7 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
+from trainforge.engines.host_oom import describe
 from trainforge.engines.jobfiles import read_json
 from trainforge.storage.files import atomic_write_json
 from trainforge.engines.launch import python_torchrun, rank_env, torchrun_argv
@@ -154,6 +155,9 @@ class LocalBackend(Backend):
             if exit_record.get("cancelled"):
                 return JobStatus(JobState.CANCELLED, "job was cancelled", rc, None, result, wall_s)
             message = (result or {}).get("message") or f"torchrun exited with code {rc}"
+            killed = describe(job_dir, [job_dir / "job.log"], exit_record.get("oom_kills"))
+            if killed:  # a rank the OOM killer (or another SIGKILL) ended: rank 0 may have said nothing
+                message = killed + (f"; the trainer said: {result['message']}" if (result or {}).get("message") else "")
             return JobStatus(JobState.FAILED, message, rc, failure_kind(rc, result), result,
                              wall_s)
         if self._supervisor_alive(job_dir):

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainforge.contract import cgroup_memory
 from trainforge.storage.files import atomic_write_json
 
 
@@ -33,6 +34,7 @@ def main(job_dir: str) -> int:
     env.update({k: v for k, v in request.get("env", {}).items() if k not in secret})
     cancelled = {"signal": None}
     started = time.time()
+    cgroup = cgroup_memory(os.getpid())  # its OOM kills while the job runs name a rank's end
     with open(root / "job.log", "ab", buffering=0) as log:
         child = subprocess.Popen(
             request["argv"],
@@ -61,8 +63,17 @@ def main(job_dir: str) -> int:
             "signal": cancelled["signal"],
             "started_at": started,
             "ended_at": time.time(),
+            **_oom_kills(cgroup),
         }, sort_keys=True)
     return 0
+
+
+def _oom_kills(before: dict | None) -> dict:
+    """``{"oom_kills", "cgroup"}``: the OOM kills counted in this process's cgroup since ``before``."""
+    after = cgroup_memory(os.getpid())
+    if before is None or after is None or None in (before["oom_kills"], after["oom_kills"]):
+        return {}
+    return {"oom_kills": after["oom_kills"] - before["oom_kills"], "cgroup": after["dir"]}
 
 
 if __name__ == "__main__":

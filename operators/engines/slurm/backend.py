@@ -43,6 +43,7 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
+from trainforge.engines.host_oom import describe
 from trainforge.engines.jobfiles import read_json
 from trainforge.storage.files import atomic_write_json
 from trainforge.engines.slurm.client import (
@@ -248,11 +249,12 @@ class SlurmBackend(Backend):
                              f"{exit_code}): {describe(loss)}"
                              + (f"; the trainer said: {said}" if said else ""),
                              exit_code, kind, result, wall_s)
-        detail = (result or {}).get("message") or {
+        oom = describe(job_dir, [job_dir / LOG_NAME, *sorted((job_dir / "ranks").glob("node-*.log"))],
+                       oom_state=state if state == "OUT_OF_MEMORY" else None)  # a rank the OOM killer ended
+        detail = oom or (result or {}).get("message") or {
             "TIMEOUT": "it reached its time limit (fault.run_timeout)",
             "NODE_FAIL": "a node failed under it",
             "PREEMPTED": "it was preempted by a higher-priority job",
-            "OUT_OF_MEMORY": "a node ran out of memory (raise resources.memory_gib)",
             "BOOT_FAIL": "a node failed to boot",
         }.get(state) or f"see {job_dir / LOG_NAME}"
         return JobStatus(JobState.FAILED, f"Slurm job {job_id} {state} (exit code {exit_code}): "
