@@ -10,8 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
+from tests.conftest import skip_without
 from trainforge.contract import cgroup_memory
 
 
@@ -27,15 +26,15 @@ def memory_cgroup(limit_bytes: int) -> Iterator[Path]:
     every process in it (the test's own children) is SIGKILLed and the cgroup removed."""
     mem = cgroup_memory()
     if mem is None:
-        pytest.skip("no memory cgroup can be read (/proc/self/cgroup with v2 memory.max or v1 memory)")
+        skip_without("cgroup", "no memory cgroup can be read from /proc/self/cgroup")
     folder = Path(mem["dir"]) / f"trainforge-test-{uuid.uuid4().hex[:8]}"
     try:
         folder.mkdir()
     except OSError as err:
-        pytest.skip(f"cannot make a memory cgroup under {mem['dir']} ({err}): needs root and a writable cgroup")
+        skip_without("cgroup", f"cannot make one under {mem['dir']}: {err}")
     try:
         if not limit_file(folder).exists():
-            pytest.skip(f"{mem['dir']} does not delegate the memory controller to its children")
+            skip_without("cgroup", f"{mem['dir']} does not delegate the memory controller to its children")
         limit_file(folder).write_text(str(limit_bytes))
         yield folder
     finally:

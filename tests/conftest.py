@@ -37,6 +37,10 @@ PREREQUISITES = {
                 "(where the project's shared envtest folder is there: "
                 "KUBEBUILDER_ASSETS=$(../shared/envtest/assets), as .ci/run does); "
                 "export TRAINFORGE_ENVTEST_CRDS=a folder of the CRD files docs/kubernetes.md#tests lists"),
+    "cgroup": ("a memory cgroup this test can create (root; cgroup v2 with the memory controller "
+               "delegated, or v1's memory hierarchy)",
+               "run as root where /sys/fs/cgroup is writable (not in an unprivileged container), "
+               "e.g. sudo -E .venv/bin/pytest tests/trainer/test_host_memory.py"),
     "hosts": ("root and iproute2 for test hosts (network namespaces, veth pairs, tc)",
               "sudo apt-get install -y --no-install-recommends iproute2, then run as root, "
               "e.g. sudo -E .venv/bin/pytest -m multihost"),

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.conftest import skip_without
 from trainforge.contract import EXIT_CONFIG, STATUS_BAD_CONFIG
 from trainforge.engines import node_preflight as pf
 
@@ -232,7 +233,7 @@ def namespace():
     removed afterwards with its interfaces."""
     ns = f"tf-pf-{os.getpid()}"
     if subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode != 0:
-        pytest.skip("needs ip netns add (root, iproute2)")
+        skip_without("hosts", "ip netns add failed")
     try:
         for step in (["link", "set", "lo", "up"], ["link", "add", "tfd1", "type", "veth", "peer", "name", "tfp1"],
                      ["addr", "add", "10.77.0.1/24", "dev", "tfd1"], ["link", "set", "tfp1", "up"],
