@@ -26,6 +26,11 @@ import shutil
 import sys
 from pathlib import Path
 
+from trainforge.trainer.startup import import_llama
+
+if __name__ == "__main__":  # the program only: transformers without what it never uses (trainer/startup.py)
+    import_llama()
+
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerFast
 

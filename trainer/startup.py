@@ -1,6 +1,6 @@
 """What the trainer program does to reach its first step sooner; nothing here changes training.
 
-`import_llama` (called by the trainer program only) imports transformers' Llama with the optional
+`import_llama` (called by the trainer, validator and exporter programs only) imports transformers' Llama with the optional
 packages that transformers probes for at import time but training never uses (`UNUSED_BY_TRAINING`)
 hidden, so transformers does not load them; it must never hide a package the trainer uses. `process_started_at` is the process's
 start on the wall clock, to the kernel's tick. Why and what it saves: docs/trainer.md, "Startup".
@@ -20,8 +20,10 @@ log = logging.getLogger(__name__)
 
 #: Imported by transformers only when installed, and used only off the training path: scikit-learn
 #: by assisted generation (``generation/candidate_generator.py``: ``roc_curve``), SciPy by the
-#: object-detection losses (``linear_sum_assignment``). scikit-learn brings SciPy and pandas.
-UNUSED_BY_TRAINING = ("sklearn", "scipy")
+#: object-detection losses (``linear_sum_assignment``), torchao by its quantizer registry (loading
+#: torchao-quantized checkpoints; the trainer's own fp8 imports torchao itself, trainer/float8.py).
+#: scikit-learn brings SciPy and pandas.
+UNUSED_BY_TRAINING = ("sklearn", "scipy", "torchao")
 #: The module whose import loads transformers' model machinery (generation, masks, auto classes).
 LLAMA_MODULE = "transformers.models.llama.modeling_llama"
 

@@ -28,6 +28,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainforge.trainer.startup import import_llama
+
+if __name__ == "__main__":  # the program only: transformers without what it never uses (trainer/startup.py)
+    import_llama()
+
 import safetensors.torch
 import torch
 

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from trainforge.trainer.startup import hidden, import_llama, process_started_at
+from trainforge.trainer.startup import UNUSED_BY_TRAINING, hidden, import_llama, process_started_at
 
 
 @pytest.fixture
@@ -67,13 +67,16 @@ def test_process_start_is_the_kernels_not_a_second_early():
     assert -0.05 <= started - psutil.Process().create_time() <= 1.05
 
 
-def test_the_trainer_program_imports_transformers_without_unused_packages():
+@pytest.mark.parametrize("program", ["train", "validate", "export"])
+def test_each_trainer_program_imports_transformers_without_unused_packages(program):
     code = ("import runpy, sys\n"
-            "sys.argv = ['train', '--help']\n"
+            f"sys.argv = [{program!r}, '--help']\n"
             "try:\n"
-            "    runpy.run_module('trainforge.trainer.train', run_name='__main__')\n"
+            f"    runpy.run_module('trainforge.trainer.{program}', run_name='__main__')\n"
             "except SystemExit:\n"
             "    pass\n"
-            "print(sorted({'sklearn', 'scipy'} & set(sys.modules)))\n")
+            f"print(sorted({set(UNUSED_BY_TRAINING)!r} & set(sys.modules)),\n"
+            "      'transformers.modeling_utils' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip().splitlines()[-1] == "[]", f"the trainer imported {out} (trainer/startup.py: UNUSED_BY_TRAINING)"
+    # the program imported transformers' model code, and none of what it never uses
+    assert out.strip().splitlines()[-1] == "[] True", f"{program}: {out} (trainer/startup.py: UNUSED_BY_TRAINING)"
