@@ -43,7 +43,7 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
-from trainforge.engines.host_oom import describe
+from trainforge.engines import host_oom
 from trainforge.engines.jobfiles import read_json
 from trainforge.storage.files import atomic_write_json
 from trainforge.engines.slurm.client import (
@@ -249,7 +249,7 @@ class SlurmBackend(Backend):
                              f"{exit_code}): {describe(loss)}"
                              + (f"; the trainer said: {said}" if said else ""),
                              exit_code, kind, result, wall_s)
-        oom = describe(job_dir, [job_dir / LOG_NAME, *sorted((job_dir / "ranks").glob("node-*.log"))],
+        oom = host_oom.describe(job_dir, [job_dir / LOG_NAME, *sorted((job_dir / "ranks").glob("node-*.log"))],
                        oom_state=state if state == "OUT_OF_MEMORY" else None)  # a rank the OOM killer ended
         detail = oom or (result or {}).get("message") or {
             "TIMEOUT": "it reached its time limit (fault.run_timeout)",
