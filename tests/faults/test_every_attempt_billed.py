@@ -197,9 +197,12 @@ def test_a_sigkilled_attempt_is_billed_in_the_final_ledger_over_one_window(tmp_p
         assert len(steps) == len(set(steps)), (key, steps)
     assert sorted(x.step for x in hook.client.get_metric_history(run_id, n.GOODPUT)) == [1, 2]
     assert tags[n.TRY] == "2"
-    # No stale tag: the run's ledger tags are exactly try 2's ledger's.
-    own = {k: v for k, v in tags.items() if k.split("/")[0] in ("ledger", "energy", "cost")}
+    # No stale tag: the run's ledger tags are exactly try 2's ledger's (its own prefixes, and the
+    # compile/mode and checkpoint/staging it writes over every attempt).
+    own = {k: v for k, v in tags.items()
+           if k.split("/")[0] in ("ledger", "energy", "cost") or k in ledger["tags"]}
     assert own == ledger["tags"]
+    assert {n.COMPILE_MODE, n.CHECKPOINT_STAGING} <= set(ledger["tags"])
     assert n.unknown_tag("queue_wait") not in tags
 
 
