@@ -38,7 +38,7 @@ def render_job_config(
     ``distributed.world_size_change`` only when it is not the default ``continue``,
     ``framework.compile_fallback`` only when not ``error`` and ``data.packing`` only when true,
     so configs of specs without them are unchanged. ``retry``: how this try runs unlike the spec
-    (``{"micro_batch_size": m}`` after an out of memory: trainforge.tasks.train_oom), when given.
+    (``{"micro_batch_size": m}`` after an out of memory: trainforge.oom_retry), when given.
     ``pretrained``: the resolved ``model.pretrained`` (trainforge.model_source,
     ``ResolvedModel.job_section()``), required when the spec sets it; the model section is then
     the reduced one of the contract.

@@ -62,7 +62,7 @@ def try_ended(record: dict[str, Any] | None, try_number: int, task_started_s: fl
     disruption = event_disruption(event)
     if disruption is not None:  # e.g. the node a node_loss took (trainforge.ledger.disruptions)
         out["disruption"] = disruption
-    if event.get("oom"):  # a GPU out of memory and the retry's micro-batch (trainforge.tasks.train_oom)
+    if event.get("oom"):  # a GPU out of memory and the retry's micro-batch (trainforge.oom_retry)
         out["oom"] = event["oom"]
     return out
 

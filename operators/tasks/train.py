@@ -20,7 +20,7 @@ worker slot, cancel on kill: docs/faults.md, "The launch, inside"). This task ad
   ``training.fault.on_oom`` (docs/faults.md, "Training (cluster side)");
 * on success: the final step, tokens and loss, and the accounting over the ledger's window, as
   metrics and XCom; and at every outcome the ledger over every try so far — goodput, badput
-  buckets, GPU-hours, energy, cost (trainforge.ledger; logged by trainforge.tasks.train_ledger,
+  buckets, GPU-hours, energy, cost (trainforge.ledger; logged by trainforge.train_ledger,
   each try's start recorded when it has its job). The price is chosen before the job is launched: a
   spec naming no catalog row fails the task without retries.
 """
@@ -44,9 +44,9 @@ from trainforge.pipeline.stages import stage_folder, stage_init_from, stage_spec
 from trainforge.storage.s3 import make_client
 from trainforge.init_from import InitSourceError, registered_init
 from trainforge.tasks.prepare_data import connection_s3_client
-from trainforge.tasks.train_ledger import (ledger_dir, ledger_env, record_ledger,
+from trainforge.train_ledger import (ledger_dir, ledger_env, record_ledger,
                                            record_try_started, task_records)
-from trainforge.tasks.train_oom import oom_policy, retry_section
+from trainforge.oom_retry import oom_policy, retry_section
 
 MAX_TAG_CHARS = 5000  # MLflow's tag value limit is 8000 characters
 
@@ -365,7 +365,7 @@ class TrainOperator(ClusterJobOperator):
 
     def _record_ledger(self, context: Any, spec: PipelineSpec, event: dict[str, Any],
                        parent: str) -> Ledger | None:
-        """The job's ledger over every try so far, logged (trainforge.tasks.train_ledger); None
+        """The job's ledger over every try so far, logged (trainforge.train_ledger); None
         when it could not be: never fails the task, the training it describes succeeded."""
         try:
             ti = context["ti"]

@@ -22,7 +22,7 @@ from trainforge.hooks.mlflow import MlflowHook
 from trainforge.ledger import names as n
 from trainforge.pipeline import load_spec
 from trainforge.tasks.train import TrainOperator
-from trainforge.tasks.train_ledger import ledger_dir
+from trainforge.train_ledger import ledger_dir
 from trainforge.trainer.goodput import AttemptClock
 
 pytestmark = [pytest.mark.integration]

@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from trainforge.contract import FailureKind, failure_kind
 from trainforge.ledger.tries import oom_figures, try_ended
-from trainforge.tasks.train_oom import oom_policy, retry_section
+from trainforge.oom_retry import oom_policy, retry_section
 from trainforge.trainer import oom, optim, state
 from trainforge.trainer import train as train_module
 from trainforge.trainer.config import parse_job_config

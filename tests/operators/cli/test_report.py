@@ -18,7 +18,7 @@ from trainforge.ledger import names as n
 from trainforge.ledger.catalog import choose_price
 from trainforge.ledger.read import ledger_figures, ledger_line
 from trainforge.pipeline import load_spec
-from trainforge.tasks.train_ledger import record_ledger
+from trainforge.train_ledger import record_ledger
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import time
 
 from trainforge.contract import LEDGER_DIR_ENV, LEDGER_TAG_PREFIX
 from trainforge.ledger.attempts import attempt_records, folder_records, merge_records
-from trainforge.tasks.train_ledger import ledger_dir, ledger_env, task_records
+from trainforge.train_ledger import ledger_dir, ledger_env, task_records
 from trainforge.trainer.goodput import AttemptClock
 
 

@@ -1,4 +1,4 @@
-"""The ledger over every try (operators/tasks/train_ledger.py, operators/ledger/tries.py).
+"""The ledger over every try (operators/train_ledger.py, operators/ledger/tries.py).
 
 Against a real MLflow server: a stage's first try fails before its trainer wrote any attempt
 record (energy estimated with reasons, buckets unknown, cost partial); its retry's attempt
@@ -21,7 +21,7 @@ from trainforge.ledger.build import build_ledger
 from trainforge.ledger.catalog import Price
 from trainforge.ledger.tries import earlier_tries, try_ended, try_records, try_started
 from trainforge.pipeline import load_spec, validate_overrides
-from trainforge.tasks.train_ledger import record_ledger, record_try_started, stale_tags
+from trainforge.train_ledger import record_ledger, record_try_started, stale_tags
 
 DEMO = Path(__file__).resolve().parents[3] / "dags" / "pipelines" / "shakespeare_llm.yaml"
 PRICE = Price("USD", "test", "2026-01-01", per_gpu_hour=2.0, per_cpu_core_hour=0.05)

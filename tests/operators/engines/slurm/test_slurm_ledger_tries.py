@@ -28,7 +28,7 @@ from trainforge.ledger import names as n
 from trainforge.ledger.attempts import attempt_records, job_dir_records, merge_records
 from trainforge.ledger.build import build_ledger
 from trainforge.pipeline import load_spec
-from trainforge.tasks.train_ledger import ledger_dir, ledger_env, task_records
+from trainforge.train_ledger import ledger_dir, ledger_env, task_records
 from tests.faults.faultlib import wait_for
 from tests.slurm_cluster import slurm_cluster  # noqa: F401 - the session's Slurm cluster
 from tests.trainer.conftest import REPO_ROOT, build_dataset, make_job
