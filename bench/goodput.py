@@ -39,9 +39,11 @@ sys.path.insert(0, str(ROOT))
 DEMO_SPEC = ROOT / "dags" / "pipelines" / "shakespeare_llm.yaml"
 # "[default0]:2026-11-29 22:24:19,196 rank0 INFO trainforge.trainer.train: step 70/400 | loss ..."
 STEP_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO "
-                       r"trainforge\.trainer\.train: step (\d+)/\d+ \|")
+                       r"trainforge\.trainer\.train: step (\d+)/\d+ \|(?:.*\| tok/s (\d+) \|)?")
+# "... model: 6451200 parameters; 400 steps of 8 sequences x 128 tokens (micro ..."
 ATTEMPT_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) rank0 INFO "
-                          r"trainforge\.trainer\.train: model: \d+ parameters")
+                          r"trainforge\.trainer\.train: model: \d+ parameters"
+                          r"(?:; \d+ steps of (\d+) sequences x (\d+) tokens)?")
 
 
 @dataclass
@@ -49,19 +51,26 @@ class StepEvent:
     t: float  # UNIX seconds when rank 0 logged the step (the step's end)
     step: int
     attempt: int
+    own_s: float | None = None
+    """The step's own time from its ``tok/s`` (steps logged every step): what the step took
+    after the previous line's logging or checkpoint, where the gap between lines says more."""
 
 
 def parse_log(text: str) -> list[StepEvent]:
     """Rank 0's step lines, numbered by attempt (a new attempt starts at each ``model:`` line)."""
-    events, attempt = [], 0
+    events, attempt, tokens_per_step = [], 0, None
     for line in text.splitlines():
-        if ATTEMPT_LINE.search(line):
+        started = ATTEMPT_LINE.search(line)
+        if started:
             attempt += 1
+            tokens_per_step = int(started[2]) * int(started[3]) if started[2] else None
             continue
         match = STEP_LINE.search(line)
         if match:
             stamp = dt.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-            events.append(StepEvent(stamp, int(match[2]), attempt))
+            rate = int(match[3]) if match[3] else 0
+            own = tokens_per_step / rate if tokens_per_step and rate > 0 else None
+            events.append(StepEvent(stamp, int(match[2]), attempt, own))
     return events
 
 
@@ -86,13 +95,15 @@ def measure(events: list[StepEvent], kills: list[float], checkpoint_every: int) 
         first_after = after[0]
         if first_after.attempt == before[-1].attempt:
             continue  # the kill landed after the last step (the job was ending)
-        restarts.append(first_after.t - step_s - kill)
+        restarts.append(first_after.t - _unmeasured(first_after, step_s) - kill)
         beyond = next((e for e in after if e.step > newest), None)
         if beyond is not None:
             recoveries.append(beyond.t - kill)
 
-    # Productive time: each step's surviving execution (the last one logged), at most one step
-    # time (a step that followed a checkpoint or a restart counts as one step time).
+    # Productive time: each step's surviving execution (the last one logged), line to line as
+    # the run ledger counts it (a step slowed by a busy machine is still step time). A step that
+    # followed a checkpoint or a restart has no gap to measure: its own time from its tok/s, or
+    # one step time when its line has none.
     last_of: dict[int, StepEvent] = {}
     for e in events:
         last_of[e.step] = e
@@ -100,10 +111,10 @@ def measure(events: list[StepEvent], kills: list[float], checkpoint_every: int) 
     for step, e in last_of.items():
         prev = last_of.get(step - 1)
         if prev is not None and prev.attempt == e.attempt and prev.step % checkpoint_every:
-            productive += min(e.t - prev.t, step_s * 3)
+            productive += e.t - prev.t
         else:
-            productive += step_s
-    wall = events[-1].t - (events[0].t - step_s)
+            productive += _unmeasured(e, step_s)
+    wall = events[-1].t - (events[0].t - _unmeasured(events[0], step_s))
     n_kills = len(restarts)
     mtbf = wall / n_kills if n_kills else float("inf")
     restart_s = statistics.mean(restarts) if restarts else 0.0
@@ -119,6 +130,13 @@ def measure(events: list[StepEvent], kills: list[float], checkpoint_every: int) 
         "goodput": goodput, "goodput_bound": bound,
         "ratio": goodput / bound if bound > 0 else None,
     }
+
+
+def _unmeasured(event: StepEvent, step_s: float) -> float:
+    """The time of a step no gap between lines measures (the first of an attempt, the one after a
+    checkpoint): its own time from its line, else the median step time. The first step of an
+    attempt warms up (first collectives, allocations) and often takes several step times."""
+    return event.own_s if event.own_s is not None else step_s
 
 
 def ledger_side(job_dir: Path, measured: dict) -> dict:

@@ -184,6 +184,22 @@ class AttemptClock:
             self.seconds[bucket] += max(0.0, time.perf_counter() - since - seconds)
             self._open = (bucket, time.perf_counter())
 
+    def flush(self, tracker: Any = None, saved_s: float | None = None) -> None:
+        """The record as of now to the job folder and to ``tracker``'s run (``set_tags``). After a
+        checkpoint, ``saved_s`` its blocking seconds: writing its record is checkpoint time too."""
+        t0 = time.perf_counter()
+        if saved_s is not None:
+            self.saved(saved_s)
+        tags = self.snapshot()
+        if tracker is not None:
+            tracker.set_tags(tags)
+        if saved_s is not None:
+            self.saved(time.perf_counter() - t0)
+
+    def loop_ended(self) -> None:
+        """The steps are over: what follows (stopping the loop's helpers) is no step's time."""
+        self._close_step()
+
     def saved_in_background(self, seconds: float) -> None:
         """A checkpoint write on the writer thread took ``seconds`` (called on that thread)."""
         self.background_save_s += seconds

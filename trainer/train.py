@@ -219,16 +219,17 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                                         tags=ledger_tags | (watch.tags() if watch else {}))
                 t_window, steps_in_window = time.perf_counter(), 0
             elif clock and clock.flush_due():  # a SIGKILL loses at most a few seconds of the record
-                _flush(clock, tracker)
+                clock.flush(tracker)
             if step % cfg.checkpoint.interval_steps == 0 or step == o.max_steps:
                 t_save = time.perf_counter()
                 with sigterm_deferred():  # the blocking part: the write goes on in the background
                     save(cfg, d, dataset, par, optimizer, amp, step, tokens_seen, accum, metrics, world_sizes,
                          outcome=out, clock=clock)  # out.last_checkpoint: set once the checkpoint is complete
                 if clock:
-                    clock.saved(time.perf_counter() - t_save)
-                    _flush(clock, tracker)
+                    clock.flush(tracker, saved_s=time.perf_counter() - t_save)
                 t_window, steps_in_window = time.perf_counter(), 0  # checkpoint time is not training throughput
+        if clock:
+            clock.loop_ended()
     if step > o.max_steps:
         log.warning("resumed at step %d, past optim.max_steps=%d: nothing to train", step, o.max_steps)
     if watch:
@@ -269,13 +270,6 @@ def _loss_tokens(batches: list[tuple[torch.Tensor, ...]], d: Dist) -> int:
     if d.enabled:
         dist.all_reduce(count)
     return int(count.item())
-
-
-def _flush(clock: AttemptClock, tracker: MlflowTracker | None) -> None:
-    """Rank 0's attempt record as of now, to the job folder and the run (trainer/goodput.py)."""
-    ledger_tags = clock.snapshot()
-    if tracker:
-        tracker.set_tags(ledger_tags)
 
 
 def _attempt_clock(cfg: JobConfig, d: Dist, model: torch.nn.Module, n_params: int,

@@ -85,3 +85,28 @@ def test_the_ledger_of_the_same_timeline_agrees_with_the_measurement():
     assert ledger.metrics[n.DISRUPTIONS] == out["kills"] == 1
     # failure -> restarted first step; the last record came 0.25 s before the kill
     assert ledger.metrics[n.RECOVERY_MAX_S] == pytest.approx(out["restart_R_s"] + 0.25, abs=0.01)
+
+
+def test_a_step_without_a_gap_to_measure_takes_its_own_time_from_its_tok_s():
+    # 2 x 4000 tokens a step; steps of 1 s (8000 tok/s), but each attempt's first step warms up
+    # for 3 s (2667 tok/s): the gap to the line before it does not exist or spans the restart.
+    def step(t, n, seconds):
+        return _line(t, f"step {n}/20 | loss 1.0 | lr 1e-3 | grad_norm 1.0 "
+                        f"| tok/s {8000 / seconds:.0f} | loss_tokens 8000")
+
+    model = "model: 100 parameters; 20 steps of 2 sequences x 4000 tokens (micro 1 x world 2 x accum 1)"
+    lines, t = [_line(0, model)], 0.0
+    for n in range(1, 11):
+        t += 3.0 if n == 1 else 1.0
+        lines.append(step(t, n, 3.0 if n == 1 else 1.0))
+    kill = t + 0.5
+    t = kill + 4.0
+    lines.append(_line(t, model))
+    for n in range(11, 21):
+        t += 3.0 if n == 11 else 1.0
+        lines.append(step(t, n, 3.0 if n == 11 else 1.0))
+    out = measure(parse_log("\n".join(lines)), [(T0 + dt.timedelta(seconds=kill)).timestamp()], 100)
+    assert out["step_s"] == pytest.approx(1.0)
+    assert out["productive_s"] == pytest.approx(24.0, abs=0.01)  # 18 x 1 s + 2 x 3 s
+    assert out["wall_s"] == pytest.approx(t, abs=0.01)  # from the first step's start
+    assert out["restart_R_s"] == pytest.approx(4.0, abs=0.01)  # kill to the first step's start

@@ -139,3 +139,26 @@ def test_a_flush_is_due_every_few_seconds_and_replaces_the_record_whole(tmp_path
     second = json.loads(clock.file.read_text())
     assert (first["step"], second["step"]) == (1, 2) and second["recorded_at"] > first["recorded_at"]
     assert [p.name for p in clock.file.parent.iterdir()] == [clock.file.name]  # no temporary left
+
+
+def test_a_checkpoints_record_is_save_time_and_after_the_last_step_nothing_is_productive():
+    class SlowRun:  # an MLflow run that takes 0.2 s to take the tags
+        tags: dict = {}
+
+        def set_tags(self, tags):
+            time.sleep(0.2)
+            self.tags = tags
+
+    clock = AttemptClock(world_size=1, tokens_per_step=8, flops_per_token=10, device="cpu")
+    clock.loop_started()
+    clock.step_started()
+    clock.step_done(1)
+    run = SlowRun()
+    clock.flush(run, saved_s=0.1)  # the checkpoint took 0.1 s, then its record is written
+    assert run.tags and clock.seconds["save"] >= 0.3
+    clock.step_started()
+    clock.step_done(2)
+    clock.loop_ended()
+    time.sleep(0.2)  # stopping the loop's helpers
+    rec = clock.record(final=True)
+    assert rec["seconds"]["productive"] < 0.1 and rec["seconds"]["save"] == pytest.approx(0.3, abs=0.05)
