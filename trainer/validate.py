@@ -25,10 +25,11 @@ import hashlib
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from trainforge.trainer.startup import import_llama
+from trainforge.trainer.startup import import_llama, process_started_at
 
 if __name__ == "__main__":  # the program only: transformers without what it never uses (trainer/startup.py)
     import_llama()
@@ -118,7 +119,8 @@ def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_
     r = _Report()
     report: dict[str, Any] = {"format": REPORT_FORMAT, "ok": False, "checkpoint": str(step_dir), "step": None,
                               "checkpoint_digest": None, "dataset_digest": dataset.digest, "checks": r.checks,
-                              "metrics": {}, "sample": None, "integrity_failures": r.integrity_failures}
+                              "metrics": {}, "sample": None, "integrity_failures": r.integrity_failures,
+                              "seconds": {"evaluation": 0.0, "sample": 0.0}}
 
     manifest_ok = False
     try:
@@ -175,6 +177,7 @@ def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_
         r.skip("sample", "no model with the checkpoint's weights")
     else:
         model.to(device).eval()
+        t0 = time.perf_counter()
         try:
             metrics = evaluate(model, dataset, cfg.data.sequence_length, max_eval_tokens, eval_batch_size, device)
             # JSON has no NaN/Infinity: a non-finite metric is reported as null.
@@ -185,12 +188,14 @@ def validate_checkpoint(step_dir: str | Path, dataset_dir: str | Path, max_eval_
                   "bytes estimated from the split's bytes_utf8/tokens ratio", damaged=True)
         except TrainerError as err:  # the split is too short: the dataset's fault, not the checkpoint's
             r.add("eval", False, str(err))
+        t1 = time.perf_counter()
         try:
             report["sample"] = {"prompt": prompt, "text": greedy_sample(model, dataset, prompt, max_new_tokens,
                                                                         cfg.data.sequence_length, device)}
             r.add("sample", True, f"greedy, up to {max_new_tokens} new tokens; 'text' is the continuation")
         except Exception as err:  # tokenizer or generation failure must not hide the other checks
             r.add("sample", False, f"{type(err).__name__}: {err}")
+        report["seconds"] = {"evaluation": round(t1 - t0, 3), "sample": round(time.perf_counter() - t1, 3)}
     report["ok"] = all(c["ok"] for c in r.checks)
     return report
 
@@ -275,6 +280,8 @@ def validate_checkpoints(checkpoints_dir: str | Path, dataset_dir: str | Path, p
             best = passing[-1] if passing else len(reports) - 1
         top = dict(reports[best])
         top["quarantined_to"] = summaries[best]["quarantined_to"]
+        top["seconds"] = {k: round(sum(rep["seconds"][k] for rep in reports), 3)  # every candidate's
+                          for k in ("evaluation", "sample")}
     top.update(policy=policy, candidates=summaries, quarantined=moved,
                expectations=(expect or Expectations()).as_dict())
     return top
@@ -292,6 +299,7 @@ def _validate_one(step_dir: Location, dataset_dir: str | Path, expect: Expectati
 
 
 def main(argv: list[str] | None = None) -> int:
+    entered = time.time()
     p = argparse.ArgumentParser(prog="python -m trainforge.trainer.validate", description="Validate trainforge checkpoints.")
     p.add_argument("--checkpoints", required=True, help="folder holding step-XXXXXXXX/ checkpoints")
     p.add_argument("--step", type=int, help="validate this step (policy newest; default: newest with a manifest)")
@@ -321,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:  # quarantine failed: report what we know, fail
         print(f"trainforge.trainer.validate: {err}", file=sys.stderr)
         return 1
+    _account(report, entered)
     atomic_write_json(args.report, report)
     for c in report["checks"]:
         print(f"{'PASS' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}")
@@ -330,7 +339,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"QUARANTINED {q['checkpoint']} -> {q['moved_to']}")
     if len(report["candidates"]) > 1:
         print(f"policy {report['policy']}: chose {report['checkpoint']} of {len(report['candidates'])} checkpoints")
+    print(_time_line(report["seconds"]))
     return 0 if report["ok"] else 1
+
+
+def _account(report: dict[str, Any], entered: float) -> None:
+    """``report["seconds"]``: the program's time from process start, split into importing,
+    evaluating, sampling and the rest (reading the manifest, hashing, loading, S3 copies)."""
+    seconds = report.setdefault("seconds", {"evaluation": 0.0, "sample": 0.0})
+    seconds["imports"] = round(max(0.0, entered - process_started_at()), 3)
+    seconds["total"] = round(max(0.0, time.time() - process_started_at()), 3)
+    seconds["other"] = round(max(0.0, seconds["total"] - seconds["imports"] - seconds["evaluation"]
+                                 - seconds["sample"]), 3)
+
+
+def _time_line(seconds: dict[str, float]) -> str:
+    return (f"time: {seconds['total']:.1f}s from process start: imports {seconds['imports']:.1f}s, "
+            f"evaluation {seconds['evaluation']:.1f}s, sample {seconds['sample']:.1f}s, checks and "
+            f"loading {seconds['other']:.1f}s")
 
 
 if __name__ == "__main__":

@@ -101,3 +101,22 @@ def test_cli_exit_codes(trained_run, dataset_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["--checkpoints", str(tmp_path / "empty"), "--dataset", str(dataset_dir), "--report", str(report)]) == 1
     assert json.loads(report.read_text())["ok"] is False
+
+
+def test_the_program_says_what_the_validation_cost_beside_its_evaluation(trained_run, dataset_dir,
+                                                                          tmp_path):
+    import subprocess
+    import sys
+
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "trainforge.trainer.validate", "--checkpoints",
+                           str(trained_run["checkpoints"]), "--dataset", str(dataset_dir), "--report",
+                           str(report), "--max-eval-tokens", str(32 * 40)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    s = json.loads(report.read_text())["seconds"]
+    assert s["imports"] > 0 and s["evaluation"] > 0 and s["sample"] > 0 and s["other"] > 0
+    assert s["total"] == pytest.approx(s["imports"] + s["evaluation"] + s["sample"] + s["other"],
+                                       abs=0.01)
+    assert f"time: {s['total']:.1f}s from process start: imports {s['imports']:.1f}s, " \
+           f"evaluation {s['evaluation']:.1f}s" in done.stdout
