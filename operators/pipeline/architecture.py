@@ -239,9 +239,12 @@ def _pretrained_rules(data: Any) -> list[tuple]:
     return errors
 
 
-def fine_tuning_errors(model: ModelSection, data_format: str, peft: bool = False) -> list[tuple]:
+def fine_tuning_errors(model: ModelSection, data_format: str, peft: bool = False,
+                       unmerged: bool = False) -> list[tuple]:
     """Conversations are rendered with a pretrained model's tokenizer: ``data.format`` chat or
-    prompt_completion needs ``model.pretrained``; so do LoRA adapters (``training.peft``)."""
+    prompt_completion needs ``model.pretrained``; so do LoRA adapters (``training.peft``). An
+    adapter registered alone (``unmerged``: ``training.peft.merge: false``) refers to its base by
+    a local folder, which an ``s3://`` base is not."""
     errors = []
     if data_format in ("chat", "prompt_completion") and model.pretrained is None:
         errors.append((("data", "format"), f"format {data_format!r} fine-tunes a pretrained model, whose "
@@ -252,6 +255,10 @@ def fine_tuning_errors(model: ModelSection, data_format: str, peft: bool = False
         errors.append((("training", "peft"), "LoRA adapters train on pretrained weights (got no "
                        "model.pretrained; expected e.g. model.pretrained: 'models:/my-model@champion', or no "
                        "training.peft to train every weight)", "lora", ("model", "pretrained")))
+    if unmerged and str(model.pretrained or "").startswith("s3://"):
+        errors.append((("training", "peft", "merge"), f"merge: false registers the adapter with a reference "
+                       f"to its base model's local folder, and model.pretrained {model.pretrained!r} is on S3 "
+                       "(expected merge: true, or a local folder or hf:// model)", False, ("model", "pretrained")))
     return errors
 
 

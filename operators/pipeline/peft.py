@@ -24,17 +24,11 @@ class PeftSection(SpecModel):
         "olmo2, ...). A name matching no linear layer of the model fails the training task."
     )
     merge: bool = Field(
-        True, description="Register merged full weights (the adapters folded into the base). false "
-        "(the adapter alone, with a reference to its base) is not built yet."
+        True, description="Register merged full weights (the adapters folded into the base). false: register "
+        "the adapter alone (peft's adapter_config.json and adapter_model.safetensors, with the tokenizer) and a "
+        "reference to its base model's local folder, which must be reachable where the model is loaded; needs "
+        "an MLflow whose mlflow.transformers.save_model takes base_model_path (docs/finetuning.md)."
     )
-
-    @field_validator("merge")
-    @classmethod
-    def _merge(cls, value: bool) -> bool:
-        if not value:
-            raise ValueError("merge: false (registering the adapter alone, with a reference to its base) is not "
-                             "built yet (got false; expected true: the merged full weights are registered)")
-        return value
 
     @field_validator("target_modules")
     @classmethod

@@ -274,7 +274,8 @@ class PipelineSpec(SpecModel):
                   *self._s3_access(), *self._init_keeps_tokenizer(),
                   *pretrained_errors(self.model, self.data.tokenizer.source,
                                      self.training.engine, len(self.stages or ())),
-                  *fine_tuning_errors(self.model, self.data.format, self.training.peft is not None),
+                  *fine_tuning_errors(self.model, self.data.format, self.training.peft is not None,
+                                     self.training.peft is not None and not self.training.peft.merge),
                   *fp8_token_errors(self.training, self.data.sequence_length),
                   *self._approval_needs_gate()]
         if errors:

@@ -202,7 +202,13 @@ def test_lora_needs_open_weights_and_names_its_bad_fields():
     for peft, path, fragment in (("{r: 0}", "training.peft.r", "greater than or equal to 1"),
                                  ("{target_modules: []}", "training.peft.target_modules", "may not be an empty list"),
                                  ("{target_modules: ['q.proj']}", "training.peft.target_modules", "not module names"),
-                                 ("{method: dora}", "training.peft.method", "'lora'"),
-                                 ("{merge: false}", "training.peft.merge", "is not built yet")):
+                                 ("{method: dora}", "training.peft.method", "'lora'")):
         issues = _issues("  pretrained: models/qwen3\n", training=f"  peft: {peft}\n")
         assert any(fragment in message for p, message in issues.items() if p.startswith(path)), (peft, issues)
+
+
+def test_lora_merge_false_registers_the_adapter_of_a_base_in_a_local_folder():
+    for uri in ("models/qwen3", "hf://Qwen/Qwen3-0.6B", "models:/base-llm@champion"):
+        assert _spec(f"  pretrained: {uri}\n", training="  peft: {merge: false}\n").training.peft.merge is False
+    issues = _issues("  pretrained: s3://weights/qwen3/\n", training="  peft: {merge: false}\n")
+    assert "reference to its base model's local folder" in issues["training.peft.merge"], issues
