@@ -50,7 +50,13 @@ def model_card(spec, prepared: dict, validated: dict, context: Any, mlflow_run_u
 def _model_line(spec, prepared: dict) -> str:
     base = prepared.get("pretrained")
     if base:  # open weights: the architecture is the base's config.json
-        return f"- model: fine-tuned from `{base['source']}` (revision `{base.get('revision') or 'unversioned'}`)"
+        line = f"- model: fine-tuned from `{base['source']}` (revision `{base.get('revision') or 'unversioned'}`)"
+        peft = getattr(spec.training, "peft", None)
+        if peft is not None and not peft.merge:
+            line += (f"; registered as the LoRA adapter alone (training.peft.merge: false): loading it needs the "
+                     f"base model folder `{base.get('folder')}` where it is loaded (tags trainforge.base_model.folder "
+                     f"and trainforge.adapter.base_sha256, the digest of the base weights it belongs to)")
+        return line
     return (f"- model: {spec.model.family}, d_model {spec.model.hidden_size}, "
             f"{spec.model.num_layers} layers, {spec.model.num_heads} heads")
 
@@ -58,18 +64,27 @@ def _model_line(spec, prepared: dict) -> str:
 def base_model_tags(prepared: dict, hf_dir: Path) -> dict[str, str]:
     """The version's lineage when it was fine-tuned from open weights: the base URI and its resolved
     revision (from ``prepare_data``), the digest of its weights index and its licence (from the
-    export's ``trainforge_export.json``); none for a model trained from the spec's fields."""
+    export's ``trainforge_export.json``); none for a model trained from the spec's fields. An
+    adapter registered alone (``training.peft.merge: false``) adds what it needs to load:
+    ``trainforge.registered_weights`` = ``adapter``, the base's local folder and the digest of the
+    base weights the adapter belongs to (``trainforge.adapter.base_sha256``)."""
     base = prepared.get("pretrained")
     if not base:
         return {}
     tags = {"trainforge.base_model": str(base["source"]),
             "trainforge.base_model.revision": str(base.get("revision") or "")}
     try:
-        info = json.loads((hf_dir / "trainforge_export.json").read_text(encoding="utf-8")).get("base_model") or {}
+        export = json.loads((hf_dir / "trainforge_export.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):  # a retry whose version exists: nothing was exported
-        info = {}
+        export = {}
+    info = export.get("base_model") or {}
     tags.update({f"trainforge.base_model.{key}": str(info[key])
                  for key in ("weights_index_sha256", "license") if info.get(key)})
+    adapter = export.get("adapter")
+    if adapter:
+        tags.update({"trainforge.registered_weights": "adapter",
+                     "trainforge.base_model.folder": str(info.get("folder") or ""),
+                     "trainforge.adapter.base_sha256": str(adapter.get("base_sha256") or "")})
     return tags
 
 

@@ -9,6 +9,10 @@ export info names the base (`base_model_info`); a model built from the spec's fi
 `PreTrainedTokenizerFast` over the dataset's tokenizer.json (EOS = BOS = PAD = its end-of-text token). It loads with
 ``AutoModelForCausalLM`` / ``AutoTokenizer`` / ``pipeline("text-generation")`` and is what
 ``mlflow.transformers.log_model(transformers_model=HF_DIR, task="text-generation")`` takes.
+A LoRA checkpoint of ``training.peft.merge: false`` exports the adapter alone instead of
+full weights: peft's ``adapter_config.json`` + ``adapter_model.safetensors`` beside the
+tokenizer files, the export info naming the base's local folder (``base_model.folder``) and
+the digest of the base weights the adapter belongs to (``adapter.base_sha256``).
 
 The folder is written next to HF_DIR under a temporary name and renamed into place, so HF_DIR
 is either absent or complete. Exit 0 on success, 1 when the checkpoint does not verify or
@@ -42,18 +46,22 @@ from trainforge.trainer.config import PretrainedSource, parse_job_config
 from trainforge.trainer.data import open_dataset
 from trainforge.trainer.dataset import Dataset
 from trainforge.trainer.errors import CheckpointError, ConfigError
-from trainforge.trainer.adapters import checkpoint_model, merged_weights
+from trainforge.trainer.adapters import ADAPTER, checkpoint_model, merged_weights
 from trainforge.trainer.model import job_model, load_weights
 from trainforge.trainer.pretrained import INDEX, SINGLE, TOKENIZER_FILES, open_folder
 
 EXPORT_INFO = "trainforge_export.json"
+#: The file of an adapter-only export (``training.peft.merge: false``): peft's adapter config.
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: str | Path,
-                      source: str | None = None) -> Path:
+                      source: str | None = None, merge: bool | None = None) -> Path:
     """Write the HF folder for ``step_dir`` (a folder, or an ``s3://`` step downloaded first) at
     ``out_dir``; returns ``out_dir``. ``source`` names the checkpoint in trainforge_export.json
-    (default: ``step_dir`` resolved).
+    (default: ``step_dir`` resolved). ``merge``: of a LoRA checkpoint, full weights (True) or
+    the adapter alone (False, `ADAPTER_CONFIG` and its weights); None: the checkpoint's own
+    ``training.peft.merge``.
 
     Raises:
         ConfigError: ``out_dir`` exists and is not empty.
@@ -63,10 +71,10 @@ def export_checkpoint(step_dir: str | Path, dataset_dir: str | Path, out_dir: st
     """
     # A checkpoint the trainer wrote: its files get the store's read-after-write allowance.
     with ckpt.local_copy(step_dir, written=True) as local:
-        return _export(local, dataset_dir, Path(out_dir), source or storage_for(step_dir).absolute(step_dir))
+        return _export(local, dataset_dir, Path(out_dir), source or storage_for(step_dir).absolute(step_dir), merge)
 
 
-def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str) -> Path:
+def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str, merge: bool | None = None) -> Path:
     """`export_checkpoint` of the local folder ``step_dir``."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConfigError(f"--out {out_dir}: exists and is not an empty directory")
@@ -84,6 +92,7 @@ def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str)
     except (KeyError, ConfigError) as err:
         raise CheckpointError(f"{step_dir / ckpt.META}: no valid job_config ({err})") from err
 
+    adapter_only = cfg.peft is not None and not (cfg.peft.merge if merge is None else merge)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -93,7 +102,9 @@ def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str)
                 model = stack.enter_context(checkpoint_model(cfg, dataset, c.weights, folder=base))
             except ValueError as err:
                 raise CheckpointError(f"{step_dir}: {err}") from err
-            if cfg.peft is not None:  # LoRA: the adapters folded into the base, saved as full weights
+            if adapter_only:  # LoRA, merge: false: peft's adapter files over the unchanged base
+                model = _adapter_model(model, cfg, dataset, base, c.weights)
+            elif cfg.peft is not None:  # LoRA: the adapters folded into the base, saved as full weights
                 merged = merged_weights(model)
                 model = stack.enter_context(job_model(cfg, dataset, folder=base))
                 load_weights(model, merged)
@@ -105,13 +116,18 @@ def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str)
             if base is None:
                 _save_scratch(model, dataset, cfg.data.sequence_length, tmp)
             else:
-                model.save_pretrained(tmp)
+                model.save_pretrained(tmp)  # a PeftModel saves ADAPTER_CONFIG and its weights alone
                 for name in TOKENIZER_FILES:  # the base's own tokenizer, chat template and EOS ids
                     if (base / name).is_file():
                         shutil.copyfile(base / name, tmp / name)
                 if dataset.examples is not None and dataset.examples.chat_template_path is not None:
                     _set_chat_template(tmp, dataset.examples.chat_template_path.read_text(encoding="utf-8"))
                 info["base_model"] = base_model_info(base, cfg.pretrained)
+                if adapter_only:
+                    local = storage_for(cfg.pretrained.folder).local_path(cfg.pretrained.folder)
+                    info["base_model"]["folder"] = None if local is None else str(local.resolve())
+                    info["adapter"] = {"method": "lora", "r": cfg.peft.r, "alpha": cfg.peft.alpha,
+                                       "base_sha256": (c.meta.get("adapter") or {}).get("base_sha256")}
         for path in tmp.iterdir():
             chmod_like_umask(path)
         (tmp / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
@@ -121,6 +137,31 @@ def _export(step_dir: Path, dataset_dir: str | Path, out_dir: Path, source: str)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _adapter_model(trained: torch.nn.Module, cfg, dataset: Dataset, base: Path,
+                   weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A ``peft.PeftModel`` over a fresh load of the base holding the checkpoint's adapters
+    (``trained``: the base with them applied in place, which names the targets): what peft's
+    ``save_pretrained`` writes as `ADAPTER_CONFIG` + ``adapter_model.safetensors``, and what
+    ``PeftModel.from_pretrained(base, folder)`` loads back."""
+    import peft
+
+    settings, targets = trained._trainforge_lora  # noqa: SLF001 - set by apply_lora
+    config = peft.LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                             target_modules=list(targets), bias="none", task_type="CAUSAL_LM")
+    with job_model(cfg, dataset, weights=True, folder=base) as fresh:
+        wrapped = peft.get_peft_model(fresh, config, adapter_name=ADAPTER)
+    names = {f"base_model.model.{name}": tensor for name, tensor in weights.items()}
+    expected = {n for n, p in wrapped.named_parameters() if p.requires_grad}
+    if set(names) != expected:
+        raise CheckpointError(f"the checkpoint's adapters are not peft's for this base: missing "
+                              f"{sorted(expected - set(names))[:3]}, unknown {sorted(set(names) - expected)[:3]}")
+    wrapped.load_state_dict(names, strict=False)
+    local = storage_for(cfg.pretrained.folder).local_path(cfg.pretrained.folder)
+    wrapped.peft_config[ADAPTER].base_model_name_or_path = (str(local.resolve()) if local is not None
+                                                            else cfg.pretrained.source)
+    return wrapped.eval()
 
 
 def _set_chat_template(folder: Path, template: str) -> None:

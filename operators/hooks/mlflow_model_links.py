@@ -18,6 +18,8 @@ inside the functions only.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import logging
 import math
 import shutil
@@ -43,6 +45,37 @@ QUOTA_ERROR = "RESOURCE_LIMIT_EXCEEDED"
 _TAG_TEXT = 500  # characters of a list or message kept in a tag
 _EXTERNAL = "mlflow.model.isExternal"
 _PIN_PACKAGES = ("transformers", "torch", "tokenizers", "safetensors")
+ADAPTER_CONFIG = "adapter_config.json"
+"""peft's adapter config: an export of ``training.peft.merge: false`` (the adapter alone)."""
+EXPORT_INFO = "trainforge_export.json"
+
+
+class AdapterRegistrationError(Exception):
+    """An adapter-only folder that cannot be registered here: this MLflow cannot reference a local
+    base folder, or the export names none. Permanent: a retry does not change either."""
+
+
+def adapter_registration_problem(save_model: Any = None) -> str | None:
+    """Why an adapter alone (``training.peft.merge: false``) cannot be registered with this
+    MLflow, or None when it can: ``save_model`` (default ``mlflow.transformers.save_model``)
+    must take ``base_model_path``, the reference to the base's local folder."""
+    if save_model is None:
+        import mlflow.transformers
+
+        save_model = mlflow.transformers.save_model
+    if "base_model_path" in inspect.signature(save_model).parameters:
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("mlflow")
+    except PackageNotFoundError:
+        installed = "unknown"
+    return (f"training.peft.merge: false registers the LoRA adapter alone with a reference to its base "
+            f"model's local folder, which needs an MLflow whose mlflow.transformers.save_model takes "
+            f"base_model_path (added in 2026, mlflow PR #22052; 3.17.2 has it, 3.11.1 does not); the installed "
+            f"mlflow {installed} does not: upgrade mlflow where register_model runs and where the model is "
+            f"loaded, or set training.peft.merge: true")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +275,13 @@ def upload_hf_model(client: Any, run_id: str, model: Any, model_path: Path, task
     LoggedModel ``model`` and record it as an output of run ``run_id`` at ``step``: what
     ``mlflow.transformers.log_model(model_id=...)`` does, less its metric sweep and its status
     changes (the caller finalizes). An external model's ``mlflow.model.isExternal`` tag is
-    dropped once its files are in, as MLflow does."""
+    dropped once its files are in, as MLflow does.
+
+    A folder with `ADAPTER_CONFIG` (an export of ``training.peft.merge: false``) is logged as
+    a PEFT model: the adapter and the tokenizer, and ``base_model_path`` = the base's local
+    folder its export info names (``load_model`` loads the base from there and applies the
+    adapter). Raises `AdapterRegistrationError` before anything is uploaded when this MLflow
+    cannot (`adapter_registration_problem`) or the export names no local base folder."""
     import mlflow
     from mlflow.entities import LoggedModelOutput
     from mlflow.models import Model
@@ -251,15 +290,50 @@ def upload_hf_model(client: Any, run_id: str, model: Any, model_path: Path, task
         local = Path(tmp) / "model"
         mlflow_model = Model(artifact_path=model.artifact_location, model_uuid=model.model_id,
                              run_id=run_id, model_id=model.model_id)
-        mlflow.transformers.save_model(transformers_model=str(model_path), path=str(local),
+        if (Path(model_path) / ADAPTER_CONFIG).is_file():
+            transformers_model, extra = adapter_model(Path(model_path))
+        else:
+            transformers_model, extra = str(model_path), {}
+        mlflow.transformers.save_model(transformers_model=transformers_model, path=str(local),
                                        task=task, mlflow_model=mlflow_model,
-                                       pip_requirements=list(pip_requirements))
+                                       pip_requirements=list(pip_requirements), **extra)
         for pycache in list(local.rglob("__pycache__")):  # save_model's load check leaves them
             shutil.rmtree(pycache, ignore_errors=True)
         client.log_model_artifacts(model.model_id, str(local))
     if (model.tags or {}).get(_EXTERNAL, "false").lower() == "true":
         client.delete_logged_model_tag(model.model_id, _EXTERNAL)
     _log_output_once(client, run_id, LoggedModelOutput(model.model_id, step))
+
+
+def adapter_model(folder: Path, save_model: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(transformers_model, save_model keywords)`` of an adapter-only export: the base (fp32,
+    from the local folder its export info names) with the adapter applied as a
+    ``peft.PeftModel``, and its tokenizer; ``{"base_model_path": <that folder>}``.
+
+    Raises:
+        AdapterRegistrationError: MLflow's ``save_model`` takes no ``base_model_path``, or the
+            export names no local base folder (an ``s3://`` base).
+    """
+    problem = adapter_registration_problem(save_model)
+    if problem:
+        raise AdapterRegistrationError(problem)
+    try:
+        base = (json.loads((folder / EXPORT_INFO).read_text(encoding="utf-8")).get("base_model") or {}).get("folder")
+    except (OSError, ValueError):
+        base = None
+    if not base or not (Path(base) / "config.json").is_file():
+        raise AdapterRegistrationError(
+            f"{folder}: an adapter-only export (training.peft.merge: false) whose {EXPORT_INFO} names no local "
+            f"base model folder with config.json (got {base!r}): the registered adapter refers to its base by a "
+            f"local folder; use a local or hf:// model.pretrained, or training.peft.merge: true")
+    import torch
+    from mlflow.transformers.peft import get_model_with_peft_adapter  # peft stays out of trainforge.hooks
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    # What load_model does with the files: PeftModel.from_pretrained(base, adapter folder).
+    wrapped = get_model_with_peft_adapter(base_model, str(folder)).eval()
+    return {"model": wrapped, "tokenizer": AutoTokenizer.from_pretrained(str(folder))}, {"base_model_path": base}
 
 
 def _log_output_once(client: Any, run_id: str, output: Any) -> None:

@@ -23,6 +23,7 @@ from trainforge.hooks.errors import (
 )
 from trainforge.hooks.mlflow_calls import mlflow_errors, quote
 from trainforge.hooks.mlflow_model_links import (
+    ADAPTER_CONFIG,
     TAG_IDEMPOTENCY_KEY,
     MetricLink,
     VersionModels,
@@ -184,9 +185,10 @@ class ModelVersions(VersionModels):
         """Log the model, link its metrics, create a version with ``key``, settle a race;
         (version, created)."""
         model_path = model_dir.resolve()
-        if not (model_path / "config.json").is_file():
+        if not any((model_path / name).is_file() for name in ("config.json", ADAPTER_CONFIG)):
             raise MlflowInvalidArgumentError(
-                "model_dir", str(model_dir), "a Hugging Face model folder with config.json"
+                "model_dir", str(model_dir),
+                f"a Hugging Face model folder with config.json (or a LoRA adapter's {ADAPTER_CONFIG})",
             )
         model_id = self._logged_model_for_key(run_id, model_path, key, task, pip_requirements,
                                               logged_model_id, step)

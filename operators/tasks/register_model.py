@@ -39,7 +39,7 @@ from trainforge.approval import upstream_refusal, upstream_states
 from trainforge.model_card import airflow_run_url, base_model_tags, model_card
 from trainforge.gate import PASS, GateDecision, decide, evaluator_argv
 from trainforge.hooks.mlflow import MAX_DATASET_DIGEST_CHARS
-from trainforge.hooks.mlflow_model_links import MetricLink
+from trainforge.hooks.mlflow_model_links import AdapterRegistrationError, MetricLink, adapter_registration_problem
 from trainforge.hooks.mlflow_registry import CHAMPION, ModelRegistry
 from trainforge.ledger.read import FIGURES as LEDGER_FIGURES
 from trainforge.paths import dataset_location
@@ -132,6 +132,8 @@ class RegisterModelOperator(TrainforgeStageOperator):
         run_url = self._mlflow_run_url(run_id)
         key = f"{run_id}:{validated['checkpoint_digest']}"
         existing = self.mlflow_hook.find_model_version(spec.registry.model_name, key)
+        if existing is None:
+            self._check_adapter_registration(spec, prepared)
         with tempfile.TemporaryDirectory(prefix="trainforge-export-") as tmp:
             hf_dir = Path(tmp) / "hf"
             if existing is not None:  # a retry: the version exists; aliases and the gate remain
@@ -157,20 +159,23 @@ class RegisterModelOperator(TrainforgeStageOperator):
                 **({"trainforge.stage": validated["stage"]} if validated.get("stage") else {}),
                 **base_model_tags(prepared, hf_dir),
             }
-            registered = self.mlflow_hook.register_model_version(
-                run_id=run_id,
-                model_dir=str(hf_dir),
-                registered_model_name=spec.registry.model_name,
-                idempotency_key=key,
-                aliases=list(spec.registry.aliases),
-                description=model_card(spec, prepared, validated, context, run_url),
-                tags=tags,
-                ready_timeout_s=self.ready_timeout_s,
-                logged_model_id=validated.get("model_id"),  # the checkpoint's LoggedModel
-                metric_links=documented_metrics(spec, prepared, validated,
-                                                self.mlflow_hook.get_run(run_id).data.metrics),
-                step=int(validated.get("step") or 0),
-            )
+            try:
+                registered = self.mlflow_hook.register_model_version(
+                    run_id=run_id,
+                    model_dir=str(hf_dir),
+                    registered_model_name=spec.registry.model_name,
+                    idempotency_key=key,
+                    aliases=list(spec.registry.aliases),
+                    description=model_card(spec, prepared, validated, context, run_url),
+                    tags=tags,
+                    ready_timeout_s=self.ready_timeout_s,
+                    logged_model_id=validated.get("model_id"),  # the checkpoint's LoggedModel
+                    metric_links=documented_metrics(spec, prepared, validated,
+                                                    self.mlflow_hook.get_run(run_id).data.metrics),
+                    step=int(validated.get("step") or 0),
+                )
+            except AdapterRegistrationError as err:  # before any version: its upload comes first
+                fail_permanently(str(err))
         self.log.info("Model version %s v%s (%s) aliases %s", registered["name"],
                       registered["version"], "created" if registered.get("created") else "reused",
                       ", ".join(registered.get("aliases", [])))
@@ -194,6 +199,22 @@ class RegisterModelOperator(TrainforgeStageOperator):
         aliases = registry.aliases_of(registered["name"], registered["version"])
         return {**registered, "aliases": aliases, "gate": gate.as_xcom(),
                 "awaiting_approval": awaiting}
+
+    def _check_adapter_registration(self, spec, prepared: dict) -> None:
+        """``training.peft.merge: false`` registers the adapter with a reference to its base's
+        local folder: refuse it before exporting when this MLflow cannot record one, or the base
+        resolved to no local folder (an ``s3://`` one)."""
+        peft = getattr(spec.training, "peft", None)
+        if peft is None or peft.merge:
+            return
+        problem = adapter_registration_problem()
+        if problem:
+            fail_permanently(problem)
+        folder = str((prepared.get("pretrained") or {}).get("folder") or "")
+        if not folder or folder.startswith("s3://"):
+            fail_permanently(f"training.peft.merge: false registers the adapter with a reference to its base "
+                             f"model's local folder, and model.pretrained resolved to {folder or 'nothing'!r} "
+                             f"(expected a local folder: a local or hf:// model.pretrained, or merge: true)")
 
     # -- the gate ---------------------------------------------------------------------------
     @property
