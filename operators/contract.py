@@ -186,6 +186,10 @@ EXIT_DIVERGED = 79
 EXIT_OOM = 80
 EXIT_TERMINATED = 143
 
+RANK_RECORDS_DIR = "rank_records"
+"""Beside the result file (or in the job folder): one JSON per rank process, how it started and
+how it ended (trainforge.trainer.rank_record writes them, trainforge.engines.root_cause reads)."""
+
 PERMANENT_EXIT_CODES = frozenset({EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM})
 """Exit codes a retry cannot fix."""
 

@@ -74,6 +74,7 @@ from trainforge.trainer.loss import IGNORE_INDEX
 from trainforge.trainer.model import attention_shape, lm_loss
 from trainforge.trainer.model_check import check_model
 from trainforge.trainer.optim import make_optimizer, should_step
+from trainforge.trainer.rank_record import RankRecord
 from trainforge.trainer.schedule import lr_at
 from trainforge.trainer.start import start_model
 from trainforge.trainer.state import close_pending_write, finish_pending_write, reserve_staging, resume, save
@@ -336,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0 and result_file:
         Path(result_file).unlink(missing_ok=True)  # a stale result must not speak for this attempt
 
-    out = Outcome()
-    cfg = None
+    out, cfg, record = Outcome(), None, RankRecord()  # how this rank ends, for the failure's message
     try:
         cfg = load_job_config(args.config)
         d = setup_distributed(cfg)
@@ -349,12 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         # Config and divergence errors are raised identically on every rank: a clean shutdown is safe.
         consistent = isinstance(err, (ConfigError, DivergedError))
         log.error("%s (exit %d): %s", type(err).__name__, code, message)
+        record.ended(err, code, out.final_step + 1)
         if consistent or isinstance(err, GpuOutOfMemoryError):  # this process is sound: rank 0's writer finishes
             finish_pending_write()  # the checkpoint before the failure completes and is reported
     except BaseException as err:  # noqa: BLE001 - every exit path writes the result file
         code = 130 if isinstance(err, KeyboardInterrupt) else EXIT_ERROR
         status, message, consistent = STATUS_ERROR, f"{type(err).__name__}: {err}", False
         log.exception("training failed")
+        record.ended(err, code, out.final_step + 1)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # finish reporting; torchrun SIGKILLs after its grace period
     if not consistent:
         close_pending_write()  # a manifest being published is finished and reported; none after the result

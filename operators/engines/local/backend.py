@@ -29,6 +29,7 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
+from trainforge.engines import root_cause as who_failed
 from trainforge.engines.host_oom import describe
 from trainforge.engines.jobfiles import read_json
 from trainforge.storage.files import atomic_write_json
@@ -156,8 +157,12 @@ class LocalBackend(Backend):
                 return JobStatus(JobState.CANCELLED, "job was cancelled", rc, None, result, wall_s)
             message = (result or {}).get("message") or f"torchrun exited with code {rc}"
             killed = describe(job_dir, [job_dir / "job.log"], exit_record.get("oom_kills"))
-            if killed:  # a rank the OOM killer (or another SIGKILL) ended: rank 0 may have said nothing
+            if killed and (exit_record.get("oom_kills") or who_failed.root_cause(job_dir) is None):
+                # a rank the OOM killer (or another SIGKILL) ended: rank 0 may have said nothing
                 message = killed + (f"; the trainer said: {result['message']}" if (result or {}).get("message") else "")
+            else:  # the rank that started it, not rank 0's view of it; a SIGKILL of its as the last word
+                message, result = who_failed.told(job_dir, message, result)
+                message += f"\n  {killed}" if killed else ""
             return JobStatus(JobState.FAILED, message, rc, failure_kind(rc, result), result,
                              wall_s)
         if self._supervisor_alive(job_dir):

@@ -43,7 +43,7 @@ from trainforge.engines.base import (
     TrainingJob,
     whole_lines,
 )
-from trainforge.engines import host_oom
+from trainforge.engines import host_oom, root_cause as who_failed
 from trainforge.engines.jobfiles import read_json
 from trainforge.storage.files import atomic_write_json
 from trainforge.engines.slurm.client import (
@@ -251,7 +251,10 @@ class SlurmBackend(Backend):
                              exit_code, kind, result, wall_s)
         oom = host_oom.describe(job_dir, [job_dir / LOG_NAME, *sorted((job_dir / "ranks").glob("node-*.log"))],
                        oom_state=state if state == "OUT_OF_MEMORY" else None)  # a rank the OOM killer ended
-        detail = oom or (result or {}).get("message") or {
+        said = (result or {}).get("message")
+        if not oom and (said or state == "FAILED"):  # the rank that started it, not rank 0's view
+            said, result = who_failed.told(job_dir, said or f"see {job_dir / LOG_NAME}", result)
+        detail = oom or said or {
             "TIMEOUT": "it reached its time limit (fault.run_timeout)",
             "NODE_FAIL": "a node failed under it",
             "PREEMPTED": "it was preempted by a higher-priority job",

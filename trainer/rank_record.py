@@ -1,0 +1,110 @@
+"""Each rank's own account of how it ended, so that a failed job names the rank that started it.
+
+When it starts, every rank writes ``rank_records/rank-<R>-<host>-<pid>.json`` (trainforge.contract.
+RANK_RECORDS_DIR) beside the result file, else in the job folder: its rank, host, the address it
+reaches the rendezvous from, process and restart. When it ends with an error it adds how
+(:data:`HOW`), the exit code, the step it was training and, when it raised, the exception and the
+last lines of its traceback. A rank that hung or whose node went writes no end: the engines read
+the records (trainforge.engines.root_cause) and name the rank that started a failure, the others
+as collateral. Stdlib only. docs/faults.md, "Who failed".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from collections.abc import Mapping
+from typing import Any
+
+from trainforge.contract import JOB_DIR_ENV, RANK_RECORDS_DIR, RESULT_FILE_ENV
+
+HOW = ("raised", "waited", "terminated")
+"""``raised``: an exception of its own; ``waited``: a collective failed under it (a peer left,
+closed the connection or never came: it timed out waiting); ``terminated``: stopped by a signal
+(torchrun tearing the group down, the task being killed)."""
+TRACEBACK_LINES = 8
+# What a collective's failure says when a peer left or never came (gloo, NCCL, the c10d store).
+_WAITED_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+_WAITED_TEXT = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
+                "gloo/transport", "nccl communicator was aborted", "watchdog caught collective",
+                "socket timeout", "connection refused")
+
+
+def records_dir(environ: Mapping[str, str]) -> str | None:
+    """Where the job's rank records live: beside the result file, else in the job folder."""
+    result = environ.get(RESULT_FILE_ENV)
+    folder = os.path.dirname(os.path.abspath(result)) if result else environ.get(JOB_DIR_ENV)
+    return os.path.join(folder, RANK_RECORDS_DIR) if folder and "://" not in folder else None
+
+
+def classify(err: BaseException) -> str:
+    """:data:`HOW` of an exception: a signal, a failed collective, or the rank's own."""
+    if type(err).__name__ == "TerminatedError" or isinstance(err, KeyboardInterrupt):
+        return "terminated"
+    text = f"{type(err).__name__}: {err}".lower()
+    if any(type(e).__name__ in _WAITED_TYPES for e in _chain(err)) or any(t in text for t in _WAITED_TEXT):
+        return "waited"
+    return "raised"
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    while err is not None and err not in seen:
+        seen.append(err)
+        err = err.__cause__ or err.__context__
+    return seen
+
+
+def _address(environ: Mapping[str, str]) -> str | None:
+    """The local address this host reaches the rendezvous (``MASTER_ADDR``) from; no packet sent."""
+    target = environ.get("MASTER_ADDR")
+    if not target:
+        return None
+    try:
+        infos = socket.getaddrinfo(target, int(environ.get("MASTER_PORT") or 29500), type=socket.SOCK_DGRAM)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return s.getsockname()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class RankRecord:
+    """This rank's record; every write replaces the file whole and never fails the rank."""
+
+    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
+        folder = records_dir(environ)
+        host = socket.gethostname()
+        self.data: dict[str, Any] = {
+            "rank": int(environ.get("RANK", "0") or 0), "local_rank": int(environ.get("LOCAL_RANK", "0") or 0),
+            "world_size": int(environ.get("WORLD_SIZE", "1") or 1), "host": host,
+            "address": _address(environ), "pid": os.getpid(),
+            "restart": int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "run_id": environ.get("TORCHELASTIC_RUN_ID"), "started_at": round(time.time(), 3)}
+        self.path = (os.path.join(folder, f"rank-{self.data['rank']}-{host}-{os.getpid()}.json")
+                     if folder else None)
+        self._write()
+
+    def ended(self, err: BaseException, exit_code: int, step: int) -> None:
+        """The rank ends with ``err`` (exit ``exit_code``) while training step ``step``."""
+        lines = "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip().splitlines()
+        self.data.update(ended_at=round(time.time(), 3), how=classify(err), exit_code=exit_code, step=step,
+                         exception=type(err).__name__, message=str(err)[:2000],
+                         traceback=lines[-TRACEBACK_LINES:])
+        self._write()
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        tmp = f"{self.path}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as out:
+                json.dump(self.data, out)
+            os.replace(tmp, self.path)
+        except OSError:
+            self.path = None  # the failure message then names fewer ranks; training is not at stake
