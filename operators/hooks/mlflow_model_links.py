@@ -73,7 +73,7 @@ def adapter_registration_problem(save_model: Any = None) -> str | None:
         installed = "unknown"
     return (f"training.peft.merge: false registers the LoRA adapter alone with a reference to its base "
             f"model's local folder, which needs an MLflow whose mlflow.transformers.save_model takes "
-            f"base_model_path (added in 2026, mlflow PR #22052; 3.17.2 has it, 3.11.1 does not); the installed "
+            f"base_model_path (MLflow 3.12.0 or later); the installed "
             f"mlflow {installed} does not: upgrade mlflow where register_model runs and where the model is "
             f"loaded, or set training.peft.merge: true")
 
