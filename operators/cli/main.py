@@ -37,8 +37,9 @@ from trainforge.pipeline.durations import parse_duration
 from trainforge.pipeline.loader import name_position, value_position
 from trainforge.pipeline.stages import resolve_stages, stage_folder
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help=__doc__.replace("``", "`"))
+app = typer.Typer(add_completion=False, no_args_is_help=True,  # the commands list themselves below
+                  help="trainforge: one YAML pipeline spec, one Airflow DAG that trains, validates and "
+                       "registers a model.")
 # Piped or captured output gets wide lines, so paths and URLs stay whole for copy and grep.
 console = Console(width=None if sys.stdout.isatty() else 200)
 

@@ -385,7 +385,7 @@ def run_pipeline(spec: PipelineSpec, spec_file: Path, console: Console,
             Path(summary_json).write_text(json.dumps(summary, indent=2, default=str))
     ok = airflow_run.get("state") == "success"
     if not os.environ.get("MLFLOW_TRACKING_URI"):
-        console.print("The MLflow server of this run has stopped; `python -m "
+        console.print(f"The MLflow server of this run has stopped; `{sys.executable} -m "
                       f"trainforge.mlflow_setup serve --home {home / 'mlflow'} --port 5000` "
                       "serves the same store again on http://127.0.0.1:5000 (in the checkout: "
                       "`make mlflow`, or `make airflow` for both UIs).", soft_wrap=True)
