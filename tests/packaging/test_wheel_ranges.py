@@ -45,7 +45,10 @@ from tests.packaging.test_wheel import Venv, check_tiny_pipeline
 
 pytestmark = [pytest.mark.wheel, pytest.mark.airflow, pytest.mark.integration]
 
-FLOOR_PYTHONS = ("python3.12", "/root/.pyenv/versions/3.12.1/bin/python3.12")
+def _floor_pythons() -> list[str]:
+    """python3.12 on PATH, then pyenv's 3.12 builds (``$PYENV_ROOT``, else ``~/.pyenv``), newest first."""
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    return ["python3.12", *(str(p) for p in sorted(root.glob("versions/3.12*/bin/python3.12"), reverse=True))]
 #: The ranges whose lower bound the floor venv pins (the features that set them: pyproject.toml).
 FLOORED = ("apache-airflow", "mlflow", "transformers", "torch", "pydantic")
 #: How each environment is resolved from the wheel's runtime requirements, by uv: ``floors`` pins
@@ -76,13 +79,14 @@ def test_requires_dist_holds_ranges_not_pins(built_wheel: Path):
 def _floor_python() -> str:
     """The first candidate that runs and is 3.12 (a pyenv shim is on PATH even where pyenv has no
     3.12 selected, and then exits 127)."""
-    for candidate in FLOOR_PYTHONS:
+    candidates = _floor_pythons()
+    for candidate in candidates:
         found = shutil.which(candidate)
         if found and subprocess.run([found, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
                                     capture_output=True, timeout=60).returncode == 0:
             return found
     pytest.skip(f"no Python 3.12 for the floor venv: install one, e.g. pyenv install 3.12 "
-                f"(looked for {', '.join(FLOOR_PYTHONS)})")
+                f"(looked for {', '.join(candidates)})")
 
 
 def _cache_root() -> Path:
