@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.faults.faultlib import wait_for
 from trainforge.contract import FailureKind
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.local.backend import LocalBackend
@@ -40,14 +41,10 @@ if os.environ.get("RANK") == "1" and os.environ.get("TF_TEST_RAISE_AT_STEP"):
 '''
 
 
-def _wait(backend, handle, timeout_s):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = backend.status(handle)
-        if status.state.terminal:
-            return status
-        time.sleep(0.3)
-    raise AssertionError(f"job {handle['key']} did not end in {timeout_s} s")
+def _ended(backend, handle, timeout_s):
+    """The job's status once it is terminal."""
+    return wait_for(f"job {handle['key']} to end", lambda: (lambda st: st if st.state.terminal else None)(
+        backend.status(handle)), timeout_s, 0.3)
 
 
 def test_a_rank_that_raises_is_named_with_its_host_and_line(tmp_path, tiny_dataset):
@@ -62,7 +59,7 @@ def test_a_rank_that_raises_is_named_with_its_host_and_line(tmp_path, tiny_datas
     path = os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH")) if p)
     job = TrainingJob(identity=JobIdentity("d", "r", "train", 1), config=config, processes_per_node=2,
                       env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": path, "TF_TEST_RAISE_AT_STEP": "5"})
-    status = _wait(backend, backend.submit(job), timeout_s=240)
+    status = _ended(backend, backend.submit(job), timeout_s=240)
     job_dir = Path(backend.job_dir(job.identity))
     log = (job_dir / "job.log").read_text(errors="replace")
     assert status.state is JobState.FAILED and status.failure is FailureKind.TRANSIENT, log[-3000:]
@@ -111,7 +108,7 @@ def test_a_rank_that_stops_is_named_not_the_rank_that_timed_out_waiting(tmp_path
                 json.loads(p.read_text()).get("how") for p in rank0.glob("rank-0-*.json")):
             time.sleep(0.2)
         victim.kill()
-        status = _wait(backend, handle, timeout_s=120)
+        status = _ended(backend, handle, timeout_s=120)
     finally:
         if victim is not None and victim.is_running():
             victim.kill()  # our job's rank: torchrun has normally done it already
