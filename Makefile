@@ -25,7 +25,7 @@ help:
 	@echo "make demo     run the demo pipeline end to end through Airflow (6 to 10 minutes)"
 	@echo "              (make demo ENGINE=ray: the same on a local Ray head)"
 	@echo "              (then make demo SPEC=dags/examples/shakespeare_plays_chat.yaml: LoRA on chat data)"
-	@echo "make test     run the test suite, less its heavy tier (about 45 minutes on 2 cores)"
+	@echo "make test     run the test suite, less its heavy tier (about 43 minutes on 2 cores)"
 	@echo "make test-all the whole suite, heavy tier included"
 	@echo "make airflow  Airflow UI (airflow standalone) and MLflow UI on loopback"
 	@echo "make mlflow   MLflow UI alone on http://127.0.0.1:5000 (the demo's store)"
