@@ -196,6 +196,10 @@ def test_a_permanent_verdict_is_not_trained_again_by_torchrun_restarts(tmp_path)
     log = (Path(backend.job_dir(job.identity)) / "job.log").read_text()
     assert status.state is JobState.FAILED and status.failure is FailureKind.PERMANENT, log[-3000:]
     assert status.result["status"] == "bad_config" and "global_batch_size" in status.message, status
+    assert log.count("failed (exitcode: 78)") == 3, log[-3000:]  # torchrun's own lines: 3 attempts, each 78
+    assert log.count("process group up") == 1, log[-3000:]  # only the first attempt got as far as torch
     assert log.count("ConfigError (exit 78)") == 1, log[-3000:]  # rank 0's trainer ran once
-    assert log.count("exiting without training") == 2, log[-3000:]  # restart 1 and 2, rank 0
+    # rank 0's line of a restart can be cut when rank 1 exits first and torchrun stops the group before
+    # its output is read; at least one of the two reaches the log
+    assert 1 <= log.count("exiting without training") <= 2, log[-3000:]
     print(f"job took {time.monotonic() - started:.1f} s")
