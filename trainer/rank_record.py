@@ -50,6 +50,16 @@ def classify(err: BaseException) -> str:
     return "raised"
 
 
+def origin(err: BaseException) -> str | None:
+    """Where ``err`` was raised: its innermost frame as ``folder/file.py:line in function`` (the
+    file's last two path parts: the same on every host and install), None without a traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    if not frames:
+        return None
+    last = frames[-1]
+    return f"{'/'.join(last.filename.replace(os.sep, '/').split('/')[-2:])}:{last.lineno} in {last.name}"
+
+
 def _chain(err: BaseException) -> list[BaseException]:
     seen: list[BaseException] = []
     while err is not None and err not in seen:
@@ -94,7 +104,7 @@ class RankRecord:
         lines = "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip().splitlines()
         self.data.update(ended_at=round(time.time(), 3), how=classify(err), exit_code=exit_code, step=step,
                          exception=type(err).__name__, message=str(err)[:2000],
-                         traceback=lines[-TRACEBACK_LINES:])
+                         traceback=lines[-TRACEBACK_LINES:], origin=origin(err))
         self._write()
 
     def _write(self) -> None:

@@ -82,7 +82,7 @@ def describe(cause: dict[str, Any]) -> str:
 def summary(cause: dict[str, Any]) -> dict[str, Any]:
     """What the try record and the ledger keep of ``cause``."""
     return {"how": cause["how"],
-            "culprits": [{k: c.get(k) for k in ("rank", "host", "address", "step", "exception", "message")}
+            "culprits": [{k: c.get(k) for k in ("rank", "host", "address", "step", "exception", "message", "origin")}
                          for c in cause["culprits"]],
             "collateral": [{"rank": r["rank"], "host": r.get("host"), "how": r.get("how") or "torn down"}
                            for r in cause["collateral"]]}

@@ -11,7 +11,8 @@ job started are known only to the orchestrator. So each try writes, when it has 
      "job": key, "job_ended_at": s | null, "job_wall_s": s | null,
      "phases": {"queue_wait": s, "image_pull": s}, "ended_at": s | null, "outcome": str | null,
      "disruption": {"kind": "node_loss", "node": str, "detection_s": s, ...},  # when known
-     "oom": {"rank", "step", "phase", "micro_batch_size", "next_micro_batch_size", ...}}  # idem
+     "oom": {"rank", "step", "phase", "micro_batch_size", "next_micro_batch_size", ...},  # idem
+     "root_cause": {"how", "culprits", "collateral"}, "repeats": n}  # idem (trainforge.repeated_failure)
 
 The ledger (trainforge.ledger.build) opens its window at the earliest try's start, so every
 attempt of every try, and everything between them, is in one window: goodput's wall time, and the
@@ -64,6 +65,12 @@ def try_ended(record: dict[str, Any] | None, try_number: int, task_started_s: fl
         out["disruption"] = disruption
     if event.get("oom"):  # a GPU out of memory and the retry's micro-batch (trainforge.oom_retry)
         out["oom"] = event["oom"]
+    cause = (event.get("result") or {}).get("root_cause")
+    if isinstance(cause, dict):  # the rank that started the failure (trainforge.engines.root_cause)
+        out["root_cause"] = {**cause, "culprits": [{**c, "message": str(c.get("message") or "")[:300]}
+                                                   for c in cause.get("culprits") or [] if isinstance(c, dict)]}
+    if event.get("repeats"):  # the try whose failure this one repeated (trainforge.repeated_failure)
+        out["repeats"] = event["repeats"]
     return out
 
 

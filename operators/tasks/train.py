@@ -47,6 +47,7 @@ from trainforge.tasks.prepare_data import connection_s3_client
 from trainforge.train_ledger import (ledger_dir, ledger_env, record_ledger,
                                            record_try_started, task_records)
 from trainforge.oom_retry import oom_policy, retry_section
+from trainforge.repeated_failure import repeated
 
 MAX_TAG_CHARS = 5000  # MLflow's tag value limit is 8000 characters
 
@@ -282,6 +283,8 @@ class TrainOperator(ClusterJobOperator):
                 event = apply_post_training_policy(event, reason,
                                                    spec.training.fault.post_training_failure)
             event = oom_policy(event, spec.training.fault.on_oom)  # fail, or retry at a smaller micro-batch
+            event = repeated(event, lambda: self.mlflow_hook.get_run(self._stage_run_id(  # the try before's exception
+                spec, self.mlflow_run_id(context, spec))).data.tags, int(context["ti"].try_number), self.log)  # again
             self._record_failed_try(context, spec, event)
         return super().execute_complete(context, event, first_start_epoch_s, **job_kwargs)
 

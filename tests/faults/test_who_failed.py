@@ -72,6 +72,8 @@ def test_a_rank_that_raises_is_named_with_its_host_and_line(tmp_path, tiny_datas
     cause = status.result["root_cause"]
     assert cause["how"] == "raised" and [c["rank"] for c in cause["culprits"]] == [1]
     assert cause["culprits"][0]["step"] == 5 and [c["rank"] for c in cause["collateral"]] == [0]
+    # what a retry's failure is compared with (trainforge.repeated_failure): the raising frame
+    assert cause["culprits"][0]["origin"] == "inject/sitecustomize.py:10 in step", cause
     assert "rank 0 said" not in status.message  # its view is the collateral line's
 
 

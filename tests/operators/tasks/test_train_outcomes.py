@@ -177,3 +177,27 @@ def test_a_stage_retry_reopens_its_own_run_not_the_dag_runs(mlflow_server, tmp_p
     assert hook.get_run(child).info.status == "RUNNING"
     assert hook.get_run(child).data.tags["trainforge.train.reopened_by_try_2"] == "KILLED"
     assert hook.get_run(parent).info.status == "FAILED"  # not this stage's to reopen
+
+
+def test_a_retry_that_raises_the_same_exception_at_the_same_line_is_not_retried_again(mlflow_server, tmp_path):
+    """Try 1's job and try 2's job each have rank 1 raise the same ValueError at the same line
+    (real rank records): try 1 is transient and its try record keeps the cause; try 2 reads it
+    from MLflow and fails permanently, naming the try it repeats (trainforge.repeated_failure)."""
+    from tests.operators.test_repeated_failure import _bad_token, _failed_job
+
+    raw = _raw()
+    jobs = [_failed_job(tmp_path / str(n), _bad_token) for n in (1, 2)]  # the engine's message and result
+    causes = [{**_error(job["result"]), "message": job["message"]} for job in jobs]
+    op, context = _task(raw, mlflow_server)
+    with pytest.raises(RuntimeError, match="transient failure: retry resumes") as first:
+        op.execute_complete(context, causes[0])
+    assert "raised ValueError during step 5" in str(first.value)
+    op, context = _task(raw, mlflow_server)
+    context["ti"].try_number = 2
+    with pytest.raises(AirflowFailException) as second:
+        op.execute_complete(context, causes[1])
+    assert "raised the same ValueError at " in str(second.value) and "as try 1" in str(second.value)
+    assert "(permanent failure: not retried)" in str(second.value)
+    hook, parent = _parent(mlflow_server, raw)
+    tags = hook.get_run(parent).data.tags
+    assert '"repeats":1' in tags["trainforge.ledger.try.2"] and '"origin"' in tags["trainforge.ledger.try.1"]
