@@ -189,6 +189,9 @@ EXIT_TERMINATED = 143
 RANK_RECORDS_DIR = "rank_records"
 """Beside the result file (or in the job folder): one JSON per rank process, how it started and
 how it ended (trainforge.trainer.rank_record writes them, trainforge.engines.root_cause reads)."""
+RESTARTS_FILE = "restarts.json"
+"""Beside the result file (or in the job folder): the job's attempts, counted by each attempt's
+rank 0 (trainforge.trainer.restarts writes it, trainforge.engines.root_cause reads)."""
 
 PERMANENT_EXIT_CODES = frozenset({EXIT_CONFIG, EXIT_DIVERGED, EXIT_OOM})
 """Exit codes a retry cannot fix."""

@@ -4,9 +4,9 @@ When it starts, every rank writes ``rank_records/rank-<R>-<host>-<pid>.json`` (t
 RANK_RECORDS_DIR) beside the result file, else in the job folder: its rank, host, the address it
 reaches the rendezvous from, process and restart. When it ends with an error it adds how
 (:data:`HOW`), the exit code, the step it was training and, when it raised, the exception and the
-last lines of its traceback. A rank that hung or whose node went writes no end: the engines read
-the records (trainforge.engines.root_cause) and name the rank that started a failure, the others
-as collateral. Stdlib only. docs/faults.md, "Who failed".
+last lines of its traceback. A rank that hung or whose node went writes no end: the records are
+read (trainforge.trainer.causes) to name the rank that started a failure, the others as
+collateral. Stdlib only. docs/faults.md, "Who failed".
 """
 
 from __future__ import annotations
@@ -106,6 +106,20 @@ class RankRecord:
                          exception=type(err).__name__, message=str(err)[:2000],
                          traceback=lines[-TRACEBACK_LINES:], origin=origin(err))
         self._write()
+
+    def attempt(self, job_restart: int) -> None:
+        """This rank belongs to attempt ``job_restart`` of the job (trainforge.trainer.restarts)."""
+        self.data["job_restart"] = job_restart
+        self._write()
+
+    def discard(self) -> None:
+        """Leave no record: an attempt past the restart budget, whose failure is the one before's."""
+        if self.path is not None:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.path = None
 
     def _write(self) -> None:
         if self.path is None:

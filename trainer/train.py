@@ -40,7 +40,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 from trainforge.trainer.verdict import end_if_decided, recorded  # first: a restart after exit 78,
 end_if_decided(__name__)  # 79 or 80 of this run exits here with it, before torch loads (trainer/verdict.py)
@@ -75,6 +74,7 @@ from trainforge.trainer.model import attention_shape, lm_loss
 from trainforge.trainer.model_check import check_model
 from trainforge.trainer.optim import make_optimizer, should_step
 from trainforge.trainer.rank_record import RankRecord
+from trainforge.trainer.restarts import begin_attempt
 from trainforge.trainer.schedule import lr_at
 from trainforge.trainer.start import start_model
 from trainforge.trainer.state import close_pending_write, finish_pending_write, reserve_staging, resume, save
@@ -334,13 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
     signal.signal(signal.SIGTERM, _on_sigterm)
     result_file = os.environ.get(RESULT_FILE_ENV)
-    if rank == 0 and result_file:
-        Path(result_file).unlink(missing_ok=True)  # a stale result must not speak for this attempt
-
     out, cfg, record = Outcome(), None, RankRecord()  # how this rank ends, for the failure's message
     try:
         cfg = load_job_config(args.config)
         d = setup_distributed(cfg)
+        attempt = begin_attempt(d.enabled, d.rank, d.device, record)  # one restart budget for the whole job
+        if attempt.over_budget:  # the attempt before spent it: its result and records name the failure
+            shut_down(True, attempt.exit_code, cfg.distributed.collective_timeout_s)
+            return attempt.exit_code
         train(cfg, d, out)
         code, status, message = EXIT_OK, STATUS_SUCCESS, f"finished at step {out.final_step}"
         consistent = True

@@ -1,16 +1,6 @@
-"""The rank that started a failed job, from the ranks' own records (trainforge.trainer.rank_record).
-
-torchrun's summary, and rank 0's result, tell the failure as whichever rank noticed it first: a
-peer's "Connection closed by peer" or a collective that timed out. Each rank records how it
-started and ended; of the newest record of each rank:
-
-* the first to have **raised** an exception of its own started it (its traceback's last lines);
-* else, when some ranks **waited** (their collective failed) and others never recorded an end or
-  were **terminated**, those others stopped making progress: a hang, a stop, a kill;
-* the rest are collateral: they waited on it, or were torn down.
-
-A node that went down leaves ranks without an end too; the engines name a lost node from the
-scheduler first (trainforge.engines.slurm.node_loss, ray.node_loss). docs/faults.md, "Who failed".
+"""What the engines add to a job's status from the ranks' own records: a failed job's message names
+the rank that started it (trainforge.trainer.causes), and the result lists the job's in-job
+restarts (trainforge.trainer.restarts). docs/faults.md, "Who failed" and "One restart budget".
 """
 
 from __future__ import annotations
@@ -19,73 +9,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainforge.contract import PERMANENT_RESULTS, RANK_RECORDS_DIR
+from trainforge.contract import PERMANENT_RESULTS, RESTARTS_FILE
+from trainforge.trainer.causes import describe, root_cause, summary
 
-
-def rank_records(folder: str | Path) -> list[dict[str, Any]]:
-    """The newest record of each rank under ``folder``/rank_records (unreadable ones left out)."""
-    newest: dict[int, dict[str, Any]] = {}
-    for path in sorted(Path(folder, RANK_RECORDS_DIR).glob("rank-*.json")):
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-            rank, started = int(record["rank"]), float(record["started_at"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if rank not in newest or started > float(newest[rank]["started_at"]):
-            newest[rank] = record
-    return [newest[r] for r in sorted(newest)]
-
-
-def root_cause(folder: str | Path) -> dict[str, Any] | None:
-    """``{"culprits": [records], "how": "raised" | "stopped", "collateral": [records]}`` of the
-    last attempt under ``folder``; None when the records do not single anything out."""
-    records = rank_records(folder)
-    raised = sorted((r for r in records if r.get("how") == "raised"), key=lambda r: r["ended_at"])
-    if raised:
-        first = raised[0]
-        return {"how": "raised", "culprits": [first], "collateral": [r for r in records if r is not first]}
-    waited = [r for r in records if r.get("how") == "waited"]
-    silent = [r for r in records if r.get("how") in (None, "terminated")]
-    if waited and silent:
-        return {"how": "stopped", "culprits": silent, "collateral": waited}
-    return None
-
-
-def where(record: dict[str, Any]) -> str:
-    """``rank 1 on host-b (10.0.0.2)``."""
-    address = f" ({record['address']})" if record.get("address") else ""
-    return f"rank {record['rank']} on {record.get('host', '?')}{address}"
-
-
-def describe(cause: dict[str, Any]) -> str:
-    """One paragraph for the task's failure: the culprit first, then the collateral."""
-    culprits = cause["culprits"]
-    if cause["how"] == "raised":
-        c = culprits[0]
-        text = (f"{where(c)} raised {c.get('exception')} during step {c.get('step')}: {c.get('message')}\n    "
-                + "\n    ".join(c.get("traceback") or []))
-    else:
-        steps = sorted({r.get("step") for r in cause["collateral"] if r.get("step") is not None})
-        at = f" at step {steps[0]}" if len(steps) == 1 else ""
-        text = (", ".join(where(c) for c in culprits) + f" stopped making progress{at}: "
-                + ", ".join(f"rank {r['rank']}" for r in cause["collateral"])
-                + " timed out or lost the connection waiting for it")
-    torn = [r for r in cause["collateral"] if r.get("how") != "waited"]
-    waiting = [r for r in cause["collateral"] if r.get("how") == "waited"]
-    if cause["how"] == "raised" and (torn or waiting):
-        text += "\n  collateral: " + "; ".join(
-            [f"{where(r)} (its collective failed: {_short(r)})" for r in waiting]
-            + [f"{where(r)} (torn down)" for r in torn])
-    return text
-
-
-def summary(cause: dict[str, Any]) -> dict[str, Any]:
-    """What the try record and the ledger keep of ``cause``."""
-    return {"how": cause["how"],
-            "culprits": [{k: c.get(k) for k in ("rank", "host", "address", "step", "exception", "message", "origin")}
-                         for c in cause["culprits"]],
-            "collateral": [{"rank": r["rank"], "host": r.get("host"), "how": r.get("how") or "torn down"}
-                           for r in cause["collateral"]]}
+__all__ = ["restarts", "root_cause", "told", "with_restarts"]
 
 
 def told(folder: str | Path, message: str, result: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
@@ -107,6 +34,29 @@ def told(folder: str | Path, message: str, result: dict[str, Any] | None) -> tup
     return f"{describe(cause)}\n  rank 0 said: {said}", result
 
 
-def _short(record: dict[str, Any]) -> str:
-    message = (record.get("message") or "").strip().splitlines()
-    return f"{record.get('exception')}: {message[0][:160] if message else ''}"
+def restarts(folder: str | Path) -> list[dict[str, Any]]:
+    """The job's in-job restarts from ``folder``/restarts.json, each a ``restart`` disruption
+    (trainforge.ledger.disruptions): ``index``, the culprit's ``node`` and ``rank``, ``cause``
+    (one line), ``lost_at`` (the failure), ``detected_at`` (the restart's start) and
+    ``detection_s``; empty when the job did not restart or the file is unreadable."""
+    try:
+        attempts = json.loads(Path(folder, RESTARTS_FILE).read_text(encoding="utf-8"))["attempts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    out = []
+    for a in attempts if isinstance(attempts, list) else []:
+        if not isinstance(a, dict) or not isinstance(a.get("index"), int) or a["index"] < 1:
+            continue
+        culprit = ((a.get("after") or {}).get("culprits") or [{}])[0]
+        lost, started = a.get("failed_at"), a.get("started_at")
+        out.append({"kind": "restart", "index": a["index"], "node": culprit.get("host"), "rank": culprit.get("rank"),
+                    "cause": a.get("cause"), "lost_at": lost, "detected_at": started,
+                    "detection_s": round(started - lost, 3) if isinstance(lost, (int, float))
+                    and isinstance(started, (int, float)) else None})
+    return out
+
+
+def with_restarts(folder: str | Path, result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``result`` with ``restarts`` (:func:`restarts`) when the job restarted."""
+    found = restarts(folder)
+    return {**(result or {}), "restarts": found} if found else result

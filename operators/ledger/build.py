@@ -76,7 +76,8 @@ def build_ledger(spec: PipelineSpec, event: dict[str, Any], run_tags: dict[str, 
     current = {"task_started_at": task_started_s, "submitted_at": submitted, "ended_at": now_s,
                "submitted_by_this_try": submitted_by_this_try, "job_ended_at": job_end,
                "phases": event.get("phases") or {}, "try": try_number,
-               "disruption": event_disruption(event)}
+               "disruption": event_disruption(event),
+               "restarts": (event.get("result") or {}).get("restarts") or []}  # in-job, of any end
     tries = [*(earlier_tries or []), current]
     start = min([float(x) for t in tries for x in (t.get("task_started_at"), t.get("submitted_at"))
                  if x is not None] + [now_s, trainer.first_start or now_s])

@@ -3,7 +3,8 @@
 An engine that knows why a job failed says so in the status's result, under ``"disruption"``:
 ``{"kind": "node_loss", "node": str, "source": str, "lost_at": s, "detected_at": s,
 "detection_s": s, ...}`` (the Slurm engine: trainforge.engines.slurm.node_loss); a job that lost
-a node and went on with the survivors says so in its succeeded status's. The try's record
+a node and went on with the survivors says so in its succeeded status's. A job whose worker group
+restarted inside it lists each restart under ``"restarts"``, kind ``restart``, whatever its end. The try's record
 (trainforge.ledger.tries) keeps it, so the ledger of every later try still knows it.
 
 The ledger then has, per kind over every try so far: ``disruptions/<kind>`` (how many),
@@ -21,7 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 NODE_LOSS = "node_loss"
-KINDS = (NODE_LOSS,)
+RESTART = "restart"
+"""An in-job restart of the worker group (the result's ``restarts``: trainforge.engines.root_cause),
+with the rank and host that caused it as its ``node`` and ``rank``."""
+KINDS = (NODE_LOSS, RESTART)
 
 
 def event_disruption(event: dict[str, Any]) -> dict[str, Any] | None:
@@ -40,8 +44,7 @@ def disruption_figures(tries: list[dict[str, Any]], *,
     trainer's attempt records (trainforge.ledger.attempts), for the steps recomputed."""
     metrics: dict[str, float] = {}
     said: dict[str, list[str]] = {}
-    for t in tries:
-        d = t.get("disruption")
+    for t, d in [(t, d) for t in tries for d in [t.get("disruption"), *(t.get("restarts") or [])]]:
         if not isinstance(d, dict) or d.get("kind") not in KINDS:
             continue
         kind = d["kind"]
@@ -51,6 +54,8 @@ def disruption_figures(tries: list[dict[str, Any]], *,
             key = f"disruptions/{kind}/detection_max_s"
             metrics[key] = max(metrics.get(key, 0.0), float(detection))
         text = f"try {t.get('try')}: {d.get('node')}"
+        if kind == RESTART:  # which restart, and what caused it
+            text = f"try {t.get('try')}, restart {d.get('index')}: {d.get('cause') or d.get('node')}"
         if isinstance(detection, (int, float)):
             text += f", reported {float(detection):.1f} s after its last sign of life"
         steps = steps_recomputed(d, records or [])

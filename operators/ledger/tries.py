@@ -12,7 +12,8 @@ job started are known only to the orchestrator. So each try writes, when it has 
      "phases": {"queue_wait": s, "image_pull": s}, "ended_at": s | null, "outcome": str | null,
      "disruption": {"kind": "node_loss", "node": str, "detection_s": s, ...},  # when known
      "oom": {"rank", "step", "phase", "micro_batch_size", "next_micro_batch_size", ...},  # idem
-     "root_cause": {"how", "culprits", "collateral"}, "repeats": n}  # idem (trainforge.repeated_failure)
+     "root_cause": {"how", "culprits", "collateral"}, "repeats": n,  # idem (trainforge.repeated_failure)
+     "restarts": [{"kind": "restart", "index", "node", "rank", "cause", "lost_at", ...}]}  # in-job
 
 The ledger (trainforge.ledger.build) opens its window at the earliest try's start, so every
 attempt of every try, and everything between them, is in one window: goodput's wall time, and the
@@ -69,6 +70,9 @@ def try_ended(record: dict[str, Any] | None, try_number: int, task_started_s: fl
     if isinstance(cause, dict):  # the rank that started the failure (trainforge.engines.root_cause)
         out["root_cause"] = {**cause, "culprits": [{**c, "message": str(c.get("message") or "")[:300]}
                                                    for c in cause.get("culprits") or [] if isinstance(c, dict)]}
+    restarts = (event.get("result") or {}).get("restarts")
+    if isinstance(restarts, list) and restarts:  # in-job restarts (trainforge.engines.root_cause)
+        out["restarts"] = restarts
     if event.get("repeats"):  # the try whose failure this one repeated (trainforge.repeated_failure)
         out["repeats"] = event["repeats"]
     return out

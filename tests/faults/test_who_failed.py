@@ -21,13 +21,14 @@ from tests.faults.faultlib import wait_for
 from trainforge.contract import FailureKind
 from trainforge.engines.base import JobIdentity, JobState, TrainingJob
 from trainforge.engines.local.backend import LocalBackend
-from trainforge.engines.root_cause import root_cause
+from trainforge.trainer.causes import root_cause
 
 pytestmark = [pytest.mark.distributed]
 
 INJECT = '''
 import os
-if os.environ.get("RANK") == "1" and os.environ.get("TF_TEST_RAISE_AT_STEP"):
+if (os.environ.get("RANK") == "1" and os.environ.get("TF_TEST_RAISE_AT_STEP")
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in os.environ.get("TF_TEST_RAISE_IN", "0123")):
     import torch
     _step, _calls = torch.optim.AdamW.step, [0]
 
@@ -67,13 +68,13 @@ def test_a_rank_that_raises_is_named_with_its_host_and_line(tmp_path, tiny_datas
     host = socket.gethostname()
     assert first.startswith(f"rank 1 on {host} (127.0.0.1) raised ValueError during step 5: "
                             "injected at optimizer step 5"), status.message
-    assert 'sitecustomize.py", line 10, in step' in status.message, status.message
+    assert 'sitecustomize.py", line 11, in step' in status.message, status.message
     assert f"collateral: rank 0 on {host}" in status.message, status.message
     cause = status.result["root_cause"]
     assert cause["how"] == "raised" and [c["rank"] for c in cause["culprits"]] == [1]
     assert cause["culprits"][0]["step"] == 5 and [c["rank"] for c in cause["collateral"]] == [0]
     # what a retry's failure is compared with (trainforge.repeated_failure): the raising frame
-    assert cause["culprits"][0]["origin"] == "inject/sitecustomize.py:10 in step", cause
+    assert cause["culprits"][0]["origin"] == "inject/sitecustomize.py:11 in step", cause
     assert "rank 0 said" not in status.message  # its view is the collateral line's
 
 
@@ -121,3 +122,35 @@ def test_a_rank_that_stops_is_named_not_the_rank_that_timed_out_waiting(tmp_path
     assert "rank 1 was killed by SIGKILL" in status.message  # the last word, not the cause
     cause = root_cause(job_dir)
     assert [c["rank"] for c in cause["culprits"]] == [1] and cause["collateral"][0]["how"] == "waited"
+
+
+def test_an_in_job_restart_is_counted_once_with_its_cause_in_the_result(tmp_path, tiny_dataset):
+    """Rank 1 raises at step 5 in the first attempt only, with ``max_restarts: 1``: torchrun restarts
+    the group, which resumes and finishes; the job's result lists the restart (index 1, rank 1
+    on this host, its exception) for the try record and the ledger (trainforge.trainer.restarts)."""
+    import json
+
+    from tests.trainer.conftest import make_job
+
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(INJECT)
+    config = make_job(tiny_dataset, tmp_path / "checkpoints", optim={"max_steps": 8, "warmup_steps": 2},
+                      checkpoint={"interval_steps": 3, "keep_last": 2},
+                      distributed={"backend": "gloo", "collective_timeout_s": 20})
+    backend = LocalBackend(tmp_path / "runs")
+    path = os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH")) if p)
+    job = TrainingJob(identity=JobIdentity("d", "r", "train", 1), config=config, processes_per_node=2,
+                      max_restarts=1, env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": path, "TF_TEST_RAISE_AT_STEP": "5",
+                                           "TF_TEST_RAISE_IN": "0"})
+    status = _ended(backend, backend.submit(job), timeout_s=240)
+    job_dir = Path(backend.job_dir(job.identity))
+    log = (job_dir / "job.log").read_text(errors="replace")
+    assert status.state is JobState.SUCCEEDED, log[-3000:]
+    assert log.count("job restart 1 of 1 (within fault.max_restarts") == 1, log[-3000:]  # rank 0's line
+    [restart] = status.result["restarts"]
+    assert restart["kind"] == "restart" and restart["index"] == 1 and restart["rank"] == 1, restart
+    assert restart["node"] == socket.gethostname() and "raised ValueError during step 5" in restart["cause"], restart
+    assert 0 <= restart["detection_s"] < 60, restart
+    attempts = json.loads((job_dir / "restarts.json").read_text())["attempts"]
+    assert [a["index"] for a in attempts] == [0, 1] and attempts[1]["agent_restart"] == 1, attempts

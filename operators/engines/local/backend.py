@@ -143,7 +143,7 @@ class LocalBackend(Backend):
 
     def status(self, handle: JobHandle) -> JobStatus:
         job_dir = self._dir(handle)
-        result = read_json(job_dir / "result.json")
+        result = who_failed.with_restarts(job_dir, read_json(job_dir / "result.json"))  # and its in-job restarts
         exit_record = read_json(job_dir / "exit.json")
         if exit_record is not None:
             rc = int(exit_record["exit_code"])

@@ -191,7 +191,7 @@ class SlurmBackend(Backend):
         job_dir = Path(handle["job_dir"])
         seen = self._slurm.observe(job_id)
         exit_record = read_json(job_dir / "exit.json")
-        result = read_json(job_dir / "result.json")
+        result = who_failed.with_restarts(job_dir, read_json(job_dir / "result.json"))  # and its in-job restarts
         cancelled = (job_dir / "cancel.json").exists()
         start_failure = read_json(job_dir / START_FAILURE)
         if seen is None:

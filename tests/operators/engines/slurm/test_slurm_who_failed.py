@@ -46,6 +46,6 @@ def test_a_raising_rank_is_named_in_the_slurm_jobs_failure(tmp_path, slurm_clust
     assert status.state is JobState.FAILED, (status, log[-3000:])
     assert "rank 1 on " in status.message and " raised ValueError during step 5: injected at optimizer " \
         "step 5" in status.message, (status.message, log[-3000:])
-    assert 'sitecustomize.py", line 10, in step' in status.message, status.message
+    assert 'sitecustomize.py", line 11, in step' in status.message, status.message
     assert "collateral: rank 0 on " in status.message, status.message
     assert status.result["root_cause"]["culprits"][0]["rank"] == 1
