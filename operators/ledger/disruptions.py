@@ -53,11 +53,14 @@ def disruption_figures(tries: list[dict[str, Any]], *,
         if isinstance(detection, (int, float)):
             key = f"disruptions/{kind}/detection_max_s"
             metrics[key] = max(metrics.get(key, 0.0), float(detection))
-        text = f"try {t.get('try')}: {d.get('node')}"
-        if kind == RESTART:  # which restart, and what caused it
+        if kind == RESTART:  # which restart, what caused it, how soon the group restarted
             text = f"try {t.get('try')}, restart {d.get('index')}: {d.get('cause') or d.get('node')}"
-        if isinstance(detection, (int, float)):
-            text += f", reported {float(detection):.1f} s after its last sign of life"
+            if isinstance(detection, (int, float)):
+                text += f"; restarted {float(detection):.1f} s after"
+        else:
+            text = f"try {t.get('try')}: {d.get('node')}"
+            if isinstance(detection, (int, float)):
+                text += f", reported {float(detection):.1f} s after its last sign of life"
         steps = steps_recomputed(d, records or [])
         if steps is not None:
             key = f"disruptions/{kind}/steps_recomputed"

@@ -63,3 +63,20 @@ def test_an_attempt_started_before_the_loss_is_not_counted():
     metrics, tags = disruption_figures([{"try": 1, "disruption": loss("h1", 1049.0)}],
                                        records=records)
     assert metrics[KEY] == 0.0 and tags[TAG].endswith(", 0 steps recomputed")
+
+
+def test_an_in_job_restart_is_a_restart_disruption_in_the_try_record_and_the_ledger():
+    """The job's result lists its restarts (trainforge.engines.root_cause.restarts); the try
+    record keeps them and the ledger counts each, with its cause and the steps trained again."""
+    from trainforge.ledger.tries import try_ended
+
+    restart = {"kind": "restart", "index": 1, "node": "h1", "rank": 1, "lost_at": 1029.0, "detected_at": 1031.5,
+               "detection_s": 2.5, "cause": "rank 1 on h1 (10.0.0.2) raised ValueError during step 13: bad token"}
+    event = {"status": "success", "message": "finished", "handle": {"key": "j"}, "result": {"restarts": [restart]}}
+    record = try_ended(None, 1, 1000.0, event, 1100.0)
+    assert record["restarts"] == [restart] and "disruption" not in record
+    metrics, tags = disruption_figures([record], records=[attempt(1000.0, 0, 0), attempt(1031.5, 10, 13)])
+    assert metrics["disruptions/restart"] == 1.0 and metrics["disruptions/restart/steps_recomputed"] == 3.0
+    assert tags["ledger/disruptions/restart"] == (
+        "try 1, restart 1: rank 1 on h1 (10.0.0.2) raised ValueError during step 13: bad token; restarted 2.5 s "
+        "after, 3 steps recomputed")

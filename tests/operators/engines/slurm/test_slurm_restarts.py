@@ -9,7 +9,10 @@ Past the first checkpoint the rank on the second host is SIGKILLed (its torchrun
 * with ``max_restarts: 0`` the agent gives up, srun ends the step, and the job fails as before;
 * with ``max_restarts: 1`` but the second host's torchrun agent killed with its rank (the node's
   processes gone), srun ends the step at once (``--kill-on-bad-exit``): the first host's agent
-  does not wait in a new rendezvous for a node that will not come.
+  does not wait in a new rendezvous for a node that will not come;
+* with ``max_restarts: 1`` and a rank raising on each host in turn, the job fails after one
+  restart, not two (each agent's own count would allow one each): both nodes say the same
+  restart, and the job's result names the restart's cause (trainforge.trainer.restarts).
 
 Nothing of a job is left running on either host after each.
 """
@@ -49,7 +52,7 @@ def dataset(tmp_path_factory):
     return build_dataset(tmp_path_factory.mktemp("data") / "tiny")
 
 
-def _job(tmp_path: Path, dataset: Path, key: str, max_restarts: int) -> TrainingJob:
+def _job(tmp_path: Path, dataset: Path, key: str, max_restarts: int, env: dict | None = None) -> TrainingJob:
     config = make_job(dataset, tmp_path / "checkpoints",
                       optim={"max_steps": MAX_STEPS, "warmup_steps": 1},
                       checkpoint={"interval_steps": 10, "keep_last": 2},
@@ -58,7 +61,7 @@ def _job(tmp_path: Path, dataset: Path, key: str, max_restarts: int) -> Training
     return TrainingJob(identity=JobIdentity("restarts", key, "train", 1), config=config,
                        module="trainforge.trainer.train", nodes=2, processes_per_node=1,
                        engine_options={"python": sys.executable}, max_runtime_s=600.0,
-                       startup_timeout_s=60.0, max_restarts=max_restarts)
+                       startup_timeout_s=60.0, max_restarts=max_restarts, env=env or {})
 
 
 
@@ -143,4 +146,59 @@ def test_a_lost_agent_still_ends_the_job_at_once_with_restarts_left(tmp_path, cl
     # Well before the 60 s rendezvous join timeout a new round would wait for the lost node.
     assert took < 20, (took, text[-4000:])
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" not in text
+    hosts.wait_nothing_left(JOB_WORDS)
+
+
+# On the ranks' path (a sitecustomize): the rank on the first host in TF_TEST_HOSTS without a mark
+# in TF_TEST_MARKS raises at its 5th optimizer step, leaving its mark: h1 in the first attempt, h0
+# in the next.
+IN_TURN = '''
+import os
+import socket
+if os.environ.get("RANK") is not None and os.environ.get("TF_TEST_MARKS"):
+    import torch
+    _step, _calls, _host = torch.optim.AdamW.step, [0], socket.gethostname()
+
+    def _due():
+        for host in os.environ["TF_TEST_HOSTS"].split(","):
+            if not os.path.exists(os.path.join(os.environ["TF_TEST_MARKS"], host)):
+                return host == _host
+        return False
+
+    def step(self, *args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == 5 and _due():
+            open(os.path.join(os.environ["TF_TEST_MARKS"], _host), "w").close()
+            raise ValueError("injected on " + _host)
+        return _step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step
+'''
+
+
+def test_one_restart_budget_for_the_whole_job_when_each_host_fails_in_turn(tmp_path, cluster, dataset):
+    hosts, _ = cluster
+    inject, marks = tmp_path / "inject", tmp_path / "marks"
+    inject.mkdir(), marks.mkdir()
+    (inject / "sitecustomize.py").write_text(IN_TURN)
+    path = os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH")) if p)
+    backend = SlurmBackend(tmp_path / "runs")
+    job = _job(tmp_path, dataset, "in-turn", max_restarts=1,
+               env={"PYTHONPATH": path, "TF_TEST_MARKS": str(marks), "TF_TEST_HOSTS": f"{hosts.name(1)},{hosts.name(0)}"})
+    handle = backend.submit(job)
+    status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s, 300, 0.5)
+    text = job_logs(backend, job)
+    assert status.state is JobState.FAILED, (status, text[-4000:])
+    assert sorted(p.name for p in marks.iterdir()) == [hosts.name(0), hosts.name(1)], text[-4000:]  # each raised
+    for i in (0, 1):  # both nodes say the same restart: the job's, not their agent's
+        assert re.search(rf"rank \d on {hosts.name(i)}: job restart 1 of 1 \(within", text), text[-4000:]
+    # no second restart trained: an agent with a count of its own left (one whose rank was torn
+    # down for the new round, not failed) starts one, which ends at once, past the budget
+    assert "job restart 2 of 1 (within" not in text and text.count("injected on") <= 4, text[-4000:]
+    assert f"step {MAX_STEPS}/{MAX_STEPS} |" not in text
+    # the failure is attempt 1's: the rank on h0 raised; attempt 2 left no record of its own
+    assert f"on {hosts.name(0)} " in status.message.splitlines()[0] and "raised ValueError" in status.message, status
+    [restart] = status.result["restarts"]  # for the try record and the ledger
+    assert restart["index"] == 1 and restart["node"] == hosts.name(1), restart
+    assert f"injected on {hosts.name(1)}" in restart["cause"], restart
     hosts.wait_nothing_left(JOB_WORDS)
