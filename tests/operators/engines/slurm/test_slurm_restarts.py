@@ -198,6 +198,9 @@ def test_one_restart_budget_for_the_whole_job_when_each_host_fails_in_turn(tmp_p
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" not in text
     # the failure is attempt 1's: the rank on h0 raised; attempt 2 left no record of its own
     assert f"on {hosts.name(0)} " in status.message.splitlines()[0] and "raised ValueError" in status.message, status
+    assert 'sitecustomize.py", line 18, in step' in status.message, status.message  # the raising line
+    assert f"collateral: rank {1 - status.result['root_cause']['culprits'][0]['rank']} on {hosts.name(1)}" \
+        in status.message, status.message  # the other node's rank: torn down, or its collective failed
     [restart] = status.result["restarts"]  # for the try record and the ledger
     assert restart["index"] == 1 and restart["node"] == hosts.name(1), restart
     assert f"injected on {hosts.name(1)}" in restart["cause"], restart
