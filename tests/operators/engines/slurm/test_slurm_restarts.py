@@ -12,7 +12,9 @@ Past the first checkpoint the rank on the second host is SIGKILLed (its torchrun
   does not wait in a new rendezvous for a node that will not come;
 * with ``max_restarts: 1`` and a rank raising on each host in turn, the job fails after one
   restart, not two (each agent's own count would allow one each): both nodes say the same
-  restart, and the job's result names the restart's cause (trainforge.trainer.restarts).
+  restart, and the job's result names the restart's cause (trainforge.trainer.restarts);
+* a rank on the second host stopped (SIGSTOP) before a collective: the failure names it, not the
+  rank on the first host that timed out waiting (trainforge.trainer.causes).
 
 Nothing of a job is left running on either host after each.
 """
@@ -204,4 +206,30 @@ def test_one_restart_budget_for_the_whole_job_when_each_host_fails_in_turn(tmp_p
     [restart] = status.result["restarts"]  # for the try record and the ledger
     assert restart["index"] == 1 and restart["node"] == hosts.name(1), restart
     assert f"injected on {hosts.name(1)}" in restart["cause"], restart
+    hosts.wait_nothing_left(JOB_WORDS)
+
+
+def test_a_rank_that_stops_on_the_second_host_is_named_not_the_one_that_timed_out(tmp_path, cluster, dataset):
+    hosts, _ = cluster
+    backend = SlurmBackend(tmp_path / "runs")
+    job = _job(tmp_path, dataset, "stopped", max_restarts=0)
+    job.config["distributed"]["collective_timeout_s"] = 8
+    handle = backend.submit(job)
+    log = backend.job_dir(job.identity) / "job.log"
+    wait_for("the job past step 3", lambda: newest_step(log) >= 3 or backend.status(handle).state.terminal, 240, 0.2)
+    rank = wait_for("the rank on the second host", lambda: _rank(hosts, 1), 30, 0.2)
+    rank.send_signal(signal.SIGSTOP)  # alive and silent: the first host's rank times out waiting
+    try:
+        status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s, 120, 0.5)
+    finally:
+        if rank.is_running():
+            rank.kill()  # our job's rank on our test host: srun or torchrun has normally done it
+    text = job_logs(backend, job)
+    assert status.state is JobState.FAILED, (status, text[-4000:])
+    first = status.message.splitlines()[0]
+    assert re.search(rf"rank \d on {hosts.name(1)} \(\S+\) stopped making progress at step \d+: rank \d timed "
+                     r"out or lost the connection waiting for it", first), status.message
+    [culprit] = status.result["root_cause"]["culprits"]
+    assert culprit["host"] == hosts.name(1)
+    assert [r["host"] for r in status.result["root_cause"]["collateral"]] == [hosts.name(0)]
     hosts.wait_nothing_left(JOB_WORDS)
