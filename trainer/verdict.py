@@ -7,7 +7,10 @@ whatever the exit code. A rank that exits with a code of
 (``TORCHELASTIC_RESTART_COUNT`` > 0) of the same torchrun run (``TORCHELASTIC_RUN_ID``) that finds
 one exits at once with its code, before torch or the model is imported, and leaves the result
 file of the attempt that reached the verdict: the task's failure names it. torchrun may still
-start the restarts it has left; each ends within a second. Stdlib only (it runs before torch).
+start a restart before the verdict reaches it; each ends within a second. To keep torchrun from
+restarting at all, the first rank of a node to reach a verdict stops that node's torchrun agent
+(its parent) with SIGTERM when the agent has restarts left (:func:`stop_agent`); the Slurm engine's
+srun then ends the other nodes. Stdlib only (it runs before torch).
 docs/faults.md, "Permanent verdicts stop at once".
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 from collections.abc import Mapping
@@ -60,7 +64,34 @@ def recorded(code: int, environ: Mapping[str, str] = os.environ) -> int:
     except OSError as err:
         print(f"trainforge: could not record the verdict in {path} ({err}); torchrun may restart the group",
               file=sys.stderr, flush=True)
+    if _restart(environ, "TORCHELASTIC_RESTART_COUNT") < _restart(environ, "TORCHELASTIC_MAX_RESTARTS"):
+        stop_agent(record, path)
     return code
+
+
+def stop_agent(record: dict, path: str) -> None:
+    """Stop this node's torchrun agent (this process's parent) with SIGTERM, so that it does not
+    restart the group for a verdict a restart cannot change: torchrun's log then shows one attempt.
+    One rank per agent sends it (the first to create ``path``'s marker for the agent); nothing when
+    the parent is not torchrun. The verdict file still stops a restart that starts meanwhile."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return
+    if b"torch.distributed.run" not in argv and not any(a.endswith(b"/torchrun") or a == b"torchrun" for a in argv):
+        return
+    try:  # the other ranks of this agent: it is being stopped already
+        os.close(os.open(f"{path}.stop-{socket.gethostname()}-{parent}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except OSError:
+        return
+    print(f"trainforge: rank {record['rank']}: {record['status']} (exit {record['exit_code']}) is permanent: stopping "
+          f"this node's torchrun agent (pid {parent}) so that it does not restart the group", flush=True)
+    try:
+        os.kill(parent, signal.SIGTERM)
+    except OSError:
+        pass
 
 
 def decided(environ: Mapping[str, str] = os.environ) -> dict | None:

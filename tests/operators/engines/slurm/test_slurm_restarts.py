@@ -14,7 +14,9 @@ Past the first checkpoint the rank on the second host is SIGKILLed (its torchrun
   restart, not two (each agent's own count would allow one each): both nodes say the same
   restart, and the job's result names the restart's cause (trainforge.trainer.restarts);
 * a rank on the second host stopped (SIGSTOP) before a collective: the failure names it, not the
-  rank on the first host that timed out waiting (trainforge.trainer.causes).
+  rank on the first host that timed out waiting (trainforge.trainer.causes);
+* a bad config (exit 78) or a divergence (exit 79) with ``max_restarts: 2``: no restart at all,
+  each node's torchrun agent stopped by its first rank at the verdict; permanent (trainer/verdict.py).
 
 Nothing of a job is left running on either host after each.
 """
@@ -232,4 +234,27 @@ def test_a_rank_that_stops_on_the_second_host_is_named_not_the_one_that_timed_ou
     [culprit] = status.result["root_cause"]["culprits"]
     assert culprit["host"] == hosts.name(1)
     assert [r["host"] for r in status.result["root_cause"]["collateral"]] == [hosts.name(0)]
+    hosts.wait_nothing_left(JOB_WORDS)
+
+
+@pytest.mark.parametrize("verdict", ["bad_config", "diverged"])
+def test_a_permanent_verdict_is_not_restarted_on_either_host(tmp_path, cluster, dataset, verdict):
+    from trainforge.contract import FailureKind
+
+    hosts, _ = cluster
+    backend = SlurmBackend(tmp_path / "runs")
+    job = _job(tmp_path, dataset, verdict, max_restarts=2)
+    optim = job.config["optim"]
+    if verdict == "bad_config":  # 6 does not divide over micro-batch 2 x 2 ranks
+        optim.update(global_batch_size=6, micro_batch_size=2)
+    else:
+        optim.update(learning_rate=1e30, min_learning_rate=1e29, warmup_steps=0)
+    handle = backend.submit(job)
+    status = wait_for("the job to end", lambda: (s := backend.status(handle)).state.terminal and s, 180, 0.5)
+    text = job_logs(backend, job)
+    assert status.state is JobState.FAILED and status.failure is FailureKind.PERMANENT, (status, text[-4000:])
+    assert status.result["status"] == verdict, status
+    assert len(re.findall(r"process group up", text)) == 1, text[-4000:]  # rank 0's line: one attempt
+    assert "stopping this node's torchrun agent" in text, text[-4000:]
+    assert "exiting without training" not in text and "job restart" not in text, text[-4000:]
     hosts.wait_nothing_left(JOB_WORDS)
