@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from trainforge.trainer.config import JobConfig
 from trainforge.trainer.errors import ConfigError
+from trainforge.trainer.verdict import recorded
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ def shut_down(consistent: bool, code: int, timeout_s: float = 60.0) -> str | Non
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None  # not launched by torchrun: no peers
     if not consistent:
+        code = recorded(code)  # exit 80: torchrun does not restart the group (trainer/verdict.py)
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
