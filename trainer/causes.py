@@ -27,26 +27,40 @@ from trainforge.contract import RANK_RECORDS_DIR
 def rank_records(folder: str | Path, job_restart: int | None = None) -> list[dict[str, Any]]:
     """The newest record of each rank under ``folder``/rank_records (unreadable ones left out);
     with ``job_restart``, of that attempt of the job only (trainforge.trainer.restarts)."""
-    newest: dict[int, dict[str, Any]] = {}
+    found = []
     for path in sorted(Path(folder, RANK_RECORDS_DIR).glob("rank-*.json")):
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
+            found.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return newest(found, job_restart)
+
+
+def newest(records: list[Any], job_restart: int | None = None) -> list[dict[str, Any]]:
+    """The newest of ``records`` for each rank (by ``started_at``), by rank; malformed ones left
+    out; with ``job_restart``, of that attempt of the job only."""
+    by_rank: dict[int, dict[str, Any]] = {}
+    for record in records:
+        try:
             rank, started = int(record["rank"]), float(record["started_at"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError):
             continue
         if job_restart is not None and record.get("job_restart") != job_restart:
             continue
-        if rank not in newest or started > float(newest[rank]["started_at"]):
-            newest[rank] = record
-    return [newest[r] for r in sorted(newest)]
+        if rank not in by_rank or started > float(by_rank[rank]["started_at"]):
+            by_rank[rank] = record
+    return [by_rank[r] for r in sorted(by_rank)]
 
 
 def root_cause(folder: str | Path, job_restart: int | None = None) -> dict[str, Any] | None:
-    """``{"culprits": [records], "how": "raised" | "stopped", "collateral": [records]}`` of the
-    last attempt under ``folder`` (or of attempt ``job_restart``); None when the records do not
-    single anything out."""
-    records = rank_records(folder, job_restart)
-    raised = sorted((r for r in records if r.get("how") == "raised"), key=lambda r: r["ended_at"])
+    """:func:`cause_of` the last attempt under ``folder`` (or attempt ``job_restart``)."""
+    return cause_of(rank_records(folder, job_restart))
+
+
+def cause_of(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """``{"culprits": [records], "how": "raised" | "stopped", "collateral": [records]}`` of one
+    attempt's newest records (:func:`newest`); None when they do not single anything out."""
+    raised = sorted((r for r in records if r.get("how") == "raised"), key=lambda r: r.get("ended_at") or 0.0)
     if raised:
         first = raised[0]
         return {"how": "raised", "culprits": [first], "collateral": [r for r in records if r is not first]}

@@ -12,14 +12,19 @@ from typing import Any
 from trainforge.contract import PERMANENT_RESULTS, RESTARTS_FILE
 from trainforge.trainer.causes import describe, root_cause, summary
 
-__all__ = ["restarts", "root_cause", "told", "with_restarts"]
+__all__ = ["restarts", "root_cause", "tell", "told", "with_restarts"]
 
 
 def told(folder: str | Path, message: str, result: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
-    """A failed job's ``(message, result)`` with the rank that started it: named first (rank 0's
-    own message after it) unless the trainer's verdict is permanent (a bad config, divergence,
-    out of memory: the message already says why); ``result["root_cause"]`` either way."""
-    cause = root_cause(folder)
+    """:func:`tell` the root cause of the ranks' records under ``folder`` (the job folder)."""
+    return tell(root_cause(folder), message, result)
+
+
+def tell(cause: dict[str, Any] | None, message: str, result: dict[str, Any] | None
+         ) -> tuple[str, dict[str, Any] | None]:
+    """A failed job's ``(message, result)`` with the rank that started it (``cause``): named first
+    (rank 0's own message after it) unless the trainer's verdict is permanent (a bad config,
+    divergence, out of memory: the message already says why); ``result["root_cause"]`` either way."""
     if cause is None:
         return message, result
     said = (result or {}).get("message")

@@ -280,3 +280,79 @@ def test_a_lost_node_is_named_never_the_survivor(cluster):
         time.sleep(0.5)
     assert not _job_processes(hosts), _job_processes(hosts)
     _nothing_running(ray)
+
+
+# On the ranks' path (a sitecustomize): the rank on host TF_TEST_RAISE_ON raises at its 5th
+# optimizer step.
+RAISE_ON_HOST = '''
+import os
+import socket
+if os.environ.get("RANK") is not None and socket.gethostname() == os.environ.get("TF_TEST_RAISE_ON"):
+    import torch
+    _step, _calls = torch.optim.AdamW.step, [0]
+
+    def step(self, *args, **kwargs):
+        _calls[0] += 1
+        if _calls[0] == 5:
+            raise ValueError("injected at optimizer step 5")
+        return _step(self, *args, **kwargs)
+
+    torch.optim.AdamW.step = step
+'''
+
+
+def _trainer_job(tmp_path, key: str, max_restarts: int = 0, env: dict | None = None, **optim):
+    from tests.trainer.conftest import build_dataset, make_job
+    from trainforge.engines.base import JobIdentity, TrainingJob
+
+    config = make_job(build_dataset(tmp_path / "data"), tmp_path / "checkpoints",
+                      optim={"max_steps": 40, "warmup_steps": 2, **optim},
+                      distributed={"backend": "gloo", "collective_timeout_s": 20})
+    return TrainingJob(identity=JobIdentity("two_nodes", key, "train", 1), config=config,
+                       module="trainforge.trainer.train", nodes=2, processes_per_node=1,
+                       max_restarts=max_restarts, env={"HF_HUB_OFFLINE": "1", **(env or {})},
+                       startup_timeout_s=120.0)
+
+
+def test_a_rank_that_raises_on_the_second_node_is_named_with_its_host_and_line(cluster, tmp_path):
+    from trainforge.engines.base import JobState
+    from trainforge.engines.ray.backend import RayBackend
+
+    hosts, ray = cluster
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(RAISE_ON_HOST)
+    path = os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH")) if p)
+    backend = RayBackend(address=ray.address)
+    handle = backend.submit(_trainer_job(tmp_path, "r-raise", env={"PYTHONPATH": path,
+                                                                   "TF_TEST_RAISE_ON": hosts.name(1)}))
+    status = _wait(backend, handle, 240)
+    logs = backend._client().get_job_logs(handle["submission_id"])
+    assert status.state is JobState.FAILED, (status, logs[-3000:])
+    assert re.search(rf"failed \(\S+, exit code \d+\): rank \d on {hosts.name(1)} \({re.escape(hosts.address(1))}\) "
+                     r"raised ValueError during step 5: injected at optimizer step 5", status.message), status.message
+    assert 'sitecustomize.py", line 11, in step' in status.message, status.message
+    assert "collateral: rank " in status.message and f"on {hosts.name(0)} " in status.message, status.message
+    [culprit] = status.result["root_cause"]["culprits"]
+    assert culprit["host"] == hosts.name(1) and culprit["origin"] == "inject/sitecustomize.py:11 in step"
+    assert "rank_records" not in status.result
+    _nothing_running(ray)
+    assert not _job_processes(hosts)
+
+
+def test_a_bad_config_on_two_nodes_is_not_restarted_and_is_permanent(cluster, tmp_path):
+    from trainforge.contract import FailureKind
+    from trainforge.engines.base import JobState
+    from trainforge.engines.ray.backend import RayBackend
+
+    hosts, ray = cluster
+    backend = RayBackend(address=ray.address)
+    handle = backend.submit(_trainer_job(tmp_path, "r-78", max_restarts=2, global_batch_size=6, micro_batch_size=2))
+    status = _wait(backend, handle, 240)
+    logs = backend._client().get_job_logs(handle["submission_id"])
+    assert status.state is JobState.FAILED and status.failure is FailureKind.PERMANENT, (status, logs[-3000:])
+    assert status.result["status"] == "bad_config" and "global_batch_size" in status.message, status
+    assert logs.count("process group up") == 1, logs[-3000:]  # rank 0's line: one attempt
+    assert "stopping this node's torchrun agent" in logs and "exiting without training" not in logs, logs[-3000:]
+    _nothing_running(ray)
+    assert not _job_processes(hosts)

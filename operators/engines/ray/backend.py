@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from trainforge.contract import FailureKind, failure_kind
+from trainforge.engines import root_cause as who_failed
 from trainforge.engines.base import (
     Backend,
     JobHandle,
@@ -32,6 +33,7 @@ from trainforge.engines.ray.client import connection_settings, timeout_client_cl
 from trainforge.engines.ray.node_loss import describe
 from trainforge.engines.ray.render import parse_result, render_request
 from trainforge.errors import BackendError, JobNotFoundError
+from trainforge.trainer.causes import cause_of, newest
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +190,14 @@ class RayBackend(Backend):
         kind = failure_kind(exit_code, result)
         reason = (result or {}).get("message") or _first_line(info.message or "")
         loss = (result or {}).get("disruption")
+        records = (result or {}).get("rank_records")  # every node's, brought back by the launcher
+        if records is not None:
+            result = {k: v for k, v in result.items() if k != "rank_records"}
         if isinstance(loss, dict) and loss.get("node"):  # the lost node (node_loss.py)
             said = describe(loss)
             reason = said if reason == said else f"{said}; the trainer said: {reason}"
+        elif isinstance(records, list):  # the rank that started it, not rank 0's view of it
+            reason, result = who_failed.tell(cause_of(newest(records)), reason, result)
         error_type = getattr(info.error_type, "value", info.error_type)
         message = f"Ray job {sid} failed ({error_type or 'FAILED'}, exit code {exit_code}): {reason}"
         return JobStatus(JobState.FAILED, message, exit_code, kind, result, wall_s)

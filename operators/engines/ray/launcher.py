@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from trainforge.contract import EXIT_ERROR, RESULT_FILE_ENV, STATUS_ERROR
-from trainforge.engines.ray import procs
+from trainforge.engines.ray import node_tasks, procs
 from trainforge.engines.ray.node_loss import describe, lost_node
 
 MODULE = "trainforge.engines.ray.launcher"
@@ -57,6 +57,8 @@ CANCEL_WAIT_S = 60.0
 LOG_FLUSH_S = 2.0
 """Ray's log monitor forwards worker output about once a second: wait this long after the last
 node ended so that its last lines reach the job log."""
+PEER_END_S = 5.0
+"""After a node failed, how long the others may take to end on their own before they are cancelled."""
 
 
 def bundle(cpus: float, gpus: float, memory_bytes: int | None) -> dict[str, float]:
@@ -301,15 +303,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 num_gpus=args.gpus_per_node, memory=args.memory_bytes or None,
                 scheduling_strategy=in_bundle(i), max_retries=0,
             ).remote(i, args.nodes, args.key, config, list(args.torchrun), endpoint, deadline))
-        code = _collect(ray, refs, args.nodes, places)
+        code = _collect(ray, refs, args.nodes, places,
+                        lambda: node_tasks.rank_records(ray, args.nodes, node_marker(args.key), in_bundle))
         if code:  # a cancelled node's ranks may outlive its torchrun: none may outlive the job
-            _reap(ray, args, in_bundle)
+            node_tasks.reap(ray, args.nodes, node_marker(args.key), in_bundle)
         return code
     except KeyboardInterrupt:
         _say("stopping: cancelling every node's torchrun")
         _cancel(ray, refs, wait_s=2.0)
         if refs:  # the node tasks had started
-            _reap(ray, args, in_bundle)
+            node_tasks.reap(ray, args.nodes, node_marker(args.key), in_bundle)
         return 143
     finally:
         try:
@@ -318,16 +321,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
 
 
-def _collect(ray: Any, refs: list[Any], nodes: int,
-             places: Sequence[dict[str, Any]] = ()) -> int:
+def _collect(ray: Any, refs: list[Any], nodes: int, places: Sequence[dict[str, Any]] = (),
+             records: Any = None) -> int:
     """Wait for every node; cancel the rest when one fails; name a lost node (node_loss.py);
-    print the result; the exit code. ``places``: each node's ``probe``, to name a node whose
-    task died."""
+    print the result, with every node's rank records (``records()``) after a failure; the exit
+    code. ``places``: each node's ``probe``, to name a node whose task died."""
     ended: list[dict[str, Any]] = []
     pending = list(refs)
     cancelled: set[int] = set()
+    stop_at: float | None = None  # once a node failed: the others may still end on their own
     while pending:
-        done, pending = ray.wait(pending, num_returns=1)
+        timeout = None if stop_at is None else max(0.0, stop_at - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+        if not done:  # they did not: their results are what a cancel leaves
+            _say(f"stopping the other node{'s' * (len(pending) > 1)}")
+            cancelled.update(refs.index(ref) for ref in pending)
+            _cancel(ray, pending, wait_s=CANCEL_WAIT_S)
+            stop_at = None
         for ref in done:
             node = refs.index(ref)
             try:
@@ -340,10 +350,11 @@ def _collect(ray: Any, refs: list[Any], nodes: int,
                                  f"{(str(err).strip().splitlines() or [''])[0][:300]}"}
             info.update(seen_at=time.time(), cancelled=node in cancelled)
             ended.append(info)
-            if info.get("exit_code") != 0 and pending:
-                _say(f"node {node} failed ({_ending(info)}): stopping the other nodes")
-                cancelled.update(refs.index(ref) for ref in pending)
-                _cancel(ray, pending, wait_s=CANCEL_WAIT_S)
+            if info.get("exit_code") != 0 and pending and stop_at is None and not cancelled:
+                # a consistent failure (a bad config, a divergence) ends every node within seconds,
+                # rank 0's with its result: not cancelled before that
+                _say(f"node {node} failed ({_ending(info)}): the other nodes have {PEER_END_S:g} s to end")
+                stop_at = time.monotonic() + PEER_END_S
     time.sleep(LOG_FLUSH_S)
     for info in sorted(ended, key=lambda i: i["node"]):
         _say(f"node {info['node']} of {nodes} ended: {_ending(info)}")
@@ -358,24 +369,12 @@ def _collect(ray: Any, refs: list[Any], nodes: int,
         _say(describe(loss))
         result = {**(result or {"status": STATUS_ERROR, "exit_code": code,
                                 "message": describe(loss)}), "disruption": loss}
+    found = records() if failed and records is not None else None
+    if found:  # the engine names the rank that started it (trainforge.engines.root_cause)
+        result = {**(result or {"status": STATUS_ERROR, "exit_code": code}), "rank_records": found}
     if result:
         _print_result(result)
     return code
-
-
-def _reap(ray: Any, args: argparse.Namespace, in_bundle: Any) -> None:
-    """Stop what is left of the job on every node (procs.reap); say what was."""
-    refs = [ray.remote(procs.reap).options(num_cpus=0, scheduling_strategy=in_bundle(i),
-                                           max_retries=0).remote(node_marker(args.key))
-            for i in range(args.nodes)]
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=procs.STOP_GRACE_S + 10.0)
-    for i, ref in enumerate(refs):
-        try:
-            pids = ray.get(ref) if ref in done else None
-        except Exception:  # noqa: BLE001 - a lost node runs nothing
-            continue
-        if pids:
-            _say(f"node {i}: stopped {len(pids)} process(es) left by its torchrun")
 
 
 def _ending(info: dict[str, Any]) -> str:

@@ -4,16 +4,22 @@ torchrun starts each rank in a session of its own, so a rank outlives an agent t
 (as Ray kills a job's workers once its driver returns). Every process of a node's job names the
 node's job folder (``trainforge-<key>.node-<n>.``) on its command line (``--config``): after a
 job that failed or was stopped, the launcher runs :func:`reap` on every node, which stops what
-is left by that name. Only the standard library: the launcher's contract.
+is left by that name; :func:`rank_records` brings back the ranks' records of its job folder. Only
+the standard library and the job contract: the launcher's contract.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from typing import Any
+
+from trainforge.contract import RANK_RECORDS_DIR
 
 STOP_GRACE_S = 20.0
 """SIGTERM to a node's torchrun (or a leftover rank), then SIGKILL after this many seconds."""
@@ -73,4 +79,17 @@ def reap(marker: str, grace_s: float = STOP_GRACE_S) -> list[int]:
         deadline = time.monotonic() + wait_s
         while leftovers(marker) and time.monotonic() < deadline:
             time.sleep(0.2)
+    return found
+
+
+def rank_records(folder_prefix: str) -> list[dict[str, Any]]:
+    """Ray task: the rank records (trainforge.trainer.rank_record) of this node's job folder, the
+    temporary folder whose name starts with ``folder_prefix``, as they are (unreadable ones left out)."""
+    found = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{folder_prefix}*", RANK_RECORDS_DIR, "rank-*.json")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                found.append(json.load(f))
+        except (OSError, ValueError):
+            continue
     return found

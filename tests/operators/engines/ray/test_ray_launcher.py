@@ -32,14 +32,16 @@ class _FakeRay:
     node tasks end, an outcome being the task's value or the exception ``ray.get`` raises; a
     task cancelled before it ended ends cancelled."""
 
-    def __init__(self, ends):
+    def __init__(self, ends, on_their_own=()):
         self.order = [node for node, _ in ends]
         self.outcomes = dict(ends)
         self.cancelled = []
+        self.on_their_own = set(on_their_own)  # nodes that end within the grace after a failure
 
     def wait(self, refs, num_returns=1, timeout=None):
-        if timeout is not None:  # the grace wait after a cancel: all ended by then
-            return list(refs), []
+        if timeout is not None:  # a timed wait: only those that end on their own, or once cancelled
+            done = [r for r in refs if r in self.cancelled or r in self.on_their_own][:num_returns]
+            return done, [r for r in refs if r not in done]
         first = min(refs, key=self.order.index)
         return [first], [r for r in refs if r != first]
 
@@ -82,7 +84,19 @@ def test_the_launcher_waits_for_every_node_and_stops_the_rest_on_a_failure(
     assert fake.cancelled == cancelled
     assert "node 0 of 2 ended" in out and "node 1 of 2 ended" in out, out
     if exit_code:
-        assert "stopping the other nodes" in out
+        assert "the other nodes have 5 s to end" in out and "stopping the other node" in out
+
+
+def test_a_node_that_ends_on_its_own_after_a_peer_failed_keeps_its_result(monkeypatch, capsys):
+    # A bad config on both nodes: node 1 (no result) ends first; node 0, rank 0's, ends within
+    # the grace with the result that makes the failure permanent: not cancelled, not lost.
+    monkeypatch.setattr(launcher, "LOG_FLUSH_S", 0.0)
+    verdict = {"status": "bad_config", "exit_code": 78, "message": "optim.global_batch_size=6 ..."}
+    fake = _FakeRay([_node(1, 1), _node(0, 1, verdict)], on_their_own={0})
+    assert launcher._collect(fake, [0, 1], 2) == 1
+    out = capsys.readouterr().out
+    assert parse_result(out) == verdict and fake.cancelled == [], out
+    assert "node 1 failed (torchrun exit code 1 on 10.0.0.1): the other nodes have 5 s to end" in out
 
 
 def test_a_failed_preflight_is_the_jobs_result_when_the_other_node_is_cancelled_silently(
