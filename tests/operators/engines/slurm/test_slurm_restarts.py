@@ -23,6 +23,7 @@ Nothing of a job is left running on either host after each.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -258,3 +259,46 @@ def test_a_permanent_verdict_is_not_restarted_on_either_host(tmp_path, cluster, 
     assert "stopping this node's torchrun agent" in text, text[-4000:]
     assert "exiting without training" not in text and "job restart" not in text, text[-4000:]
     hosts.wait_nothing_left(JOB_WORDS)
+
+
+def test_a_rank_raising_on_the_second_host_is_named_and_a_retry_raising_the_same_is_not_retried(
+        tmp_path, cluster, dataset, mlflow_server):
+    """Rank on h1 raises at step 5 (no in-job restarts): the failure names it, its host and line,
+    the rank on h0 as collateral. The same job as the task's second try raises the same: the
+    train task, given the trigger's real events of both Slurm jobs and a real MLflow server,
+    retries the first and fails the second permanently (trainforge.repeated_failure)."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tests.e2e.test_ray_two_nodes import RAISE_ON_HOST
+    from tests.operators.tasks.test_train_outcomes import _raw, _task
+    from trainforge.triggers import TrainingJobTrigger
+
+    hosts, _ = cluster
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(RAISE_ON_HOST)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(inject), os.environ.get("PYTHONPATH")) if p),
+           "TF_TEST_RAISE_ON": hosts.name(1)}
+    backend, events = SlurmBackend(tmp_path / "runs"), []
+    for try_number in (1, 2):
+        job = _job(tmp_path, dataset, "raise-b", max_restarts=0, env=env)
+        job = dataclasses.replace(job, identity=JobIdentity("restarts", "raise-b", "train", try_number))
+        trigger = TrainingJobTrigger("slurm", {"runs_root": str(tmp_path / "runs")}, backend.submit(job),
+                                     poll_interval_s=0.5)
+        events.append(trigger.wait_here())
+        hosts.wait_nothing_left(JOB_WORDS)
+    first = events[0]
+    assert first["status"] == "error" and first["failure"] == "transient", first["message"]
+    assert re.search(rf"rank \d on {hosts.name(1)} \({re.escape(hosts.address(1))}\) raised ValueError during "
+                     r"step 5: injected at optimizer step 5", first["message"]), first["message"]
+    assert 'sitecustomize.py", line 11, in step' in first["message"], first["message"]
+    assert re.search(rf"collateral: rank \d on {hosts.name(0)} ", first["message"]), first["message"]
+    raw = _raw()
+    op, context = _task(raw, mlflow_server)
+    with pytest.raises(RuntimeError, match="transient failure: retry resumes"):
+        op.execute_complete(context, events[0])
+    op, context = _task(raw, mlflow_server)
+    context["ti"].try_number = 2
+    with pytest.raises(AirflowFailException, match=r"try 2 raised the same ValueError at "
+                                                   r"inject/sitecustomize\.py:11 in step as try 1"):
+        op.execute_complete(context, events[1])
