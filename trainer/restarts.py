@@ -57,13 +57,13 @@ def _int(environ: Mapping[str, str], name: str) -> int:
         return 0
 
 
-def count_attempt(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
-    """Rank 0: ``(index, exit code of the attempt before)`` of this attempt, recorded in the
-    job folder's restarts file with the cause of the restart when it is one and within the
-    budget (``TORCHELASTIC_MAX_RESTARTS``). Outside torchrun, or without a job folder: (0, 1)."""
+def count_attempt(environ: Mapping[str, str] = os.environ) -> tuple[int, int, str | None]:
+    """Rank 0: ``(index, exit code of the attempt before, cause of the restart)`` of this attempt,
+    recorded in the job folder's restarts file with the cause when it is a restart within the
+    budget (``TORCHELASTIC_MAX_RESTARTS``). Outside torchrun, or without a job folder: (0, 1, None)."""
     folder, run_id = _folder(environ), environ.get("TORCHELASTIC_RUN_ID")
     if folder is None or run_id is None:
-        return 0, EXIT_ERROR
+        return 0, EXIT_ERROR, None
     path = os.path.join(folder, RESTARTS_FILE)
     try:
         with open(path, encoding="utf-8") as f:
@@ -87,7 +87,7 @@ def count_attempt(environ: Mapping[str, str] = os.environ) -> tuple[int, int]:
             atomic_write_json(path, {"run_id": run_id, "attempts": [*attempts, entry]})
         except OSError as err:
             log.warning("could not record the job's attempt in %s (%s): its restarts count per node", path, err)
-    return index, previous
+    return index, previous, entry.get("cause")
 
 
 def _previous_exit_code(environ: Mapping[str, str]) -> int:
@@ -109,7 +109,8 @@ def begin_attempt(enabled: bool, rank: int, device: Any, record: Any = None,
     rank 0 removes the result file of the attempt before (a stale result must not speak for this
     one); past it, ``record`` is discarded and the result file kept."""
     max_restarts = _int(environ, "TORCHELASTIC_MAX_RESTARTS")
-    counted = list(count_attempt(environ)) if rank == 0 else [0, EXIT_ERROR]
+    index, code, cause = count_attempt(environ) if rank == 0 else (0, EXIT_ERROR, None)
+    counted = [index, code]
     if enabled:
         import torch.distributed as dist
 
@@ -120,7 +121,7 @@ def begin_attempt(enabled: bool, rank: int, device: Any, record: Any = None,
                 f"({attempt.exit_code})" if attempt.over_budget else "within fault.max_restarts")
         print(f"trainforge: rank {rank} on {socket.gethostname()}: job restart {attempt.index} of "
               f"{max_restarts} ({said}; this node's torchrun agent counts "
-              f"{_int(environ, 'TORCHELASTIC_RESTART_COUNT')})", flush=True)
+              f"{_int(environ, 'TORCHELASTIC_RESTART_COUNT')})" + (f", after: {cause}" if cause else ""), flush=True)
     if record is not None and attempt.over_budget:
         record.discard()
     elif record is not None:

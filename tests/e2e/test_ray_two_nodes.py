@@ -356,3 +356,43 @@ def test_a_bad_config_on_two_nodes_is_not_restarted_and_is_permanent(cluster, tm
     assert "stopping this node's torchrun agent" in logs and "exiting without training" not in logs, logs[-3000:]
     _nothing_running(ray)
     assert not _job_processes(hosts)
+
+
+def test_a_rank_that_stops_on_the_second_node_is_named_not_the_one_that_timed_out(cluster, tmp_path):
+    import signal
+
+    import psutil
+
+    from trainforge.engines.base import JobState
+    from trainforge.engines.ray.backend import RayBackend
+
+    hosts, ray = cluster
+    backend = RayBackend(address=ray.address)
+    job = _trainer_job(tmp_path, "r-stop", max_steps=400)
+    job.config["distributed"]["collective_timeout_s"] = 8
+    job.config["logging"]["log_every_steps"] = 1
+    handle = backend.submit(job)
+    deadline = time.monotonic() + 180
+    while "step 3/400" not in backend._client().get_job_logs(handle["submission_id"]):
+        assert time.monotonic() < deadline and not backend.status(handle).state.terminal, "no step 3"
+        time.sleep(0.5)
+    [rank] = [psutil.Process(pid) for i, pid, cmd in _job_processes(hosts)
+              if i == 1 and "trainforge.trainer.train" in cmd and "torch.distributed.run" not in cmd]
+    rank.send_signal(signal.SIGSTOP)  # alive and silent: the first node's rank times out waiting
+    try:
+        # once the first node's torchrun has ended (its rank recorded the wait), the stopped rank
+        # is killed, as torchrun does after its grace period (a stopped process handles no SIGTERM)
+        while not re.search(r"node \d failed \(", backend._client().get_job_logs(handle["submission_id"])):
+            assert time.monotonic() < deadline, "the first node did not fail"
+            time.sleep(0.5)
+        rank.kill()
+        status = _wait(backend, handle, 180)
+    finally:
+        if rank.is_running():
+            rank.kill()  # our job's rank on our test host: the launcher's reap has normally done it
+    assert status.state is JobState.FAILED, status
+    assert re.search(rf"rank \d on {hosts.name(1)} \(\S+\) stopped making progress at step \d+: rank \d timed out "
+                     r"or lost the connection waiting for it", status.message), status.message
+    assert [c["host"] for c in status.result["root_cause"]["culprits"]] == [hosts.name(1)]
+    _nothing_running(ray)
+    assert not _job_processes(hosts)

@@ -48,7 +48,8 @@ def test_the_job_counts_its_attempts_whatever_each_agent_counts_and_ends_past_th
     assert _attempt(env)[0] == [0, False, 1]
     counted, said = _attempt(env)
     assert counted == [1, False, 3]
-    assert "job restart 1 of 1 (within fault.max_restarts; this node's torchrun agent counts 0)" in said
+    assert "job restart 1 of 1 (within fault.max_restarts; this node's torchrun agent counts 0), after: rank 0 on " in said
+    assert "raised ValueError during step 5: bad token id 70000" in said  # the run log names the cause
     entry = json.loads((tmp_path / "restarts.json").read_text())["attempts"][1]
     assert entry["cause"].startswith("rank 0 on ") and "raised ValueError during step 5" in entry["cause"], entry
     assert entry["after"]["culprits"][0]["origin"] == "<string>:9 in <module>", entry
