@@ -283,8 +283,9 @@ class TrainOperator(ClusterJobOperator):
                 event = apply_post_training_policy(event, reason,
                                                    spec.training.fault.post_training_failure)
             event = oom_policy(event, spec.training.fault.on_oom)  # fail, or retry at a smaller micro-batch
-            event = repeated(event, lambda: self.mlflow_hook.get_run(self._stage_run_id(  # the try before's exception
-                spec, self.mlflow_run_id(context, spec))).data.tags, int(context["ti"].try_number), self.log)  # again
+            if event["status"] == "error":  # the same exception at the same line as the try before: permanent
+                event = repeated(event, lambda: self.mlflow_hook.get_run(self._stage_run_id(
+                    spec, self.mlflow_run_id(context, spec))).data.tags, int(context["ti"].try_number), self.log)
             self._record_failed_try(context, spec, event)
         return super().execute_complete(context, event, first_start_epoch_s, **job_kwargs)
 

@@ -155,8 +155,9 @@ def test_a_lost_agent_still_ends_the_job_at_once_with_restarts_left(tmp_path, cl
 
 
 # On the ranks' path (a sitecustomize): the rank on the first host in TF_TEST_HOSTS without a mark
-# in TF_TEST_MARKS raises at its 5th optimizer step, leaving its mark: h1 in the first attempt, h0
-# in the next.
+# in TF_TEST_MARKS when the rank starts raises at its 5th optimizer step, leaving its mark: h1 in
+# the first attempt, h0 in the next (decided at start: the ranks step together, so h0's 5th step
+# may come after h1's mark is made).
 IN_TURN = '''
 import os
 import socket
@@ -170,9 +171,11 @@ if os.environ.get("RANK") is not None and os.environ.get("TF_TEST_MARKS"):
                 return host == _host
         return False
 
+    _raises = _due()
+
     def step(self, *args, **kwargs):
         _calls[0] += 1
-        if _calls[0] == 5 and _due():
+        if _calls[0] == 5 and _raises:
             open(os.path.join(os.environ["TF_TEST_MARKS"], _host), "w").close()
             raise ValueError("injected on " + _host)
         return _step(self, *args, **kwargs)
@@ -204,7 +207,8 @@ def test_one_restart_budget_for_the_whole_job_when_each_host_fails_in_turn(tmp_p
     assert f"step {MAX_STEPS}/{MAX_STEPS} |" not in text
     # the failure is attempt 1's: the rank on h0 raised; attempt 2 left no record of its own
     assert f"on {hosts.name(0)} " in status.message.splitlines()[0] and "raised ValueError" in status.message, status
-    assert 'sitecustomize.py", line 18, in step' in status.message, status.message  # the raising line
+    line = next(n for n, text in enumerate(IN_TURN.split("\n"), 1) if "raise ValueError" in text)
+    assert f'sitecustomize.py", line {line}, in step' in status.message, status.message  # the raising line
     assert f"collateral: rank {1 - status.result['root_cause']['culprits'][0]['rank']} on {hosts.name(1)}" \
         in status.message, status.message  # the other node's rank: torn down, or its collective failed
     [restart] = status.result["restarts"]  # for the try record and the ledger
