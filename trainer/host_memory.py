@@ -102,8 +102,8 @@ def plan(tree: Any, max_host_bytes: int | None, copies: Any = None) -> Plan:
     what = {"pinned": "pinned host buffers, written in the background",
             "pageable": "pageable host buffers, written in the background" + ("" if cuda else " (CPU state)"),
             "synchronous": "no copy: each checkpoint is written while training waits"}[mode]
-    log.info("checkpoint staging: %s; the state takes %s (%s pinned), the budget is %s (%s)", what,
-             _gib(pageable), _gib(pinned), "unknown" if limit is None else _gib(limit), source)
+    log.info("checkpoint staging: %s; the state takes %s%s, the budget is %s (%s)", what, _gib(pageable),
+             f" ({_gib(pinned)} in pinned buffers)" if cuda else "", "unknown" if limit is None else _gib(limit), source)
     return Plan(mode, pageable, pinned, limit, source)
 
 
