@@ -33,11 +33,18 @@ _WAITED_TEXT = ("connection closed by peer", "connection reset by peer", "broken
                 "socket timeout", "connection refused")
 
 
-def records_dir(environ: Mapping[str, str]) -> str | None:
-    """Where the job's rank records live: beside the result file, else in the job folder."""
+def job_folder(environ: Mapping[str, str]) -> str | None:
+    """The local folder of the job's own files (rank records, restarts): the result file's,
+    else the job folder; None when the engine gave neither, or an object store's."""
     result = environ.get(RESULT_FILE_ENV)
     folder = os.path.dirname(os.path.abspath(result)) if result else environ.get(JOB_DIR_ENV)
-    return os.path.join(folder, RANK_RECORDS_DIR) if folder and "://" not in folder else None
+    return folder if folder and "://" not in folder else None
+
+
+def records_dir(environ: Mapping[str, str]) -> str | None:
+    """Where the job's rank records live: :func:`job_folder`/rank_records."""
+    folder = job_folder(environ)
+    return os.path.join(folder, RANK_RECORDS_DIR) if folder else None
 
 
 def classify(err: BaseException) -> str:

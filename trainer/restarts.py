@@ -24,9 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainforge.contract import EXIT_ERROR, JOB_DIR_ENV, RESTARTS_FILE, RESULT_FILE_ENV
+from trainforge.contract import EXIT_ERROR, RESTARTS_FILE, RESULT_FILE_ENV
 from trainforge.storage.files import atomic_write_json
 from trainforge.trainer.causes import describe, root_cause, summary
+from trainforge.trainer.rank_record import job_folder
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,6 @@ class JobAttempt:
         return self.index > self.max_restarts
 
 
-def _folder(environ: Mapping[str, str]) -> str | None:
-    result = environ.get(RESULT_FILE_ENV)
-    folder = os.path.dirname(os.path.abspath(result)) if result else environ.get(JOB_DIR_ENV)
-    return folder if folder and "://" not in folder else None
-
-
 def _int(environ: Mapping[str, str], name: str) -> int:
     try:
         return int(environ.get(name) or 0)
@@ -61,7 +56,7 @@ def count_attempt(environ: Mapping[str, str] = os.environ) -> tuple[int, int, st
     """Rank 0: ``(index, exit code of the attempt before, cause of the restart)`` of this attempt,
     recorded in the job folder's restarts file with the cause when it is a restart within the
     budget (``TORCHELASTIC_MAX_RESTARTS``). Outside torchrun, or without a job folder: (0, 1, None)."""
-    folder, run_id = _folder(environ), environ.get("TORCHELASTIC_RUN_ID")
+    folder, run_id = job_folder(environ), environ.get("TORCHELASTIC_RUN_ID")
     if folder is None or run_id is None:
         return 0, EXIT_ERROR, None
     path = os.path.join(folder, RESTARTS_FILE)
