@@ -36,6 +36,20 @@ def rank_records(folder: str | Path, job_restart: int | None = None) -> list[dic
     return newest(found, job_restart)
 
 
+def last_alive(folder: str | Path, host: str) -> float | None:
+    """The last sign of life of ``host``'s ranks under ``folder``/rank_records: the newest
+    modification time of their records (a training rank renews its own every second or so,
+    trainforge.trainer.rank_record.RankRecord.alive); None when it has none."""
+    times = []
+    for path in Path(folder, RANK_RECORDS_DIR).glob("rank-*.json"):
+        try:
+            if json.loads(path.read_text(encoding="utf-8")).get("host") == host:
+                times.append(path.stat().st_mtime)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return max(times, default=None)
+
+
 def newest(records: list[Any], job_restart: int | None = None) -> list[dict[str, Any]]:
     """The newest of ``records`` for each rank (by ``started_at``), by rank; malformed ones left
     out; with ``job_restart``, of that attempt of the job only."""

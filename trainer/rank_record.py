@@ -26,6 +26,8 @@ HOW = ("raised", "waited", "terminated")
 closed the connection or never came: it timed out waiting); ``terminated``: stopped by a signal
 (torchrun tearing the group down, the task being killed)."""
 TRACEBACK_LINES = 8
+ALIVE_EVERY_S = 1.0
+"""How often a training rank renews its record's modification time (:meth:`RankRecord.alive`)."""
 # What a collective's failure says when a peer left or never came (gloo, NCCL, the c10d store).
 _WAITED_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 _WAITED_TEXT = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
@@ -104,7 +106,21 @@ class RankRecord:
             "run_id": environ.get("TORCHELASTIC_RUN_ID"), "started_at": round(time.time(), 3)}
         self.path = (os.path.join(folder, f"rank-{self.data['rank']}-{host}-{os.getpid()}.json")
                      if folder else None)
+        self._touched = time.monotonic()
         self._write()
+
+    def alive(self) -> None:
+        """A sign of life, called every training step: the record's modification time, renewed at
+        most every :data:`ALIVE_EVERY_S`, is the rank's last one when its node is lost
+        (trainforge.engines.slurm.node_loss); ranks other than 0 print nothing while training."""
+        now = time.monotonic()
+        if self.path is None or now - self._touched < ALIVE_EVERY_S:
+            return
+        self._touched = now
+        try:
+            os.utime(self.path)
+        except OSError:
+            pass
 
     def ended(self, err: BaseException, exit_code: int, step: int) -> None:
         """The rank ends with ``err`` (exit ``exit_code``) while training step ``step``."""

@@ -92,6 +92,7 @@ class Outcome:
     tokens_seen: int = 0
     final_train_loss: float | None = None
     last_checkpoint: str | None = None
+    record: RankRecord | None = None  # every rank's own: each step renews it as a sign of life
 
 
 def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
@@ -204,6 +205,8 @@ def train(cfg: JobConfig, d: Dist, out: Outcome) -> None:
                 clock.step_done(step, watch.take_seconds() if watch else 0.0)  # compiling: its own bucket
                 clock.compiled = watch.mode if watch else clock.compiled
             out.final_step, out.tokens_seen, out.final_train_loss = step, tokens_seen, loss_value
+            if out.record is not None:  # ranks > 0 print nothing: their node's last sign of life
+                out.record.alive()
             metrics = {"train_loss": loss_value, "learning_rate": lr, "grad_norm": grad_norm,
                        "loss_tokens": loss_tokens}  # targets of this step's loss (padded and prompt ones not)
             if not math.isfinite(grad_norm):  # a skipped fp16 step: keep inf out of meta.json and MLflow
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS") or 1)))
     signal.signal(signal.SIGTERM, _on_sigterm)
     result_file = os.environ.get(RESULT_FILE_ENV)
-    out, cfg, record = Outcome(), None, RankRecord()  # how this rank ends, for the failure's message
+    cfg, out = None, Outcome(record=(record := RankRecord()))  # how this rank ends, for the failure's message
     try:
         cfg = load_job_config(args.config)
         d = setup_distributed(cfg)

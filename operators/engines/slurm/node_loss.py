@@ -14,8 +14,9 @@ names the lost node only on evidence that it was that node, never a node that me
    which srun killed.
 
 The detection time: ``lost_at`` is the lost node's last sign of life that the job folder shows --
-the last write to that node's console (``ranks/node-<N>.log``, its ranks print every logged step),
-else the job's end (Slurm's ``End``, or the script's exit record); ``detected_at`` is when the
+the newest of the last write to that node's console (``ranks/node-<N>.log``) and of its ranks'
+records (``rank_records/``, which every training rank renews about once a second), else the job's
+end (Slurm's ``End``, or the script's exit record); ``detected_at`` is when the
 engine first reported the failure (the first :meth:`SlurmBackend.status` that saw it; kept in the
 job folder's ``node_loss.json`` so later polls report the same). ``detection_s`` is the
 difference: what passed between the node's last sign of life and the failure reaching Airflow.
@@ -37,6 +38,7 @@ from trainforge.engines.jobfiles import read_json
 from trainforge.storage.files import atomic_write_json
 from trainforge.engines.slurm.script import LOG_NAME
 from trainforge.errors import BackendError
+from trainforge.trainer.causes import last_alive
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +146,11 @@ def job_node_loss(job_dir: Path, ended: float | None, exit_record: dict[str, Any
     detected = time.time()
     lost_at = float(ended or (exit_record or {}).get("ended_at") or detected)
     index = nodes.index(node)
-    console = job_dir / "ranks" / f"node-{index}.log"
-    if index and console.exists():
-        lost_at = min(lost_at, console.stat().st_mtime)
+    console = job_dir / "ranks" / f"node-{index}.log"  # the first node's console is the job log's
+    signs = [console.stat().st_mtime] if index and console.exists() else []
+    signs += [t for t in [last_alive(job_dir, node)] if t is not None]
+    if signs:
+        lost_at = min(lost_at, max(signs))
     lost_at = min(lost_at, detected)
     if elastic:
         detected = survivors_noticed(job_dir, lost_at) or detected

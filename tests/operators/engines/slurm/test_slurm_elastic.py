@@ -96,6 +96,7 @@ def test_losing_a_node_goes_on_with_the_survivor_to_max_steps(tmp_path, cluster,
     script = (backend.job_dir(job.identity) / "job.sbatch").read_text()
     assert "#SBATCH --nodes=1-2" in script and "--nnodes=1:" in script, script
     _lose_node(backend, handle, job, hosts, 1)
+    killed_at = time.time()
     status = _wait_end(backend, handle, 300)
     text = job_logs(backend, job)
     print(status.message)  # what Airflow's task log shows (pytest -s)
@@ -111,7 +112,9 @@ def test_losing_a_node_goes_on_with_the_survivor_to_max_steps(tmp_path, cluster,
     assert loss["kind"] == NODE_LOSS and loss["node"] == hosts.name(1), loss
     assert loss["survivors"] == [hosts.name(0)], loss
     assert hosts.name(1) in status.message, status.message
-    # Detected when the survivor's ranks stopped (their collective failed), within seconds.
+    # Its last sign of life is its rank's record, renewed while it trained up to the kill (its
+    # rank prints nothing); detected when the survivor's ranks stopped (their collective failed).
+    assert killed_at - 5 < loss["lost_at"] <= killed_at + 1.5, (loss, killed_at)
     assert 0 <= loss["detection_s"] < 15 and loss["elastic"] is True, loss
     assert "its survivors noticed" in status.message, status.message
     # The run record: the succeeded try's record keeps the loss, and the ledger names the node
