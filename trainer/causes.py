@@ -27,13 +27,7 @@ from trainforge.contract import RANK_RECORDS_DIR
 def rank_records(folder: str | Path, job_restart: int | None = None) -> list[dict[str, Any]]:
     """The newest record of each rank under ``folder``/rank_records (unreadable ones left out);
     with ``job_restart``, of that attempt of the job only (trainforge.trainer.restarts)."""
-    found = []
-    for path in sorted(Path(folder, RANK_RECORDS_DIR).glob("rank-*.json")):
-        try:
-            found.append(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError):
-            continue
-    return newest(found, job_restart)
+    return newest([record for _, record in _read(folder)], job_restart)
 
 
 def last_alive(folder: str | Path, host: str) -> float | None:
@@ -41,13 +35,25 @@ def last_alive(folder: str | Path, host: str) -> float | None:
     modification time of their records (a training rank renews its own every second or so,
     trainforge.trainer.rank_record.RankRecord.alive); None when it has none."""
     times = []
-    for path in Path(folder, RANK_RECORDS_DIR).glob("rank-*.json"):
+    for path, record in _read(folder):
         try:
-            if json.loads(path.read_text(encoding="utf-8")).get("host") == host:
+            if isinstance(record, dict) and record.get("host") == host:
                 times.append(path.stat().st_mtime)
-        except (OSError, ValueError, AttributeError):
+        except OSError:
             continue
     return max(times, default=None)
+
+
+def _read(folder: str | Path) -> list[tuple[Path, Any]]:
+    """``(path, parsed JSON)`` of each record file under ``folder``/rank_records, by name;
+    unreadable ones left out."""
+    found = []
+    for path in sorted(Path(folder, RANK_RECORDS_DIR).glob("rank-*.json")):
+        try:
+            found.append((path, json.loads(path.read_text(encoding="utf-8"))))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def newest(records: list[Any], job_restart: int | None = None) -> list[dict[str, Any]]:
