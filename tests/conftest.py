@@ -34,8 +34,8 @@ PREREQUISITES = {
                 "names, the upstream CRDs in the folder TRAINFORGE_ENVTEST_CRDS names",
                 "sudo apt-get install -y --no-install-recommends etcd-server, put kube-apiserver "
                 "(v1.30 or later) beside a link to etcd and export KUBEBUILDER_ASSETS=that folder "
-                "(where the project's shared envtest folder is there: "
-                "KUBEBUILDER_ASSETS=$(../shared/envtest/assets), as .ci/run does); "
+                "(.ci/run does it from an envtest folder beside the checkout, whose assets script "
+                "prints that folder: KUBEBUILDER_ASSETS=\"$(../shared/envtest/assets)\"); "
                 "export TRAINFORGE_ENVTEST_CRDS=a folder of the CRD files docs/kubernetes.md#tests lists"),
     "cgroup": ("a memory cgroup this test can create (root; cgroup v2 with the memory controller "
                "delegated, or v1's memory hierarchy)",
